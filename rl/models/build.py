@@ -1,0 +1,42 @@
+"""Creating a Transformer directly on a device mesh."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from rl.models.config import ModelConfig
+from rl.models.sharding import Rules, tree_shardings
+from rl.models.transformer import Transformer
+
+
+def abstract_model(cfg: ModelConfig) -> Transformer:
+    """The model with ShapeDtypeStruct leaves: shapes, dtypes and logical axes, no memory."""
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+
+
+def model_shardings(cfg: ModelConfig, mesh: Mesh, rules: Rules | None = None) -> Any:
+    """An nnx State of NamedShardings matching `nnx.state(model)` for `cfg` on `mesh`."""
+    return tree_shardings(nnx.state(abstract_model(cfg)), mesh, rules)
+
+
+def create_model(
+    cfg: ModelConfig, *, seed: int = 0, mesh: Mesh | None = None, rules: Rules | None = None
+) -> Transformer:
+    """A freshly initialised model; with `mesh`, each parameter is created already sharded."""
+    if mesh is None:
+        return Transformer(cfg, rngs=nnx.Rngs(seed))
+    graphdef, abstract_state = nnx.split(abstract_model(cfg))
+    shardings = tree_shardings(abstract_state, mesh, rules)
+
+    def init() -> Any:
+        return nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))
+
+    return nnx.merge(graphdef, jax.jit(init, out_shardings=shardings)())
+
+
+def param_count(model: Transformer) -> int:
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -1,0 +1,401 @@
+"""Decoder-only transformer for the Llama 3.x, Qwen2/2.5 and Qwen3 families, in Flax NNX.
+
+Two call paths share the same weights:
+  * full sequence (training, log-probs): `hidden`, `__call__` (logits), `token_logprobs`;
+  * cached decode (sampling): `init_cache`, then `decode` at given positions, which writes the new
+    keys/values into the cache and attends over it.
+
+Every parameter carries `logical_axes` metadata (see rl/models/sharding.py); the main activations
+are constrained by logical names when a mesh is set (`jax.set_mesh`).
+
+Layouts: q/k/v kernels are (embed, heads, head_dim), o is (heads, head_dim, embed), MLP kernels are
+(embed, mlp) / (mlp, embed), the token embedding is (vocab, embed) and an untied lm_head is
+(embed, vocab). rl/models/hf_io.py converts to and from Hugging Face's (out, in) linear layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rl.models.config import ModelConfig
+from rl.models.sharding import constrain
+
+_MASKED = -1e30  # finite, so a fully masked (padding) query row gives a uniform softmax, not NaN
+CACHE_AXES = ("batch", "cache_length", "kv_heads", "head_dim")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Per-layer key/value cache; cache index == token position. Each array is (B, S, K, H)."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @property
+    def max_length(self) -> int:
+        return self.k[0].shape[1]
+
+
+def _param(
+    rngs: nnx.Rngs,
+    cfg: ModelConfig,
+    shape: tuple[int, ...],
+    axes: tuple[str, ...],
+    init: str = "normal",
+) -> nnx.Param:
+    dtype = cfg.jnp_param_dtype
+    if init == "normal":
+        value = cfg.init_std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    elif init == "zeros":
+        value = jnp.zeros(shape, jnp.float32)
+    else:
+        value = jnp.ones(shape, jnp.float32)
+    return nnx.Param(value.astype(dtype), logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in float32, scaled in the input dtype (as Hugging Face Llama/Qwen)."""
+
+    def __init__(self, dim: int, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.scale = _param(rngs, cfg, (dim,), ("norm",), init="ones")
+        self.eps = cfg.rms_eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        scale = self.scale[...].astype(x.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
+        return scale * y.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse RoPE frequencies (head_dim/2,), float32, with Llama-3 scaling when configured."""
+    h = cfg.head_dim
+    inv = (
+        1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, h, 2, dtype=np.float32) / np.float32(h)))
+    ).astype(np.float32)
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotary embedding in the half-split layout (Hugging Face `rotate_half`)."""
+    freqs_BxTxF = (
+        positions_BxT.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)[None, None, :]
+    )
+    cos = jnp.cos(freqs_BxTxF)[:, :, None, :].astype(x_BxTxNxH.dtype)
+    sin = jnp.sin(freqs_BxTxF)[:, :, None, :].astype(x_BxTxNxH.dtype)
+    x1, x2 = jnp.split(x_BxTxNxH, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def attend(
+    q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array, mask_BxTxS: jax.Array
+) -> jax.Array:
+    """Grouped-query softmax attention; scores and softmax in float32."""
+    b, t, n, h = q_BxTxNxH.shape
+    kv = k_BxSxKxH.shape[2]
+    q = q_BxTxNxH.reshape(b, t, kv, n // kv, h)
+    s = jnp.einsum("btkgh,bskh->bkgts", q, k_BxSxKxH, preferred_element_type=jnp.float32) * (
+        h**-0.5
+    )
+    s = jnp.where(mask_BxTxS[:, None, None, :, :], s, _MASKED)
+    p = jax.nn.softmax(s, axis=-1).astype(v_BxSxKxH.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", p, v_BxSxKxH)
+    return out.reshape(b, t, n, h)
+
+
+def _write_cache(cache_BxSxKxH: jax.Array, new_BxTxKxH: jax.Array, start_B: jax.Array) -> jax.Array:
+    update = lambda c, x, p: jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), p, axis=0)
+    return jax.vmap(update)(cache_BxSxKxH, new_BxTxKxH, start_B)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q = _param(rngs, cfg, (d, n, h), ("embed", "q_heads", "head_dim"))
+        self.k = _param(rngs, cfg, (d, k, h), ("embed", "kv_heads", "head_dim"))
+        self.v = _param(rngs, cfg, (d, k, h), ("embed", "kv_heads", "head_dim"))
+        self.o = _param(rngs, cfg, (n, h, d), ("q_heads", "head_dim", "embed"))
+        if cfg.qkv_bias:
+            self.q_bias = _param(rngs, cfg, (n, h), ("q_heads", "head_dim"), init="zeros")
+            self.k_bias = _param(rngs, cfg, (k, h), ("kv_heads", "head_dim"), init="zeros")
+            self.v_bias = _param(rngs, cfg, (k, h), ("kv_heads", "head_dim"), init="zeros")
+        if cfg.o_bias:
+            self.o_bias = _param(rngs, cfg, (d,), ("embed",), init="zeros")
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(h, cfg, rngs)
+            self.k_norm = RMSNorm(h, cfg, rngs)
+        self.config = cfg
+
+    def _project(self, x: jax.Array, w: nnx.Param, bias: str) -> jax.Array:
+        y = jnp.einsum("btd,dnh->btnh", x, w[...].astype(x.dtype))
+        if self.config.qkv_bias:
+            y = y + getattr(self, bias)[...].astype(x.dtype)[None, None]
+        return y
+
+    def __call__(
+        self,
+        x_BxTxD: jax.Array,
+        positions_BxT: jax.Array,
+        mask_BxTxS: jax.Array,
+        kv: tuple[jax.Array, jax.Array] | None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        cfg = self.config
+        q = constrain(
+            self._project(x_BxTxD, self.q, "q_bias"), ("batch", "length", "q_heads", "head_dim")
+        )
+        k = constrain(
+            self._project(x_BxTxD, self.k, "k_bias"), ("batch", "length", "kv_heads", "head_dim")
+        )
+        v = constrain(
+            self._project(x_BxTxD, self.v, "v_bias"), ("batch", "length", "kv_heads", "head_dim")
+        )
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = rope_inv_freq(cfg)
+        q, k = apply_rope(q, positions_BxT, inv_freq), apply_rope(k, positions_BxT, inv_freq)
+        if kv is not None:
+            start_B = positions_BxT[:, 0]
+            kv = (_write_cache(kv[0], k, start_B), _write_cache(kv[1], v, start_B))
+            k, v = kv[0].astype(q.dtype), kv[1].astype(q.dtype)
+        out = attend(q, k, v, mask_BxTxS)
+        out = jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(out.dtype))
+        if cfg.o_bias:
+            out = out + self.o_bias[...].astype(out.dtype)[None, None]
+        return out, kv
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.mlp_dim
+        self.gate = _param(rngs, cfg, (d, f), ("embed", "mlp"))
+        self.up = _param(rngs, cfg, (d, f), ("embed", "mlp"))
+        self.down = _param(rngs, cfg, (f, d), ("mlp", "embed"))
+
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        g = jnp.einsum("btd,df->btf", x_BxTxD, self.gate[...].astype(x_BxTxD.dtype))
+        u = jnp.einsum("btd,df->btf", x_BxTxD, self.up[...].astype(x_BxTxD.dtype))
+        h = constrain(jax.nn.silu(g) * u, ("batch", "length", "mlp"))
+        return jnp.einsum("btf,fd->btd", h, self.down[...].astype(h.dtype))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg, rngs)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        mask: jax.Array,
+        kv: tuple[jax.Array, jax.Array] | None,
+    ) -> tuple[jax.Array, Any]:
+        h, kv = self.attn(self.attn_norm(x), positions, mask, kv)
+        x = x + h
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, ("batch", "length", "embed")), kv
+
+
+def _run_block(
+    block: Block, x: jax.Array, positions: jax.Array, mask: jax.Array, kv: Any
+) -> tuple[jax.Array, Any]:
+    return block(x, positions, mask, kv)
+
+
+_REMAT = {
+    "full": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Transformer(nnx.Module):
+    """The decoder. Build with `Transformer(cfg, rngs=nnx.Rngs(seed))` or rl.models.create_model."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed = _param(rngs, cfg, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
+        self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, cfg, rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+
+    def unembedding(self) -> jax.Array:
+        """The (embed, vocab) output projection."""
+        return self.embed[...].T if self.config.tie_embeddings else self.lm_head[...]
+
+    def _stack(
+        self,
+        tokens_BxT: jax.Array,
+        positions_BxT: jax.Array,
+        mask_BxTxS: jax.Array,
+        cache: KVCache | None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        cfg = self.config
+        x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(cfg.jnp_dtype)
+        x = constrain(x, ("batch", "length", "embed"))
+        run = _run_block if cfg.remat == "none" else nnx.remat(_run_block, policy=_REMAT[cfg.remat])
+        new_k, new_v = [], []
+        for i, block in enumerate(self.layers):
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            x, kv = run(block, x, positions_BxT, mask_BxTxS, kv)
+            if kv is not None:
+                new_k.append(kv[0])
+                new_v.append(kv[1])
+        h = self.final_norm(x)
+        return h, (None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v)))
+
+    def hidden(
+        self, tokens_BxT: jax.Array, positions_BxT: jax.Array, segment_ids_BxT: jax.Array
+    ) -> jax.Array:
+        """Final-normed hidden states of a full sequence.
+
+        Args:
+          tokens_BxT: token ids.
+          positions_BxT: RoPE positions (restart at 0 for each packed segment).
+          segment_ids_BxT: > 0 for real tokens (one id per packed sequence), 0 for padding. A token
+            attends to earlier-or-equal indices of its own segment.
+
+        Returns:
+          (B, T, d_model) hidden states in the compute dtype.
+        """
+        t = tokens_BxT.shape[1]
+        idx = jnp.arange(t)
+        causal_TxT = idx[:, None] >= idx[None, :]
+        same_BxTxT = (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]) & (
+            segment_ids_BxT[:, None, :] > 0
+        )
+        mask = same_BxTxT & causal_TxT[None]
+        h, _ = self._stack(tokens_BxT, positions_BxT, mask, None)
+        return h
+
+    def logits(self, h_BxTxD: jax.Array) -> jax.Array:
+        """float32 logits of hidden states (materialises B*T*V: use token_logprobs for training)."""
+        w = self.unembedding()
+        out = jnp.einsum(
+            "btd,dv->btv", h_BxTxD, w.astype(h_BxTxD.dtype), preferred_element_type=jnp.float32
+        )
+        return constrain(out, ("batch", "length", "vocab"))
+
+    def __call__(
+        self, tokens_BxT: jax.Array, positions_BxT: jax.Array, segment_ids_BxT: jax.Array
+    ) -> jax.Array:
+        return self.logits(self.hidden(tokens_BxT, positions_BxT, segment_ids_BxT))
+
+    def token_logprobs(
+        self,
+        tokens_BxT: jax.Array,
+        positions_BxT: jax.Array,
+        segment_ids_BxT: jax.Array,
+        targets_BxT: jax.Array,
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """log softmax(logits / temperature)[target] per token, without materialising B*T*V logits.
+
+        Returns:
+          logp_BxT (float32), and entropy_BxT of the same distribution when `with_entropy`.
+        """
+        h = self.hidden(tokens_BxT, positions_BxT, segment_ids_BxT)
+        return chunked_logprobs(
+            h,
+            self.unembedding(),
+            targets_BxT,
+            chunk=self.config.logits_chunk,
+            temperature=temperature,
+            with_entropy=with_entropy,
+        )
+
+    def init_cache(self, batch: int, max_length: int, dtype: Any = None) -> KVCache:
+        """An empty KV cache for `batch` sequences of up to `max_length` positions."""
+        cfg = self.config
+        shape = (batch, max_length, cfg.n_kv_heads, cfg.head_dim)
+        dtype = cfg.jnp_dtype if dtype is None else dtype
+        zeros = lambda: constrain(jnp.zeros(shape, dtype), CACHE_AXES)
+        return KVCache(
+            k=tuple(zeros() for _ in range(cfg.n_layers)),
+            v=tuple(zeros() for _ in range(cfg.n_layers)),
+        )
+
+    def decode(
+        self, tokens_BxT: jax.Array, positions_BxT: jax.Array, cache: KVCache
+    ) -> tuple[jax.Array, KVCache]:
+        """Runs T new tokens per row against the cache (prefill when T > 1, a decode step when T == 1).
+
+        Positions of a row must be contiguous (p, p+1, ..., p+T-1) with p + T <= cache.max_length; the
+        new keys/values are written at those cache indices and each token attends to cache indices
+        <= its own position (earlier entries of the row must have been written).
+
+        Returns:
+          (final-normed hidden states (B, T, d_model), updated cache). Use `logits` on what you need.
+        """
+        s = cache.max_length
+        mask = jnp.arange(s)[None, None, :] <= positions_BxT[:, :, None]
+        h, cache = self._stack(tokens_BxT, positions_BxT, mask, cache)
+        return h, cache
+
+
+def chunked_logprobs(
+    h_BxTxD: jax.Array,
+    w_DxV: jax.Array,
+    targets_BxT: jax.Array,
+    *,
+    chunk: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Per-token log-probs (and entropy) of `targets` under softmax(h @ w / temperature).
+
+    The sequence is processed in chunks under `jax.checkpoint`, so neither the forward nor the
+    backward pass holds more than B * chunk * V logits at once.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 for log-probs; received {temperature}.")
+    b, t, d = h_BxTxD.shape
+    c = min(chunk, t)
+    n = -(-t // c)
+    pad = n * c - t
+    h = jnp.pad(h_BxTxD, ((0, 0), (0, pad), (0, 0))).reshape(b, n, c, d).transpose(1, 0, 2, 3)
+    tgt = jnp.pad(targets_BxT, ((0, 0), (0, pad))).reshape(b, n, c).transpose(1, 0, 2)
+
+    @jax.checkpoint
+    def one(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        h_BxCxD, t_BxC = args
+        logits = jnp.einsum(
+            "bcd,dv->bcv", h_BxCxD, w_DxV.astype(h_BxCxD.dtype), preferred_element_type=jnp.float32
+        )
+        logits = constrain(logits / temperature, ("batch", "length", "vocab"))
+        lse_BxC = jax.nn.logsumexp(logits, axis=-1)
+        logp = jnp.take_along_axis(logits, t_BxC[:, :, None], axis=-1)[:, :, 0] - lse_BxC
+        if not with_entropy:
+            return logp, jnp.zeros_like(logp)
+        p = jnp.exp(logits - lse_BxC[:, :, None])
+        return logp, lse_BxC - jnp.sum(p * logits, axis=-1)
+
+    logp, ent = jax.lax.map(one, (h, tgt))
+    logp = logp.transpose(1, 0, 2).reshape(b, n * c)[:, :t]
+    if not with_entropy:
+        return logp
+    return logp, ent.transpose(1, 0, 2).reshape(b, n * c)[:, :t]
