@@ -46,10 +46,15 @@ def _read_json(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found; a Hugging Face model directory needs it.")
     try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{path} holds a JSON {type(data).__name__}; expected a JSON object at the top level."
+        )
+    return data
 
 
 def config_from_hf(
@@ -57,7 +62,11 @@ def config_from_hf(
 ) -> ModelConfig:
     """ModelConfig from a Hugging Face config dict; `overrides` replace fields (e.g. dtype)."""
     archs = hf.get("architectures") or []
-    arch = archs[0] if archs else None
+    if not archs:
+        raise ValueError(
+            f"{source} has no 'architectures' field; expected one of {sorted(ARCHITECTURES)}."
+        )
+    arch = archs[0]
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"{source}: unsupported architecture {arch!r} (model_type {hf.get('model_type')!r}); "
@@ -232,6 +241,7 @@ class _TensorReader:
 
     def __init__(self, path: str):
         single, index = os.path.join(path, SINGLE_FILE), os.path.join(path, INDEX_FILE)
+        self.index = index
         if os.path.isfile(index):
             weight_map = _read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
@@ -305,13 +315,16 @@ def load_hf(
     entries = _weight_map(cfg)
     for e in entries:
         var = flat[e.path]
-        arr = e.to_ours(reader.read(e.name))
-        if arr.shape != var.get_value().shape:
+        raw = reader.read(e.name)
+        # The shape config.json implies, in the checkpoint's layout (a zero-stride view, no memory).
+        expected = e.to_hf(np.broadcast_to(np.zeros((), np.int8), var.get_value().shape)).shape
+        if raw.shape != expected:
             raise ValueError(
-                f"{path}: tensor {e.name!r} has shape {tuple(reader.read(e.name).shape)}, which does not "
-                f"match config.json (expected {tuple(var.get_value().shape)} after conversion to our layout)."
+                f"{path}: tensor {e.name!r} has shape {tuple(raw.shape)}, but {config_path} "
+                f"implies {tuple(expected)}."
             )
-        if not np.all(np.isfinite(arr.astype(np.float32))):
+        arr = e.to_ours(raw)
+        if not np.isfinite(arr).all():
             raise ValueError(f"{path}: tensor {e.name!r} contains NaN or inf.")
         arr = arr.astype(var.get_value().dtype)
         if shardings is None:

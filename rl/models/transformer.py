@@ -371,7 +371,7 @@ def chunked_logprobs(
     The sequence is processed in chunks under `jax.checkpoint`, so neither the forward nor the
     backward pass holds more than B * chunk * V logits at once.
     """
-    if not temperature > 0:
+    if isinstance(temperature, (int, float)) and not temperature > 0:
         raise ValueError(f"temperature must be > 0 for log-probs; received {temperature}.")
     b, t, d = h_BxTxD.shape
     c = min(chunk, t)
