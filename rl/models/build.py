@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from rl.models.config import ModelConfig
+from rl.models.config import ModelConfig, get_preset
 from rl.models.sharding import Rules, tree_shardings
 from rl.models.transformer import Transformer
 
@@ -40,3 +41,33 @@ def create_model(
 
 def param_count(model: Transformer) -> int:
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def model_config_from(model_cfg: Mapping[str, Any]) -> ModelConfig:
+    """The typed ModelConfig for a `config.model` ConfigDict (preset + overrides, no weights)."""
+    overrides = {k: model_cfg[k] for k in _OVERRIDABLE if k in model_cfg}
+    if model_cfg.get("hf_path"):
+        from rl.models.hf_io import hf_config
+
+        return hf_config(model_cfg["hf_path"], **overrides)
+    return get_preset(model_cfg["preset"], **overrides)
+
+
+def build_model(
+    model_cfg: Mapping[str, Any],
+    *,
+    seed: int = 0,
+    mesh: Mesh | None = None,
+    rules: Rules | None = None,
+) -> Transformer:
+    """The model a `config.model` ConfigDict names: local HF weights if `hf_path`, else a fresh init."""
+    if model_cfg.get("hf_path"):
+        from rl.models.hf_io import load_hf
+
+        overrides = {k: model_cfg[k] for k in _OVERRIDABLE if k in model_cfg}
+        return load_hf(model_cfg["hf_path"], mesh=mesh, rules=rules, **overrides)
+    return create_model(model_config_from(model_cfg), seed=seed, mesh=mesh, rules=rules)
+
+
+# ConfigDict fields applied on top of a preset or checkpoint config.
+_OVERRIDABLE = ("param_dtype", "dtype", "remat", "logits_chunk")

@@ -287,6 +287,14 @@ class _TensorReader:
             raise ValueError(f"Could not read tensor {name!r} from {file}: {e}") from e
 
 
+def hf_config(path: str, **overrides: Any) -> ModelConfig:
+    """The ModelConfig of a local Hugging Face directory (its config.json), with `overrides`."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"Model directory {path!r} does not exist.")
+    config_path = os.path.join(path, "config.json")
+    return config_from_hf(_read_json(config_path), source=config_path, **overrides)
+
+
 def load_hf(
     path: str, *, mesh: Mesh | None = None, rules: Rules | None = None, **overrides: Any
 ) -> Transformer:
@@ -301,10 +309,8 @@ def load_hf(
     Returns:
       The model; `model.config` is the parsed ModelConfig.
     """
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"Model directory {path!r} does not exist.")
+    cfg = hf_config(path, **overrides)
     config_path = os.path.join(path, "config.json")
-    cfg = config_from_hf(_read_json(config_path), source=config_path, **overrides)
     reader = _TensorReader(path)
     graphdef, abstract_state = nnx.split(abstract_model(cfg))
     shardings = (

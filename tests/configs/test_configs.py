@@ -1,0 +1,38 @@
+"""Every config file parses, builds its typed objects, and rejects bad arguments."""
+
+import glob
+import importlib
+import os
+
+import pytest
+
+import configs
+from rl.models.build import model_config_from
+from rl.models.sharding import normalize_rules
+
+CONFIG_DIR = os.path.dirname(configs.__file__)
+FILES = sorted(
+    os.path.splitext(os.path.basename(p))[0]
+    for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))
+    if not p.endswith("__init__.py")
+)
+
+
+def test_config_files_exist():
+    assert {"base", "smoke"} <= set(FILES)
+
+
+@pytest.mark.parametrize("name", FILES)
+@pytest.mark.parametrize("arg", [None, "smoke"])
+def test_config_parses_and_builds_typed_objects(name, arg):
+    config = importlib.import_module(f"configs.{name}").get_config(arg)
+    assert config.model.hf_path or model_config_from(config.model).num_params() > 0
+    normalize_rules(config.sharding_rules)
+    if arg == "smoke":
+        assert model_config_from(config.model).num_params() < 1_000_000
+        assert config.tokenizer == "byte"
+
+
+def test_base_rejects_unknown_arg():
+    with pytest.raises(ValueError, match="Unknown config argument 'huge'"):
+        importlib.import_module("configs.base").get_config("huge")
