@@ -1,0 +1,311 @@
+"""The sampler loop: admitted requests in, rewarded complete groups out.
+
+Admission (an AdmissionPolicy) picks which waiting request starts when enough slots are free; the
+request's prompt is prefilled once and inserted into its G slots; the engine steps all slots; a
+finished response is rewarded; when all G responses of a request are rewarded the Group is emitted.
+Nothing partial is emitted. Runs synchronously (`step`, `run_until_idle`) or in a background
+thread (`start`, `drain`, `close`); an error in the thread is re-raised to the caller.
+
+Thread-safety: `submit`, `abort`, `set_params` and the properties may be called from any thread.
+Engine calls, rewards and `emit` run outside the lock, so a blocking `emit` (a full queue) never
+blocks those calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import numpy as np
+
+from rl.admission import AdmissionPolicy
+from rl.types import Completion, Group, Request
+from sampler.engine import Engine
+
+RewardFn = Callable[[Request, Completion], float]
+EmitFn = Callable[[Group], None]
+
+
+@dataclasses.dataclass
+class _Sample:
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Run:
+    request: Request
+    slots: list[int]
+    samples: list[_Sample]
+    done: dict[int, Completion] = dataclasses.field(default_factory=dict)
+    aborted: bool = False
+
+
+@dataclasses.dataclass
+class SamplerStats:
+    prefills: int = 0
+    groups_admitted: int = 0
+    groups_emitted: int = 0
+    groups_aborted: int = 0
+    tokens: int = 0  # response tokens produced
+    generate_calls: int = 0
+    slot_steps: int = 0  # slots x decode steps run (occupancy = tokens / slot_steps)
+
+    @property
+    def occupancy(self) -> float:
+        return self.tokens / self.slot_steps if self.slot_steps else 0.0
+
+
+class SamplerLoop:
+    """Drives an Engine over an admission policy; see the module docstring."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        params: Any,
+        *,
+        admission: AdmissionPolicy,
+        reward_fn: RewardFn,
+        emit: EmitFn,
+        version: int = 0,
+        static_batching: bool = False,
+    ):
+        self.engine = engine
+        self.admission = admission
+        self.reward_fn = reward_fn
+        self.emit = emit
+        self.static_batching = static_batching  # baseline: refill only when every slot is free
+        self.stats = SamplerStats()
+        self._params, self._version = params, version
+        self._pending_params: tuple[Any, int] | None = None
+        self._state = engine.init_decode_state()
+        self._slot_run: list[_Run | None] = [None] * engine.max_concurrent_decodes
+        self._runs: dict[tuple[int, int], _Run] = {}
+        self._to_free: list[int] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._idle = threading.Event()
+        self._idle.set()
+        self._stop = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---------------------------------------------------------------------------- control (any thread)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, requests: Iterable[Request]) -> None:
+        """Queues requests for admission; each is validated against the engine first."""
+        requests = list(requests)
+        for r in requests:
+            self.engine.validate(r)
+        with self._lock:
+            self._raise_if_failed()
+            for r in requests:
+                if r.key in self._runs:
+                    raise ValueError(f"Request (round, uid)={r.key} is already running.")
+            self.admission.submit(requests)
+            self._idle.clear()
+            self._wake.notify_all()
+
+    def abort(self, keys: Iterable[tuple[int, int]]) -> list[Request]:
+        """Aborts requests by (round, uid), waiting or running; their slots are freed before the
+        next decode step and none of their groups is emitted. Returns the aborted requests."""
+        out = []
+        with self._lock:
+            for key in keys:
+                r = self.admission.remove(key)
+                if r is None and key in self._runs:
+                    run = self._runs.pop(key)
+                    run.aborted = True
+                    self._to_free.extend(run.slots)
+                    for s in run.slots:
+                        self._slot_run[s] = None
+                    r = run.request
+                if r is not None:
+                    out.append(r)
+                    self.stats.groups_aborted += 1
+            self._wake.notify_all()
+        return out
+
+    def set_params(self, params: Any, version: int) -> None:
+        """New weights, taken between decode steps; tokens record the version that made them."""
+        with self._lock:
+            self._pending_params = (params, version)
+            self._wake.notify_all()
+
+    def busy_slots(self) -> int:
+        with self._lock:
+            return sum(r is not None for r in self._slot_run)
+
+    def pending(self) -> int:
+        """Requests waiting or running."""
+        with self._lock:
+            return len(self.admission) + len(self._runs)
+
+    # ----------------------------------------------------------------------------- the loop itself
+
+    def step(self) -> bool:
+        """Admits what fits, runs one engine generate call, rewards and emits finished work.
+
+        Returns:
+          Whether requests are still waiting or running.
+        """
+        with self._lock:
+            if self._pending_params is not None:
+                (self._params, self._version), self._pending_params = self._pending_params, None
+            to_free, self._to_free = self._to_free, []
+            params, version = self._params, self._version
+        if to_free:
+            self._state = self.engine.free(self._state, to_free)
+        self._admit(params)
+        if not any(r is not None for r in self._slot_run):
+            return self.pending() > 0
+        self._state, result = self.engine.generate(params, self._state)
+        result = jax.device_get(result)
+        finished = self._record(result, version)
+        groups = [g for g in (self._reward(run, s) for run, s in finished) if g is not None]
+        for g in groups:
+            self.emit(g)
+        with self._lock:
+            self.stats.groups_emitted += len(groups)
+            return len(self.admission) + len(self._runs) > 0
+
+    def run_until_idle(self, max_steps: int | None = None) -> None:
+        """Steps until nothing waits or runs (synchronous use)."""
+        n = 0
+        while self.step():
+            n += 1
+            if max_steps is not None and n >= max_steps:
+                raise RuntimeError(f"Sampler still busy after {max_steps} steps.")
+
+    def _admit(self, params: Any) -> None:
+        while True:
+            with self._lock:
+                free = [i for i, r in enumerate(self._slot_run) if r is None]
+                if self.static_batching and len(free) < len(self._slot_run):
+                    return
+                request = self.admission.next(len(free))
+                if request is None:
+                    return
+                run = _Run(
+                    request=request,
+                    slots=free[: request.group_size],
+                    samples=[_Sample() for _ in range(request.group_size)],
+                )
+                for s in run.slots:
+                    self._slot_run[s] = run
+                self._runs[request.key] = run
+                self.stats.groups_admitted += 1
+            prefix = self.engine.prefill(params, request.prompt)
+            self._state = self.engine.bulk_insert(prefix, self._state, run.slots, request)
+            with self._lock:
+                self.stats.prefills += 1
+
+    def _record(self, result: Any, version: int) -> list[tuple[_Run, int]]:
+        """Appends produced tokens to their samples; returns the (run, sample) pairs that finished."""
+        finished = []
+        k, b = result.tokens.shape
+        with self._lock:
+            self.stats.generate_calls += 1
+            self.stats.slot_steps += k * b
+            self.stats.tokens += int(np.sum(result.valid))
+            for s in range(b):
+                run = self._slot_run[s]
+                if run is None:
+                    continue  # free, or aborted while this call ran
+                i = run.slots.index(s)
+                sample = run.samples[i]
+                for t in range(k):
+                    if not result.valid[t, s]:
+                        continue
+                    sample.tokens.append(int(result.tokens[t, s]))
+                    sample.logprobs.append(float(result.logprobs[t, s]))
+                    sample.versions.append(version)
+                    if result.finished[t, s]:
+                        self._slot_run[s] = None
+                        finished.append((run, i))
+                        break
+        return finished
+
+    def _reward(self, run: _Run, i: int) -> Group | None:
+        r, sample = run.request, run.samples[i]
+        stop = bool(sample.tokens) and sample.tokens[-1] in r.params.stop_token_ids
+        completion = Completion(
+            uid=r.uid,
+            round=r.round,
+            sample=i,
+            prompt=r.prompt,
+            tokens=tuple(sample.tokens),
+            logprobs=tuple(sample.logprobs),
+            versions=tuple(sample.versions),
+            finish_reason="stop" if stop else "length",
+        )
+        reward = float(self.reward_fn(r, completion))
+        with self._lock:
+            if run.aborted:
+                return None
+            run.done[i] = dataclasses.replace(completion, reward=reward)
+            if len(run.done) < r.group_size:
+                return None
+            del self._runs[r.key]
+        return Group(request=r, completions=tuple(run.done[j] for j in range(r.group_size)))
+
+    # ------------------------------------------------------------------------------------ threaded
+
+    def start(self) -> None:
+        """Runs the loop in a background thread until `close`."""
+        if self._thread is not None:
+            raise RuntimeError("SamplerLoop.start called twice.")
+        self._thread = threading.Thread(target=self._thread_main, name="sampler-loop", daemon=True)
+        self._thread.start()
+
+    def _thread_main(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._stop and not (
+                        len(self.admission) or self._runs or self._to_free or self._pending_params
+                    ):
+                        self._idle.set()
+                        self._wake.wait()
+                    if self._stop:
+                        return
+                self.step()
+        except BaseException as e:  # surfaced to the caller by drain/close/submit
+            with self._lock:
+                self._error = e
+        finally:
+            self._idle.set()
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Blocks until nothing waits or runs; re-raises an error from the loop thread."""
+        if self._thread is None:
+            self.run_until_idle()
+            return
+        if not self._idle.wait(timeout):
+            raise TimeoutError(
+                f"Sampler did not drain within {timeout} s ({self.pending()} requests pending)."
+            )
+        with self._lock:
+            self._raise_if_failed()
+
+    def close(self) -> None:
+        """Stops the loop thread (work in flight is dropped); re-raises a loop error."""
+        with self._lock:
+            self._stop = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
