@@ -356,6 +356,35 @@ class Engine:
             ),
         )
 
+    def validate(self, request: Request) -> None:
+        """Raises a clear error if `request` can never run on this engine."""
+        p, c, n = request.params, self.config, len(request.prompt)
+        if n > c.max_prefill_length:
+            raise ValueError(
+                f"Request uid={request.uid}: prompt of {n} tokens exceeds max_prefill_length "
+                f"({c.max_prefill_length})."
+            )
+        if n + p.max_new_tokens > c.max_length:
+            raise ValueError(
+                f"Request uid={request.uid}: prompt ({n}) + max_new_tokens ({p.max_new_tokens}) "
+                f"exceeds the engine's max_length ({c.max_length})."
+            )
+        if request.group_size > c.max_slots:
+            raise ValueError(
+                f"Request uid={request.uid}: group_size {request.group_size} exceeds max_slots "
+                f"({c.max_slots}); a group is admitted whole."
+            )
+        if len(p.stop_token_ids) > c.max_stop_tokens:
+            raise ValueError(
+                f"Request uid={request.uid} has {len(p.stop_token_ids)} stop tokens; the engine "
+                f"allows max_stop_tokens={c.max_stop_tokens}."
+            )
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt):
+            raise ValueError(
+                f"Request uid={request.uid}: prompt token ids must be in [0, {vocab})."
+            )
+
     def bulk_insert(
         self,
         prefix: Prefix,

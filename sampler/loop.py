@@ -186,11 +186,12 @@ class SamplerLoop:
                 raise RuntimeError(f"Sampler still busy after {max_steps} steps.")
 
     def _admit(self, params: Any) -> None:
+        with self._lock:  # a static batch is filled only when every slot is free
+            if self.static_batching and any(r is not None for r in self._slot_run):
+                return
         while True:
             with self._lock:
                 free = [i for i, r in enumerate(self._slot_run) if r is None]
-                if self.static_batching and len(free) < len(self._slot_run):
-                    return
                 request = self.admission.next(len(free))
                 if request is None:
                     return

@@ -25,8 +25,9 @@ def _next_tokens(model: Transformer, tokens_BxL: jax.Array, lengths_B: jax.Array
     return jnp.argmax(model.logits(last)[:, 0], axis=-1).astype(jnp.int32)
 
 
-def greedy_nocache(model: Transformer, prompts: Sequence[Sequence[int]], new_tokens: Sequence[int],
-                   max_length: int) -> list[list[int]]:
+def greedy_nocache(
+    model: Transformer, prompts: Sequence[Sequence[int]], new_tokens: Sequence[int], max_length: int
+) -> list[list[int]]:
     """Greedy continuations of `prompts` (new_tokens[i] tokens each) by full recompute per step."""
     b = len(prompts)
     buf = np.zeros((b, max_length), np.int32)

@@ -28,15 +28,15 @@ def create_model(
     cfg: ModelConfig, *, seed: int = 0, mesh: Mesh | None = None, rules: Rules | None = None
 ) -> Transformer:
     """A freshly initialised model; with `mesh`, each parameter is created already sharded."""
-    if mesh is None:
-        return Transformer(cfg, rngs=nnx.Rngs(seed))
     graphdef, abstract_state = nnx.split(abstract_model(cfg))
-    shardings = tree_shardings(abstract_state, mesh, rules)
 
     def init() -> Any:
         return nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))
 
-    return nnx.merge(graphdef, jax.jit(init, out_shardings=shardings)())
+    # One compiled program instead of eager op-by-op init; with a mesh each parameter is created
+    # already sharded (no replicated copy first).
+    out = {} if mesh is None else dict(out_shardings=tree_shardings(abstract_state, mesh, rules))
+    return nnx.merge(graphdef, jax.jit(init, **out)())
 
 
 def param_count(model: Transformer) -> int:

@@ -16,8 +16,13 @@ def test_summarize_smoke_config():
 
 
 def test_launch_train_reports_bad_config_without_traceback(tmp_path):
-    cmd = [sys.executable, "-m", "launch.train", "--config=configs/smoke.py",
-           f"--config.model.hf_path={tmp_path / 'missing'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.train",
+        "--config=configs/smoke.py",
+        f"--config.model.hf_path={tmp_path / 'missing'}",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "Traceback" not in out.stderr

@@ -1,0 +1,191 @@
+"""The sampler loop: complete groups only, abort, weight swaps, static batching, errors, threads."""
+
+import threading
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from rl.admission import FCFS
+from rl.models import create_model, get_preset
+from rl.types import Request, SamplingParams
+from sampler.engine import Engine, EngineConfig
+from sampler.loop import SamplerLoop
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return Engine(
+        model, EngineConfig(max_slots=4, max_length=48, max_prefill_length=16, steps_per_call=2)
+    )
+
+
+def _req(uid, n_new=6, group=2, temperature=1.0, prompt_len=5):
+    prompt = tuple(int(t) for t in np.random.default_rng(uid).integers(0, 256, size=prompt_len))
+    return Request(
+        uid=uid,
+        prompt=prompt,
+        group_size=group,
+        params=SamplingParams(temperature=temperature, max_new_tokens=n_new),
+    )
+
+
+class Recorder:
+    """Reward function and sink that log events in order."""
+
+    def __init__(self):
+        self.events, self.groups = [], []
+
+    def reward(self, request, completion):
+        self.events.append(("reward", request.uid, completion.sample))
+        return float(len(completion.tokens))
+
+    def emit(self, group):
+        self.events.append(("emit", group.request.uid))
+        self.groups.append(group)
+
+
+def test_group_emitted_once_after_all_samples_rewarded(engine, model):
+    rec = Recorder()
+    loop = SamplerLoop(
+        engine, engine.load_params(model), admission=FCFS(), reward_fn=rec.reward, emit=rec.emit
+    )
+    # Samples of one group finish at different steps: 4 slots, groups of 3, so groups straddle calls.
+    requests = [_req(i, n_new=3 + 2 * i, group=3) for i in range(4)]
+    loop.submit(requests)
+    loop.run_until_idle(max_steps=200)
+    assert sorted(g.request.uid for g in rec.groups) == [0, 1, 2, 3]
+    for g in rec.groups:
+        emit_at = rec.events.index(("emit", g.request.uid))
+        rewarded = {
+            e[2] for e in rec.events[:emit_at] if e[0] == "reward" and e[1] == g.request.uid
+        }
+        assert rewarded == {0, 1, 2}
+        assert g.rewards == tuple(float(len(c.tokens)) for c in g.completions)
+        assert all(
+            len(c.tokens) == len(c.logprobs) == len(c.versions) == g.request.params.max_new_tokens
+            for c in g.completions
+        )
+    assert loop.stats.prefills == loop.stats.groups_emitted == 4
+    assert loop.busy_slots() == 0 and loop.pending() == 0
+
+
+def test_abort_frees_slots_which_are_reused(engine, model):
+    rec = Recorder()
+    loop = SamplerLoop(
+        engine, engine.load_params(model), admission=FCFS(), reward_fn=rec.reward, emit=rec.emit
+    )
+    long_a, long_b, waiting = _req(1, n_new=40), _req(2, n_new=40), _req(3, n_new=4)
+    loop.submit([long_a, long_b, waiting])
+    loop.step()
+    assert loop.busy_slots() == 4 and len(loop.admission) == 1  # request 3 waits for slots
+    aborted = loop.abort([long_a.key, (0, 99)])
+    assert aborted == [long_a] and loop.busy_slots() == 2
+    loop.step()  # frees the slots on the device, admits request 3 into them
+    assert loop.busy_slots() == 4 and len(loop.admission) == 0
+    assert loop.abort([long_b.key]) == [long_b]
+    loop.run_until_idle(max_steps=100)
+    assert [g.request.uid for g in rec.groups] == [3]  # nothing of an aborted request is emitted
+    assert loop.stats.groups_aborted == 2
+    # the aborted request can run again from scratch (tail batching regenerates aborted prompts)
+    loop.submit([long_a])
+    loop.run_until_idle(max_steps=100)
+    assert [g.request.uid for g in rec.groups] == [3, 1]
+
+
+def test_weight_swap_applies_from_the_next_step_with_version_tags(engine, model):
+    params = engine.load_params(model)
+    other = engine.load_params(create_model(get_preset("tiny", init_std=0.3), seed=1))
+    request = _req(5, n_new=12, group=1, temperature=0.0)
+
+    def run(swap_after=None):
+        rec = Recorder()
+        loop = SamplerLoop(engine, params, admission=FCFS(), reward_fn=rec.reward, emit=rec.emit)
+        loop.submit([request])
+        for i in range(100):
+            if i == swap_after:
+                loop.set_params(other, version=1)
+            if not loop.step():
+                break
+        return rec.groups[0].completions[0]
+
+    base, swapped = run(), run(swap_after=2)  # 2 calls x 2 steps with version 0
+    assert swapped.versions == (0,) * 4 + (1,) * 8
+    assert swapped.tokens[:4] == base.tokens[:4]
+    assert swapped.tokens[4:] != base.tokens[4:]
+    assert base.versions == (0,) * 12
+
+
+def test_static_batching_waits_for_all_slots(engine, model):
+    rec = Recorder()
+    loop = SamplerLoop(
+        engine,
+        engine.load_params(model),
+        admission=FCFS(),
+        reward_fn=rec.reward,
+        emit=rec.emit,
+        static_batching=True,
+    )
+    loop.submit([_req(1, n_new=2), _req(2, n_new=10), _req(3, n_new=2)])
+    loop.step()
+    while rec.groups == []:
+        loop.step()
+    assert loop.busy_slots() == 2 and len(loop.admission) == 1  # uid 1 done, uid 3 still waits
+    loop.run_until_idle(max_steps=100)
+    assert [g.request.uid for g in rec.groups] == [1, 2, 3]
+
+
+def test_reward_error_surfaces_from_the_thread(engine, model):
+    def bad_reward(request, completion):
+        raise RuntimeError("verifier exploded")
+
+    loop = SamplerLoop(
+        engine,
+        engine.load_params(model),
+        admission=FCFS(),
+        reward_fn=bad_reward,
+        emit=lambda g: None,
+    )
+    loop.start()
+    loop.submit([_req(1)])
+    with pytest.raises(RuntimeError, match="verifier exploded"):
+        loop.drain(timeout=120)
+    with pytest.raises(RuntimeError, match="verifier exploded"):
+        loop.submit([_req(2)])
+    with pytest.raises(RuntimeError, match="verifier exploded"):
+        loop.close()
+
+
+def test_threaded_loop_serves_submissions_from_another_thread(engine, model):
+    rec = Recorder()
+    lock = threading.Lock()
+
+    def emit(group):
+        with lock:
+            rec.emit(group)
+
+    loop = SamplerLoop(
+        engine, engine.load_params(model), admission=FCFS(), reward_fn=rec.reward, emit=emit
+    )
+    loop.start()
+    submitter = threading.Thread(
+        target=lambda: loop.submit([_req(i, n_new=3 + i) for i in range(5)])
+    )
+    submitter.start()
+    submitter.join()
+    loop.drain(timeout=120)
+    assert sorted(g.request.uid for g in rec.groups) == list(range(5))
+    loop.submit([_req(9)])
+    loop.drain(timeout=120)
+    loop.close()
+    assert sorted(g.request.uid for g in rec.groups) == [*range(5), 9]
+
+
+def test_params_on_the_loop_are_not_donated(engine, model):
+    params = engine.load_params(model)
+    loop = SamplerLoop(
+        engine, params, admission=FCFS(), reward_fn=lambda r, c: 0.0, emit=lambda g: None
+    )
+    loop.submit([_req(1)])
+    loop.run_until_idle(max_steps=50)
+    assert not any(x.is_deleted() for x in __import__("jax").tree.leaves(nnx.state(params)))
