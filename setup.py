@@ -33,6 +33,9 @@ EXTRAS = {
     ],
     "cuda": ["jax[cuda12]>=0.10.2"],
     "tpu": ["jax[tpu]>=0.10.2"],
+    # sampler/jetstream_adapter.py only. Optional and heavy: it pulls seqio and so TensorFlow;
+    # nothing else in the library imports it.
+    "jetstream": ["google-jetstream>=0.2.2"],
 }
 
 setup(

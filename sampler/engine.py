@@ -67,6 +67,8 @@ class EngineConfig:
                 f"EngineConfig.max_prefill_length ({self.max_prefill_length}) exceeds max_length "
                 f"({self.max_length}); a prompt must fit in the cache."
             )
+        if not 0 <= self.seed < 2**31:
+            raise ValueError(f"EngineConfig.seed must be in [0, 2**31); received {self.seed}.")
         if self.cache_dtype and self.cache_dtype not in DTYPES:
             raise ValueError(
                 f"EngineConfig.cache_dtype={self.cache_dtype!r}; expected one of {tuple(DTYPES)}."
@@ -97,15 +99,14 @@ class DecodeState:
     stop_ids: jax.Array  # (B, max_stop_tokens) int32, -1 padded
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Prefix:
-    """One prompt's prefilled keys/values, (bucket, K, H) per layer."""
+    """One prompt's prefilled keys/values, (bucket, K, H) per layer, and its length."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
-    length: int = dataclasses.field(metadata=dict(static=True))
-    last_token: int = dataclasses.field(metadata=dict(static=True))
+    length: int
+    last_token: int
 
 
 @jax.tree_util.register_dataclass
@@ -154,7 +155,7 @@ class Engine:
         out = {} if mesh is None else dict(out_shardings=self._state_shardings)
         self._init = jax.jit(self._init_impl, **out)
         self._prefill = jax.jit(self._prefill_impl, static_argnums=(2,))
-        self._insert = jax.jit(self._insert_impl, static_argnums=(2, 3), donate_argnums=(1,), **out)
+        self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), **out)
         gen_out = {} if mesh is None else dict(out_shardings=(self._state_shardings, None))
         self._generate = jax.jit(self._generate_impl, **donate, **gen_out)
         self._free = jax.jit(self._free_impl, donate_argnums=(0,), **out)
@@ -316,17 +317,17 @@ class Engine:
 
     def _insert_impl(
         self,
-        prefix: Prefix,
+        kv: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]],
         state: DecodeState,
-        length: int,
-        last_token: int,
         slots_G: jax.Array,
         ids: jax.Array,
         sampling: jax.Array,
         stop_ids: jax.Array,
     ) -> DecodeState:
+        """Everything that varies per request is traced: one compile per (bucket, group size)."""
         g = slots_G.shape[0]
-        bucket = prefix.k[0].shape[0]
+        prefix_k, prefix_v = kv
+        bucket = prefix_k[0].shape[0]
 
         def put(cache: jax.Array, kv: jax.Array) -> jax.Array:
             return cache.at[slots_G, :bucket].set(
@@ -334,10 +335,10 @@ class Engine:
             )
 
         cache = KVCache(
-            k=tuple(put(c, p) for c, p in zip(state.cache.k, prefix.k, strict=True)),
-            v=tuple(put(c, p) for c, p in zip(state.cache.v, prefix.v, strict=True)),
+            k=tuple(put(c, p) for c, p in zip(state.cache.k, prefix_k, strict=True)),
+            v=tuple(put(c, p) for c, p in zip(state.cache.v, prefix_v, strict=True)),
         )
-        seed, rnd, uid, max_new = ids[0], ids[1], ids[2], ids[3]
+        seed, rnd, uid, max_new, length, last_token = (ids[i] for i in range(6))
         base = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), rnd), uid)
         keys_G = jax.vmap(lambda s: jax.random.fold_in(base, s))(jnp.arange(g))
         fill = lambda arr, value: arr.at[slots_G].set(value)
@@ -398,21 +399,35 @@ class Engine:
             raise ValueError(
                 f"bulk_insert got {len(slots)} slots for a group of {request.group_size}."
             )
+        if len(set(slots)) != len(slots) or not all(0 <= s < self.config.max_slots for s in slots):
+            raise ValueError(
+                f"bulk_insert slots must be distinct and in [0, {self.config.max_slots}); "
+                f"received {list(slots)}."
+            )
+        if len(request.prompt) != prefix.length:
+            raise ValueError(
+                f"bulk_insert: the prefix holds {prefix.length} tokens but request "
+                f"uid={request.uid} has a prompt of {len(request.prompt)}."
+            )
         self.validate(request)
         stop = np.full((self.config.max_stop_tokens,), -1, np.int32)
         stop[: len(p.stop_token_ids)] = p.stop_token_ids
-        ids = np.asarray(
-            [self.config.seed, request.round, request.uid, p.max_new_tokens], np.uint32
-        )
+        c = self.config
+        ids = [
+            c.seed,
+            request.round,
+            request.uid,
+            p.max_new_tokens,
+            prefix.length,
+            prefix.last_token,
+        ]
         sampling = np.asarray([p.temperature, p.top_k, p.top_p], np.float32)
         return self._call(
             self._insert,
-            prefix,
+            (prefix.k, prefix.v),
             state,
-            prefix.length,
-            prefix.last_token,
             jnp.asarray(slots, jnp.int32),
-            jnp.asarray(ids),
+            jnp.asarray(ids, jnp.int32),
             jnp.asarray(sampling),
             jnp.asarray(stop),
         )

@@ -48,6 +48,7 @@ def test_greedy_matches_nocache_recompute(model):
     assert loop.stats.prefills == len(requests)
     assert engine.compile_counts()["prefill"] == 2  # one per bucket used: 16 and 32
     assert engine.compile_counts()["generate"] == 1
+    assert engine.compile_counts()["insert"] == 2  # per (bucket, group size), not per prompt
 
 
 def test_logprobs_match_learner_full_forward(model):
@@ -187,3 +188,17 @@ def test_cache_that_does_not_fit_is_rejected_with_sizes():
         ).cache_bytes_per_slot
         == 2 * 2 * 64 * 2 * 16 * 4
     )
+
+
+def test_bulk_insert_rejects_bad_slots_and_mismatched_prefix(model):
+    engine = Engine(model, EngineConfig(max_slots=4, max_length=32, max_prefill_length=16))
+    params, state = engine.load_params(model), engine.init_decode_state()
+    request = Request(uid=0, prompt=(1, 2, 3), group_size=2, params=SamplingParams(max_new_tokens=4))
+    prefix = engine.prefill(params, request.prompt)
+    for slots in ([0, 0], [3, 4], [-1, 0]):
+        with pytest.raises(ValueError, match="slots must be distinct"):
+            engine.bulk_insert(prefix, state, slots, request)
+    with pytest.raises(ValueError, match="the prefix holds 2 tokens"):
+        engine.bulk_insert(engine.prefill(params, (1, 2)), state, [0, 1], request)
+    with pytest.raises(ValueError, match="seed must be in"):
+        EngineConfig(seed=-1)

@@ -1,0 +1,516 @@
+"""Per-token policy losses, KL estimators and loss aggregations, by name. Pure JAX.
+
+A policy loss maps per-token log-probs of the current policy (`logp_BxT`), of the policy that
+sampled (`old_logp_BxT`) and per-sequence advantages (`adv_B`) to a per-token loss `loss_BxT`,
+zero where `mask_BxT` is 0, and per-token metrics (BxT arrays, to be averaged with `masked_mean`).
+An aggregation reduces `loss_BxT` to a (numerator, denominator) pair that is additive over
+micro-batches, so gradient accumulation over any split of the batch equals the whole batch:
+
+    num, den = sum over micro-batches of agg(loss_BxT, mask_BxT, norm_constant=...)
+    loss = num / den  # gradient: sum of the numerators' gradients / den
+
+A KL penalty to a reference policy is added by the caller per token, before aggregation:
+`loss_BxT + cfg.kl_coef * kl_penalty(logp_BxT, ref_logp_BxT, cfg.kl_estimator, mask_BxT=...)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+Metrics = dict[str, jax.Array]
+_F = TypeVar("_F")
+
+
+def _register(registry: dict[str, _F], kind: str, name: str) -> Callable[[_F], _F]:
+    def decorator(fn: _F) -> _F:
+        if name in registry:
+            raise ValueError(
+                f"{kind} {name!r} is already registered ({registry[name]!r}); expected a new name."
+            )
+        registry[name] = fn
+        return fn
+
+    return decorator
+
+
+def _get(registry: dict[str, _F], kind: str, name: str) -> _F:
+    if name not in registry:
+        raise ValueError(f"Unknown {kind} {name!r}; expected one of {sorted(registry)}.")
+    return registry[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# KL to a reference policy.
+
+
+def _k3(d: jax.Array) -> jax.Array:
+    """exp(x) - x - 1 with x = -d = ref - logp, accurate in float32 also for tiny |x|."""
+    x = -d
+    # Below |x| = 0.1 the direct form cancels (relative error ~1e-7 / |x|); the Taylor series to
+    # x^6 is exact there to ~1e-8. The series sees x only where it is used, so it cannot overflow.
+    small = jnp.abs(x) < 0.1
+    xs = jnp.where(small, x, 0.0)
+    series = jnp.square(xs) * (1 / 2 + xs * (1 / 6 + xs * (1 / 24 + xs * (1 / 120 + xs / 720))))
+    return jnp.where(small, series, jnp.expm1(x) - x)
+
+
+KL_ESTIMATORS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    # d = logp - ref_logp at tokens sampled from the current policy (Schulman, "Approximating KL
+    # divergence"): all three estimate KL(current || ref); k1 is unbiased but noisy, k3 unbiased
+    # and >= 0, k2 biased with low variance.
+    "k1": lambda d: d,
+    "k2": lambda d: 0.5 * jnp.square(d),
+    "k3": _k3,  # exp(ref - logp) - (ref - logp) - 1
+}
+
+
+def kl_penalty(
+    logp_BxT: ArrayLike,
+    ref_logp_BxT: ArrayLike,
+    estimator: str,
+    *,
+    mask_BxT: ArrayLike | None = None,
+) -> jax.Array:
+    """Per-token estimate of KL(current || reference) from tokens sampled by the current policy.
+
+    Used as a loss term (sampling not differentiated), "k2" has the gradient of KL(current ||
+    ref), "k3" that of KL(ref || current), and "k1" none in expectation.
+
+    Args:
+        logp_BxT: Log-probs of the sampled tokens under the current policy.
+        ref_logp_BxT: Log-probs of the same tokens under the reference policy.
+        estimator: "k1" (logp - ref), "k2" (0.5 (logp - ref)^2) or "k3"
+            (exp(ref - logp) - (ref - logp) - 1).
+        mask_BxT: Optional; where 0 the result is 0 (and its gradient too, even if the padding
+            holds -inf or NaN log-probs).
+
+    Returns:
+        kl_BxT, the per-token estimate.
+
+    Raises:
+        ValueError: If `estimator` is unknown or the shapes differ.
+    """
+    fn = _get(KL_ESTIMATORS, "KL estimator", estimator)
+    logp_BxT, ref_logp_BxT = jnp.asarray(logp_BxT), jnp.asarray(ref_logp_BxT)
+    if logp_BxT.shape != ref_logp_BxT.shape:
+        raise ValueError(
+            f"kl_penalty: logp_BxT and ref_logp_BxT must have one shape; received "
+            f"{logp_BxT.shape} and {ref_logp_BxT.shape}."
+        )
+    if mask_BxT is None:
+        return fn(logp_BxT - ref_logp_BxT)
+    valid_BxT = _valid(mask_BxT, logp_BxT.shape, "kl_penalty")
+    d_BxT = jnp.where(valid_BxT, logp_BxT - ref_logp_BxT, 0.0)
+    return jnp.where(valid_BxT, fn(d_BxT), 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config.
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    """Hyper-parameters of the policy losses and the KL penalty."""
+
+    clip_low: float = 0.2  # ppo_clip: ratio clipped below at 1 - clip_low
+    clip_high: float = 0.2  # ppo_clip: ratio clipped above at 1 + clip_high (DAPO: 0.28)
+    gspo_clip_low: float = 3e-4  # gspo: sequence ratio clipped below at 1 - gspo_clip_low
+    gspo_clip_high: float = 4e-4  # gspo: sequence ratio clipped above at 1 + gspo_clip_high
+    tis_clip: float = 5.0  # tis_reinforce: importance weights truncated at tis_clip
+    kl_coef: float = 0.0  # weight of the per-token KL penalty to the reference; 0: off
+    kl_estimator: str = "k3"  # one of KL_ESTIMATORS
+
+    def __post_init__(self) -> None:
+        for name in ("clip_low", "gspo_clip_low"):
+            v = getattr(self, name)
+            if not (_is_real(v) and 0.0 <= v < 1.0):
+                raise ValueError(f"LossConfig.{name} must be in [0, 1); received {v!r}.")
+        for name in ("clip_high", "gspo_clip_high", "kl_coef"):
+            v = getattr(self, name)
+            if not (_is_real(v) and math.isfinite(v) and v >= 0.0):
+                raise ValueError(f"LossConfig.{name} must be finite and >= 0; received {v!r}.")
+        if not (_is_real(self.tis_clip) and math.isfinite(self.tis_clip) and self.tis_clip > 0):
+            raise ValueError(
+                f"LossConfig.tis_clip must be finite and > 0; received {self.tis_clip!r}."
+            )
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(
+                f"LossConfig.kl_estimator must be one of {sorted(KL_ESTIMATORS)}; received "
+                f"{self.kl_estimator!r}."
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy losses.
+
+
+class PolicyLoss(Protocol):
+    def __call__(
+        self,
+        logp_BxT: jax.Array,
+        old_logp_BxT: jax.Array,
+        adv_B: jax.Array,
+        mask_BxT: jax.Array,
+        cfg: LossConfig,
+    ) -> tuple[jax.Array, Metrics]:
+        """Returns the per-token loss (0 where mask is 0) and per-token metrics."""
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Registers a policy loss under `name`.
+
+    Args:
+        name: The name a config uses to select the loss; must not be registered yet.
+
+    Returns:
+        A decorator that registers the function and returns it unchanged.
+    """
+    return _register(POLICY_LOSSES, "Policy loss", name)
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    """Returns the policy loss registered under `name`.
+
+    Args:
+        name: A registered loss name, e.g. "ppo_clip".
+
+    Returns:
+        The loss function.
+
+    Raises:
+        ValueError: If no loss is registered under `name`.
+    """
+    return _get(POLICY_LOSSES, "policy loss", name)
+
+
+def _valid(mask_BxT: ArrayLike, shape: tuple[int, ...], where: str) -> jax.Array:
+    """Returns the mask as bool after checking its shape."""
+    mask_BxT = jnp.asarray(mask_BxT)
+    if mask_BxT.shape != shape:
+        raise ValueError(f"{where}: mask_BxT must have shape {shape}; received {mask_BxT.shape}.")
+    return mask_BxT != 0
+
+
+def _check_inputs(
+    logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B: jax.Array, mask_BxT: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Checks shapes (static, so this works under jit); returns arrays and the bool mask."""
+    logp_BxT, old_logp_BxT, adv_B = map(jnp.asarray, (logp_BxT, old_logp_BxT, adv_B))
+    if (
+        logp_BxT.ndim != 2
+        or old_logp_BxT.shape != logp_BxT.shape
+        or adv_B.shape != (logp_BxT.shape[0],)
+    ):
+        raise ValueError(
+            f"Policy loss expects logp_BxT and old_logp_BxT of one shape (B, T) and adv_B of "
+            f"shape (B,); received logp_BxT {logp_BxT.shape}, old_logp_BxT "
+            f"{old_logp_BxT.shape}, adv_B {adv_B.shape}."
+        )
+    return logp_BxT, old_logp_BxT, adv_B, _valid(mask_BxT, logp_BxT.shape, "Policy loss")
+
+
+def _clipped_objective(
+    ratio_BxT: jax.Array, adv_BxT: jax.Array, low: float, high: float
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns -min(r A, clip(r, 1-low, 1+high) A) and where the clip is active, low and high."""
+    unclipped_BxT = ratio_BxT * adv_BxT
+    clipped_BxT = jnp.clip(ratio_BxT, 1.0 - low, 1.0 + high) * adv_BxT
+    loss_BxT = -jnp.minimum(unclipped_BxT, clipped_BxT)
+    active_BxT = clipped_BxT < unclipped_BxT  # the clipped branch is strictly the min
+    return loss_BxT, active_BxT & (adv_BxT < 0), active_BxT & (adv_BxT > 0)
+
+
+@register_policy_loss("ppo_clip")
+def ppo_clip_loss(
+    logp_BxT: jax.Array,
+    old_logp_BxT: jax.Array,
+    adv_B: jax.Array,
+    mask_BxT: jax.Array,
+    cfg: LossConfig,
+) -> tuple[jax.Array, Metrics]:
+    """PPO clipped surrogate per token, with separate low/high clips (DAPO clip-higher).
+
+    `loss = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`, `r = exp(logp - old_logp)`.
+
+    Args:
+        logp_BxT: Log-probs of the sampled tokens under the policy being trained.
+        old_logp_BxT: Log-probs of the same tokens under the policy that sampled them.
+        adv_B: One advantage per sequence.
+        mask_BxT: 1 (or True) at response tokens, 0 at prompt and padding.
+        cfg: Uses `clip_low` and `clip_high`.
+
+    Returns:
+        loss_BxT (0 where masked) and per-token metrics, 0 where masked: "ratio"; "clip_frac"
+        (1 where the clipped branch is strictly the min, so the token has no gradient) and its
+        parts "clip_frac_low" (A < 0, r < 1 - clip_low) and "clip_frac_high" (A > 0,
+        r > 1 + clip_high).
+    """
+    logp_BxT, old_logp_BxT, adv_B, valid_BxT = _check_inputs(
+        logp_BxT, old_logp_BxT, adv_B, mask_BxT
+    )
+    ratio_BxT = jnp.exp(jnp.where(valid_BxT, logp_BxT - old_logp_BxT, 0.0))
+    adv_BxT = jnp.broadcast_to(adv_B[:, None], ratio_BxT.shape)
+    loss_BxT, low_BxT, high_BxT = _clipped_objective(
+        ratio_BxT, adv_BxT, cfg.clip_low, cfg.clip_high
+    )
+    zero = jnp.zeros_like(loss_BxT)
+    metrics = {
+        "ratio": jnp.where(valid_BxT, ratio_BxT, zero),
+        "clip_frac": jnp.where(valid_BxT & (low_BxT | high_BxT), 1.0, zero),
+        "clip_frac_low": jnp.where(valid_BxT & low_BxT, 1.0, zero),
+        "clip_frac_high": jnp.where(valid_BxT & high_BxT, 1.0, zero),
+    }
+    return jnp.where(valid_BxT, loss_BxT, zero), metrics
+
+
+@register_policy_loss("gspo")
+def gspo_loss(
+    logp_BxT: jax.Array,
+    old_logp_BxT: jax.Array,
+    adv_B: jax.Array,
+    mask_BxT: jax.Array,
+    cfg: LossConfig,
+) -> tuple[jax.Array, Metrics]:
+    """GSPO (GSPO-token form): the PPO clip on the sequence ratio, broadcast over its tokens.
+
+    `s_i = exp(mean_t(logp - old_logp))` over the sequence's unmasked tokens; each token carries
+    `s_it = sg(s_i) * exp(logp_t - sg(logp_t))`, equal to `s_i` in value with `d s_it / d logp_t =
+    s_i`. With "seq_mean_token_mean" aggregation the gradient equals that of the paper's sequence
+    objective `-mean_i min(s_i A_i, clip(s_i, 1 - gspo_clip_low, 1 + gspo_clip_high) A_i)`.
+
+    Args:
+        logp_BxT: Log-probs of the sampled tokens under the policy being trained.
+        old_logp_BxT: Log-probs of the same tokens under the policy that sampled them.
+        adv_B: One advantage per sequence.
+        mask_BxT: 1 (or True) at response tokens, 0 at prompt and padding.
+        cfg: Uses `gspo_clip_low` and `gspo_clip_high`.
+
+    Returns:
+        loss_BxT (0 where masked) and per-token metrics, 0 where masked: "ratio" (the sequence
+        ratio s_i at each of its tokens), "clip_frac", "clip_frac_low", "clip_frac_high" (the
+        sequence's clip state at each of its tokens).
+    """
+    logp_BxT, old_logp_BxT, adv_B, valid_BxT = _check_inputs(
+        logp_BxT, old_logp_BxT, adv_B, mask_BxT
+    )
+    logp_BxT = jnp.where(valid_BxT, logp_BxT, 0.0)
+    log_ratio_BxT = jnp.where(valid_BxT, logp_BxT - old_logp_BxT, 0.0)
+    seq_ratio_B = jnp.exp(masked_mean(log_ratio_BxT, valid_BxT, axis=1))
+    token_ratio_BxT = jax.lax.stop_gradient(seq_ratio_B)[:, None] * jnp.exp(
+        logp_BxT - jax.lax.stop_gradient(logp_BxT)
+    )
+    adv_BxT = jnp.broadcast_to(adv_B[:, None], token_ratio_BxT.shape)
+    loss_BxT, low_BxT, high_BxT = _clipped_objective(
+        token_ratio_BxT, adv_BxT, cfg.gspo_clip_low, cfg.gspo_clip_high
+    )
+    zero = jnp.zeros_like(loss_BxT)
+    metrics = {
+        "ratio": jnp.where(valid_BxT, jax.lax.stop_gradient(token_ratio_BxT), zero),
+        "clip_frac": jnp.where(valid_BxT & (low_BxT | high_BxT), 1.0, zero),
+        "clip_frac_low": jnp.where(valid_BxT & low_BxT, 1.0, zero),
+        "clip_frac_high": jnp.where(valid_BxT & high_BxT, 1.0, zero),
+    }
+    return jnp.where(valid_BxT, loss_BxT, zero), metrics
+
+
+@register_policy_loss("tis_reinforce")
+def tis_reinforce_loss(
+    logp_BxT: jax.Array,
+    old_logp_BxT: jax.Array,
+    adv_B: jax.Array,
+    mask_BxT: jax.Array,
+    cfg: LossConfig,
+) -> tuple[jax.Array, Metrics]:
+    """REINFORCE with truncated importance sampling (PipelineRL): `-w A logp` per token.
+
+    `w = sg(min(exp(logp - old_logp), tis_clip))`, in [0, tis_clip], carries no gradient, so
+    `d loss / d logp = -w A`. The loss value is a surrogate; only its gradient is meaningful.
+
+    Args:
+        logp_BxT: Log-probs of the sampled tokens under the policy being trained.
+        old_logp_BxT: Log-probs of the same tokens under the policy that sampled them.
+        adv_B: One advantage per sequence.
+        mask_BxT: 1 (or True) at response tokens, 0 at prompt and padding.
+        cfg: Uses `tis_clip`.
+
+    Returns:
+        loss_BxT (0 where masked) and per-token metrics, 0 where masked: "is_weight" (w),
+        "ratio" (the untruncated ratio), "clip_frac" (1 where the ratio exceeds tis_clip).
+    """
+    logp_BxT, old_logp_BxT, adv_B, valid_BxT = _check_inputs(
+        logp_BxT, old_logp_BxT, adv_B, mask_BxT
+    )
+    logp_BxT = jnp.where(valid_BxT, logp_BxT, 0.0)
+    ratio_BxT = jax.lax.stop_gradient(jnp.exp(jnp.where(valid_BxT, logp_BxT - old_logp_BxT, 0.0)))
+    w_BxT = jnp.minimum(ratio_BxT, cfg.tis_clip)
+    loss_BxT = -w_BxT * adv_B[:, None] * logp_BxT
+    zero = jnp.zeros_like(loss_BxT)
+    metrics = {
+        "is_weight": jnp.where(valid_BxT, w_BxT, zero),
+        "ratio": jnp.where(valid_BxT, ratio_BxT, zero),
+        "clip_frac": jnp.where(valid_BxT & (ratio_BxT > cfg.tis_clip), 1.0, zero),
+    }
+    return jnp.where(valid_BxT, loss_BxT, zero), metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Aggregation.
+
+
+def masked_mean(x_BxT: ArrayLike, mask_BxT: ArrayLike, *, axis: int | None = None) -> jax.Array:
+    """Mean of `x` over the entries where `mask` is nonzero (weighted by `mask`); 0 if none.
+
+    Args:
+        x_BxT: Values, e.g. a per-token metric.
+        mask_BxT: Weights of the same shape, usually 0/1.
+        axis: Axis to reduce; None reduces all.
+
+    Returns:
+        The masked mean: a scalar, or an array without `axis`.
+    """
+    x_BxT = jnp.asarray(x_BxT)
+    mask_BxT = jnp.asarray(mask_BxT)
+    if mask_BxT.shape != x_BxT.shape:
+        raise ValueError(
+            f"masked_mean: mask_BxT must have the shape of x_BxT {x_BxT.shape}; received "
+            f"{mask_BxT.shape}."
+        )
+    m_BxT = mask_BxT.astype(x_BxT.dtype)
+    total = jnp.sum(jnp.where(mask_BxT != 0, x_BxT * m_BxT, 0.0), axis=axis)
+    count = jnp.sum(m_BxT, axis=axis)
+    return jnp.where(count != 0, total / jnp.where(count != 0, count, 1.0), 0.0)
+
+
+class Aggregation(Protocol):
+    def __call__(
+        self, loss_BxT: jax.Array, mask_BxT: jax.Array, *, norm_constant: float | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """Returns (numerator, denominator), each additive over micro-batches."""
+
+
+AGGREGATIONS: dict[str, Aggregation] = {}
+
+
+def register_aggregation(name: str) -> Callable[[Aggregation], Aggregation]:
+    """Registers a loss aggregation under `name`.
+
+    Args:
+        name: The name a config uses to select the aggregation; must not be registered yet.
+
+    Returns:
+        A decorator that registers the function and returns it unchanged.
+    """
+    return _register(AGGREGATIONS, "Aggregation", name)
+
+
+def get_aggregation(name: str) -> Aggregation:
+    """Returns the aggregation registered under `name`.
+
+    Args:
+        name: A registered aggregation name, e.g. "token_mean".
+
+    Returns:
+        The aggregation function.
+
+    Raises:
+        ValueError: If no aggregation is registered under `name`.
+    """
+    return _get(AGGREGATIONS, "aggregation", name)
+
+
+def _masked_loss(
+    loss_BxT: ArrayLike, mask_BxT: ArrayLike, where: str
+) -> tuple[jax.Array, jax.Array]:
+    """Returns loss * mask (0 where masked) and the mask in the loss dtype, after shape checks."""
+    loss_BxT = jnp.asarray(loss_BxT)
+    mask_BxT = jnp.asarray(mask_BxT)
+    if loss_BxT.ndim != 2 or mask_BxT.shape != loss_BxT.shape:
+        raise ValueError(
+            f"{where}: expected loss_BxT and mask_BxT of one shape (B, T); received "
+            f"{loss_BxT.shape} and {mask_BxT.shape}."
+        )
+    m_BxT = mask_BxT.astype(loss_BxT.dtype)
+    return jnp.where(mask_BxT != 0, loss_BxT * m_BxT, 0.0), m_BxT
+
+
+@register_aggregation("token_mean")
+def token_mean(
+    loss_BxT: jax.Array, mask_BxT: jax.Array, *, norm_constant: float | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Mean over all unmasked tokens of the batch (DAPO token-level loss).
+
+    Args:
+        loss_BxT: Per-token loss.
+        mask_BxT: 1 at tokens that count, 0 elsewhere.
+        norm_constant: Unused.
+
+    Returns:
+        (sum of masked loss, number of unmasked tokens).
+    """
+    del norm_constant
+    loss_BxT, m_BxT = _masked_loss(loss_BxT, mask_BxT, "token_mean")
+    return jnp.sum(loss_BxT), jnp.sum(m_BxT)
+
+
+@register_aggregation("seq_mean_token_mean")
+def seq_mean_token_mean(
+    loss_BxT: jax.Array, mask_BxT: jax.Array, *, norm_constant: float | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Mean over sequences of each sequence's token mean (GRPO, GSPO).
+
+    Rows with no unmasked token (batch padding) add to neither part.
+
+    Args:
+        loss_BxT: Per-token loss.
+        mask_BxT: 1 at tokens that count, 0 elsewhere.
+        norm_constant: Unused.
+
+    Returns:
+        (sum over sequences of their token-mean loss, number of sequences with a token).
+    """
+    del norm_constant
+    loss_BxT, m_BxT = _masked_loss(loss_BxT, mask_BxT, "seq_mean_token_mean")
+    n_B = jnp.sum(m_BxT, axis=1)
+    seq_B = jnp.sum(loss_BxT, axis=1) / jnp.where(n_B > 0, n_B, 1.0)
+    return jnp.sum(seq_B), jnp.sum((n_B > 0).astype(loss_BxT.dtype))
+
+
+@register_aggregation("seq_mean_token_sum_norm")
+def seq_mean_token_sum_norm(
+    loss_BxT: jax.Array, mask_BxT: jax.Array, *, norm_constant: float | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Dr. GRPO: each sequence's token sum divided by a constant, averaged over sequences.
+
+    Rows with no unmasked token (batch padding) add to neither part.
+
+    Args:
+        loss_BxT: Per-token loss.
+        mask_BxT: 1 at tokens that count, 0 elsewhere.
+        norm_constant: The constant divisor, the configured maximum response length; required.
+
+    Returns:
+        (sum over sequences of token-sum loss / norm_constant, number of sequences with a token).
+    """
+    if norm_constant is None or (_is_real(norm_constant) and not norm_constant > 0):
+        raise ValueError(
+            f"seq_mean_token_sum_norm needs norm_constant > 0 (the maximum response length); "
+            f"received {norm_constant!r}."
+        )
+    loss_BxT, m_BxT = _masked_loss(loss_BxT, mask_BxT, "seq_mean_token_sum_norm")
+    n_B = jnp.sum(m_BxT, axis=1)
+    return jnp.sum(loss_BxT) / norm_constant, jnp.sum((n_B > 0).astype(loss_BxT.dtype))
