@@ -7,13 +7,14 @@ user adds one with `@register_advantage_estimator("name")` and names it in the c
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from rl.registry import Registry
 from rl.types import Group
 
 
@@ -22,50 +23,9 @@ class AdvantageEstimator(Protocol):
         """Maps N groups of G rewards to advantages of the same shape."""
 
 
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
-
-
-def register_advantage_estimator(
-    name: str,
-) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Registers an advantage estimator under `name`.
-
-    Args:
-        name: The name a config uses to select the estimator; must not be registered yet.
-
-    Returns:
-        A decorator that registers the function and returns it unchanged.
-    """
-
-    def decorator(fn: AdvantageEstimator) -> AdvantageEstimator:
-        if name in ADVANTAGE_ESTIMATORS:
-            raise ValueError(
-                f"Advantage estimator {name!r} is already registered "
-                f"({ADVANTAGE_ESTIMATORS[name]!r}); expected a new name."
-            )
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-
-    return decorator
-
-
-def get_advantage_estimator(name: str) -> AdvantageEstimator:
-    """Returns the advantage estimator registered under `name`.
-
-    Args:
-        name: A registered estimator name, e.g. "grpo".
-
-    Returns:
-        The estimator function.
-
-    Raises:
-        ValueError: If no estimator is registered under `name`.
-    """
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(
-            f"Unknown advantage estimator {name!r}; expected one of {sorted(ADVANTAGE_ESTIMATORS)}."
-        )
-    return ADVANTAGE_ESTIMATORS[name]
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
+get_advantage_estimator = ADVANTAGE_ESTIMATORS.get
 
 
 def _as_rewards(rewards_NxG: ArrayLike) -> jax.Array:

@@ -19,34 +19,16 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from rl.aggregation import masked_mean
+from rl.registry import Registry
+
 Metrics = dict[str, jax.Array]
-_F = TypeVar("_F")
-
-
-def _register(registry: dict[str, _F], kind: str, name: str) -> Callable[[_F], _F]:
-    def decorator(fn: _F) -> _F:
-        if name in registry:
-            raise ValueError(
-                f"{kind} {name!r} is already registered ({registry[name]!r}); expected a new name."
-            )
-        registry[name] = fn
-        return fn
-
-    return decorator
-
-
-def _get(registry: dict[str, _F], kind: str, name: str) -> _F:
-    if name not in registry:
-        raise ValueError(f"Unknown {kind} {name!r}; expected one of {sorted(registry)}.")
-    return registry[name]
-
-
 # ---------------------------------------------------------------------------------------------
 # KL to a reference policy.
 
@@ -62,14 +44,17 @@ def _k3(d: jax.Array) -> jax.Array:
     return jnp.where(small, series, jnp.expm1(x) - x)
 
 
-KL_ESTIMATORS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    # d = logp - ref_logp at tokens sampled from the current policy (Schulman, "Approximating KL
-    # divergence"): all three estimate KL(current || ref); k1 is unbiased but noisy, k3 unbiased
-    # and >= 0, k2 biased with low variance.
-    "k1": lambda d: d,
-    "k2": lambda d: 0.5 * jnp.square(d),
-    "k3": _k3,  # exp(ref - logp) - (ref - logp) - 1
-}
+KL_ESTIMATORS: Registry[Callable[[jax.Array], jax.Array]] = Registry("KL estimator")
+KL_ESTIMATORS.update(
+    {
+        # d = logp - ref_logp at tokens sampled from the current policy (Schulman, "Approximating KL
+        # divergence"): all three estimate KL(current || ref); k1 is unbiased but noisy, k3 unbiased
+        # and >= 0, k2 biased with low variance.
+        "k1": lambda d: d,
+        "k2": lambda d: 0.5 * jnp.square(d),
+        "k3": _k3,  # exp(ref - logp) - (ref - logp) - 1
+    }
+)
 
 
 def kl_penalty(
@@ -98,7 +83,7 @@ def kl_penalty(
     Raises:
         ValueError: If `estimator` is unknown or the shapes differ.
     """
-    fn = _get(KL_ESTIMATORS, "KL estimator", estimator)
+    fn = KL_ESTIMATORS.get(estimator)
     logp_BxT, ref_logp_BxT = jnp.asarray(logp_BxT), jnp.asarray(ref_logp_BxT)
     if logp_BxT.shape != ref_logp_BxT.shape:
         raise ValueError(
@@ -168,34 +153,9 @@ class PolicyLoss(Protocol):
         """Returns the per-token loss (0 where mask is 0) and per-token metrics."""
 
 
-POLICY_LOSSES: dict[str, PolicyLoss] = {}
-
-
-def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Registers a policy loss under `name`.
-
-    Args:
-        name: The name a config uses to select the loss; must not be registered yet.
-
-    Returns:
-        A decorator that registers the function and returns it unchanged.
-    """
-    return _register(POLICY_LOSSES, "Policy loss", name)
-
-
-def get_policy_loss(name: str) -> PolicyLoss:
-    """Returns the policy loss registered under `name`.
-
-    Args:
-        name: A registered loss name, e.g. "ppo_clip".
-
-    Returns:
-        The loss function.
-
-    Raises:
-        ValueError: If no loss is registered under `name`.
-    """
-    return _get(POLICY_LOSSES, "policy loss", name)
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+register_policy_loss = POLICY_LOSSES.register
+get_policy_loss = POLICY_LOSSES.get
 
 
 def _valid(mask_BxT: ArrayLike, shape: tuple[int, ...], where: str) -> jax.Array:
@@ -366,151 +326,3 @@ def tis_reinforce_loss(
         "clip_frac": jnp.where(valid_BxT & (ratio_BxT > cfg.tis_clip), 1.0, zero),
     }
     return jnp.where(valid_BxT, loss_BxT, zero), metrics
-
-
-# ---------------------------------------------------------------------------------------------
-# Aggregation.
-
-
-def masked_mean(x_BxT: ArrayLike, mask_BxT: ArrayLike, *, axis: int | None = None) -> jax.Array:
-    """Mean of `x` over the entries where `mask` is nonzero (weighted by `mask`); 0 if none.
-
-    Args:
-        x_BxT: Values, e.g. a per-token metric.
-        mask_BxT: Weights of the same shape, usually 0/1.
-        axis: Axis to reduce; None reduces all.
-
-    Returns:
-        The masked mean: a scalar, or an array without `axis`.
-    """
-    x_BxT = jnp.asarray(x_BxT)
-    mask_BxT = jnp.asarray(mask_BxT)
-    if mask_BxT.shape != x_BxT.shape:
-        raise ValueError(
-            f"masked_mean: mask_BxT must have the shape of x_BxT {x_BxT.shape}; received "
-            f"{mask_BxT.shape}."
-        )
-    m_BxT = mask_BxT.astype(x_BxT.dtype)
-    total = jnp.sum(jnp.where(mask_BxT != 0, x_BxT * m_BxT, 0.0), axis=axis)
-    count = jnp.sum(m_BxT, axis=axis)
-    return jnp.where(count != 0, total / jnp.where(count != 0, count, 1.0), 0.0)
-
-
-class Aggregation(Protocol):
-    def __call__(
-        self, loss_BxT: jax.Array, mask_BxT: jax.Array, *, norm_constant: float | None = None
-    ) -> tuple[jax.Array, jax.Array]:
-        """Returns (numerator, denominator), each additive over micro-batches."""
-
-
-AGGREGATIONS: dict[str, Aggregation] = {}
-
-
-def register_aggregation(name: str) -> Callable[[Aggregation], Aggregation]:
-    """Registers a loss aggregation under `name`.
-
-    Args:
-        name: The name a config uses to select the aggregation; must not be registered yet.
-
-    Returns:
-        A decorator that registers the function and returns it unchanged.
-    """
-    return _register(AGGREGATIONS, "Aggregation", name)
-
-
-def get_aggregation(name: str) -> Aggregation:
-    """Returns the aggregation registered under `name`.
-
-    Args:
-        name: A registered aggregation name, e.g. "token_mean".
-
-    Returns:
-        The aggregation function.
-
-    Raises:
-        ValueError: If no aggregation is registered under `name`.
-    """
-    return _get(AGGREGATIONS, "aggregation", name)
-
-
-def _masked_loss(
-    loss_BxT: ArrayLike, mask_BxT: ArrayLike, where: str
-) -> tuple[jax.Array, jax.Array]:
-    """Returns loss * mask (0 where masked) and the mask in the loss dtype, after shape checks."""
-    loss_BxT = jnp.asarray(loss_BxT)
-    mask_BxT = jnp.asarray(mask_BxT)
-    if loss_BxT.ndim != 2 or mask_BxT.shape != loss_BxT.shape:
-        raise ValueError(
-            f"{where}: expected loss_BxT and mask_BxT of one shape (B, T); received "
-            f"{loss_BxT.shape} and {mask_BxT.shape}."
-        )
-    m_BxT = mask_BxT.astype(loss_BxT.dtype)
-    return jnp.where(mask_BxT != 0, loss_BxT * m_BxT, 0.0), m_BxT
-
-
-@register_aggregation("token_mean")
-def token_mean(
-    loss_BxT: jax.Array, mask_BxT: jax.Array, *, norm_constant: float | None = None
-) -> tuple[jax.Array, jax.Array]:
-    """Mean over all unmasked tokens of the batch (DAPO token-level loss).
-
-    Args:
-        loss_BxT: Per-token loss.
-        mask_BxT: 1 at tokens that count, 0 elsewhere.
-        norm_constant: Unused.
-
-    Returns:
-        (sum of masked loss, number of unmasked tokens).
-    """
-    del norm_constant
-    loss_BxT, m_BxT = _masked_loss(loss_BxT, mask_BxT, "token_mean")
-    return jnp.sum(loss_BxT), jnp.sum(m_BxT)
-
-
-@register_aggregation("seq_mean_token_mean")
-def seq_mean_token_mean(
-    loss_BxT: jax.Array, mask_BxT: jax.Array, *, norm_constant: float | None = None
-) -> tuple[jax.Array, jax.Array]:
-    """Mean over sequences of each sequence's token mean (GRPO, GSPO).
-
-    Rows with no unmasked token (batch padding) add to neither part.
-
-    Args:
-        loss_BxT: Per-token loss.
-        mask_BxT: 1 at tokens that count, 0 elsewhere.
-        norm_constant: Unused.
-
-    Returns:
-        (sum over sequences of their token-mean loss, number of sequences with a token).
-    """
-    del norm_constant
-    loss_BxT, m_BxT = _masked_loss(loss_BxT, mask_BxT, "seq_mean_token_mean")
-    n_B = jnp.sum(m_BxT, axis=1)
-    seq_B = jnp.sum(loss_BxT, axis=1) / jnp.where(n_B > 0, n_B, 1.0)
-    return jnp.sum(seq_B), jnp.sum((n_B > 0).astype(loss_BxT.dtype))
-
-
-@register_aggregation("seq_mean_token_sum_norm")
-def seq_mean_token_sum_norm(
-    loss_BxT: jax.Array, mask_BxT: jax.Array, *, norm_constant: float | None = None
-) -> tuple[jax.Array, jax.Array]:
-    """Dr. GRPO: each sequence's token sum divided by a constant, averaged over sequences.
-
-    Rows with no unmasked token (batch padding) add to neither part.
-
-    Args:
-        loss_BxT: Per-token loss.
-        mask_BxT: 1 at tokens that count, 0 elsewhere.
-        norm_constant: The constant divisor, the configured maximum response length; required.
-
-    Returns:
-        (sum over sequences of token-sum loss / norm_constant, number of sequences with a token).
-    """
-    if norm_constant is None or (_is_real(norm_constant) and not norm_constant > 0):
-        raise ValueError(
-            f"seq_mean_token_sum_norm needs norm_constant > 0 (the maximum response length); "
-            f"received {norm_constant!r}."
-        )
-    loss_BxT, m_BxT = _masked_loss(loss_BxT, mask_BxT, "seq_mean_token_sum_norm")
-    n_B = jnp.sum(m_BxT, axis=1)
-    return jnp.sum(loss_BxT) / norm_constant, jnp.sum((n_B > 0).astype(loss_BxT.dtype))

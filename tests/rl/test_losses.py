@@ -13,17 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl.losses import (
-    AGGREGATIONS,
-    POLICY_LOSSES,
-    LossConfig,
-    get_aggregation,
-    get_policy_loss,
-    kl_penalty,
-    masked_mean,
-    register_aggregation,
-    register_policy_loss,
-)
+from rl.aggregation import AGGREGATIONS, get_aggregation, masked_mean, register_aggregation
+from rl.losses import POLICY_LOSSES, LossConfig, get_policy_loss, kl_penalty, register_policy_loss
 
 TOL = dict(rtol=1e-5, atol=1e-6)  # float32 against a float64 reference
 DAPO = LossConfig(clip_low=0.2, clip_high=0.28)

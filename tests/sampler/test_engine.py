@@ -193,7 +193,9 @@ def test_cache_that_does_not_fit_is_rejected_with_sizes():
 def test_bulk_insert_rejects_bad_slots_and_mismatched_prefix(model):
     engine = Engine(model, EngineConfig(max_slots=4, max_length=32, max_prefill_length=16))
     params, state = engine.load_params(model), engine.init_decode_state()
-    request = Request(uid=0, prompt=(1, 2, 3), group_size=2, params=SamplingParams(max_new_tokens=4))
+    request = Request(
+        uid=0, prompt=(1, 2, 3), group_size=2, params=SamplingParams(max_new_tokens=4)
+    )
     prefix = engine.prefill(params, request.prompt)
     for slots in ([0, 0], [3, 4], [-1, 0]):
         with pytest.raises(ValueError, match="slots must be distinct"):
