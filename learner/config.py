@@ -1,0 +1,104 @@
+"""Typed learner configuration, built from the `config.learner` ConfigDict in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from rl.advantages import ADVANTAGE_ESTIMATORS
+from rl.aggregation import AGGREGATIONS
+from rl.losses import POLICY_LOSSES, LossConfig
+
+SCHEDULES = ("constant", "cosine")
+OLD_LOGPROBS = ("snapshot", "sampler")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    lr: float = 1e-6  # peak learning rate
+    schedule: str = "constant"  # constant | cosine (after warmup)
+    warmup_steps: int = 0  # linear warmup from 0
+    total_steps: int = 0  # cosine: decay horizon in updates (required > warmup_steps)
+    end_lr_ratio: float = 0.0  # cosine: final lr / peak lr
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0  # AdamW decoupled decay
+    grad_clip_norm: float = 1.0  # global-norm clipping; 0 turns it off
+
+    def __post_init__(self):
+        if not self.lr > 0:
+            raise ValueError(f"optimizer.lr must be > 0; received {self.lr}.")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"optimizer.schedule={self.schedule!r}; expected one of {SCHEDULES}.")
+        if self.warmup_steps < 0 or self.grad_clip_norm < 0 or self.weight_decay < 0:
+            raise ValueError(
+                "optimizer.warmup_steps, grad_clip_norm and weight_decay must be >= 0; received "
+                f"{self.warmup_steps}, {self.grad_clip_norm}, {self.weight_decay}."
+            )
+        if self.schedule == "cosine" and self.total_steps <= self.warmup_steps:
+            raise ValueError(
+                f"optimizer.schedule='cosine' needs total_steps ({self.total_steps}) > "
+                f"warmup_steps ({self.warmup_steps})."
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LearnerConfig:
+    optimizer: OptimizerConfig = OptimizerConfig()
+    loss: LossConfig = LossConfig()
+    policy_loss: str = "ppo_clip"  # rl.losses.POLICY_LOSSES
+    aggregation: str = "token_mean"  # rl.aggregation.AGGREGATIONS
+    norm_constant: float = (
+        0.0  # seq_mean_token_sum_norm: the Dr. GRPO constant (max response length)
+    )
+    advantage: str = "grpo"  # rl.advantages.ADVANTAGE_ESTIMATORS
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
+    old_logprobs: str = (
+        "snapshot"  # later updates of a round: behaviour params snapshot | sampler's
+    )
+    temperature: float = 1.0  # the sampling temperature: log-probs are of softmax(logits / T)
+    micro_batch_rows: int = 16  # sequences per micro-batch (rows are padded up to it)
+    min_length_bucket: int = 32  # sequence lengths pad to powers of two from here
+    entropy_metric: bool = True  # compute the policy entropy per token (one more pass over V)
+
+    def __post_init__(self):
+        for name, registry in (
+            ("policy_loss", POLICY_LOSSES),
+            ("aggregation", AGGREGATIONS),
+            ("advantage", ADVANTAGE_ESTIMATORS),
+        ):
+            registry.get(getattr(self, name))
+        if self.old_logprobs not in OLD_LOGPROBS:
+            raise ValueError(
+                f"learner.old_logprobs={self.old_logprobs!r}; expected one of {OLD_LOGPROBS}."
+            )
+        if self.aggregation == "seq_mean_token_sum_norm" and not self.norm_constant > 0:
+            raise ValueError(
+                "learner.aggregation='seq_mean_token_sum_norm' needs norm_constant > 0 (the maximum "
+                f"response length); received {self.norm_constant}."
+            )
+        if not self.temperature > 0:
+            raise ValueError(f"learner.temperature must be > 0; received {self.temperature}.")
+        if self.micro_batch_rows < 1 or self.min_length_bucket < 1:
+            raise ValueError(
+                "learner.micro_batch_rows and min_length_bucket must be >= 1; received "
+                f"{self.micro_batch_rows}, {self.min_length_bucket}."
+            )
+
+
+def learner_config_from(cfg: Mapping[str, Any]) -> LearnerConfig:
+    """LearnerConfig from a `config.learner` ConfigDict (nested `optimizer` and `loss` dicts)."""
+    fields = {k: v for k, v in dict(cfg).items() if k not in ("optimizer", "loss")}
+    known = {f.name for f in dataclasses.fields(LearnerConfig)}
+    unknown = set(fields) - known
+    if unknown:
+        raise ValueError(
+            f"Unknown learner config fields {sorted(unknown)}; expected some of {sorted(known)}."
+        )
+    return LearnerConfig(
+        optimizer=OptimizerConfig(**dict(cfg.get("optimizer", {}))),
+        loss=LossConfig(**dict(cfg.get("loss", {}))),
+        **fields,
+    )

@@ -1,0 +1,210 @@
+"""The learner: complete groups in, optimizer updates out, on its own mesh.
+
+    learner = Learner(model, cfg, mesh=learner_mesh)
+    learner.begin_round(updates=S)          # S optimizer updates this round
+    learner.add_groups([group, ...])        # as groups arrive: advantages, micro-batches, gradients
+    metrics = learner.update()              # after U groups: one optimizer update
+    params = learner.params                 # publish to the sampler (learner/publish.py)
+
+Groups are turned into micro-batches of `cfg.micro_batch_rows` sequences as soon as enough have
+arrived, and their gradients are accumulated at once; `update` folds in the remainder and applies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from learner.batching import Batch, make_batch
+from learner.config import LearnerConfig
+from learner.state import create_train_state, make_optimizer, make_schedule
+from learner.step import SUM_KEYS, Accum, accumulate, apply, zero_accum
+from rl.advantages import get_advantage_estimator, zero_variance_groups
+from rl.models.sharding import Rules, axis_rules, current_rules, logical_to_spec
+from rl.types import Group
+
+
+class Learner:
+    """Owns the TrainState on the learner mesh; see the module docstring."""
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        cfg: LearnerConfig,
+        *,
+        mesh: Mesh,
+        rules: Rules | None = None,
+        seed: int = 0,
+    ):
+        self.cfg = cfg
+        self.mesh = mesh
+        self.rules = current_rules() if rules is None else rules
+        batch_shards = math.prod(mesh.shape[a] for a in ("fsdp", "data") if a in mesh.axis_names)
+        if cfg.micro_batch_rows % batch_shards:
+            raise ValueError(
+                f"learner.micro_batch_rows ({cfg.micro_batch_rows}) must be divisible by the learner "
+                f"mesh's batch shards ({batch_shards}: fsdp)."
+            )
+        self.graphdef, params = nnx.split(model)
+        self.tx = make_optimizer(cfg.optimizer)
+        self.schedule = make_schedule(cfg.optimizer)
+        with self._on_mesh():
+            self.state, self.shardings = create_train_state(
+                params, self.tx, seed=seed, mesh=mesh, rules=self.rules
+            )
+        self.ref_params = None
+        if cfg.loss.kl_coef > 0:  # frozen reference: the initial policy, never donated
+            self.ref_params = jax.jit(
+                lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.shardings.params
+            )(self.state.params)
+        rep = NamedSharding(mesh, PartitionSpec())
+        self._acc_shardings = Accum(
+            grads=self.shardings.params,
+            numerator=rep,
+            denominator=rep,
+            sums=dict.fromkeys(SUM_KEYS, rep),
+        )
+        kw = dict(graphdef=self.graphdef, cfg=cfg)
+        self._zero = jax.jit(zero_accum, out_shardings=self._acc_shardings)
+        self._accumulate = jax.jit(
+            functools.partial(accumulate, **kw),
+            donate_argnums=(0,),
+            out_shardings=self._acc_shardings,
+        )
+        self._apply = jax.jit(
+            functools.partial(apply, tx=self.tx, schedule=self.schedule),
+            donate_argnums=(0,),
+            out_shardings=(self.shardings, rep),
+        )
+        self._copy = jax.jit(
+            lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.shardings.params
+        )
+        self._acc: Accum | None = None
+        self._pending: list[tuple[Group, tuple[float, ...]]] = []
+        self._pending_rows = 0
+        self._behavior: Any = None
+        self.updates_in_round = 0
+        self.groups_dropped = 0  # dynamic sampling
+        self.groups_in_update = 0
+
+    @contextlib.contextmanager
+    def _on_mesh(self) -> Iterator[None]:
+        with jax.set_mesh(self.mesh), axis_rules(self.rules):
+            yield
+
+    # ------------------------------------------------------------------------------------ state
+
+    @property
+    def params(self) -> Any:
+        """The current parameters (an nnx State on the learner mesh)."""
+        return self.state.params
+
+    @property
+    def step(self) -> int:
+        return int(self.state.step)
+
+    def begin_round(self, updates: int) -> None:
+        """Starts a round of `updates` optimizer updates from the current (= published) params.
+
+        With more than one update and old_logprobs == "snapshot", the current params are kept as
+        the behaviour policy for the round's later updates.
+        """
+        if self._pending or self._acc is not None:
+            raise RuntimeError("begin_round called with groups accumulated but not applied.")
+        self.updates_in_round = 0
+        self._behavior = None
+        if updates > 1 and self.cfg.old_logprobs == "snapshot":
+            self._behavior = self._copy(self.state.params)
+
+    # ----------------------------------------------------------------------------------- groups
+
+    def add_groups(self, groups: Iterable[Group]) -> None:
+        """Computes advantages and accumulates gradients of every full micro-batch."""
+        estimator = get_advantage_estimator(self.cfg.advantage)
+        for g in groups:
+            rewards = np.asarray([g.rewards], np.float32)
+            if self.cfg.dynamic_sampling and bool(zero_variance_groups(rewards)[0]):
+                self.groups_dropped += 1
+                continue
+            adv = tuple(float(a) for a in np.asarray(estimator(rewards))[0])
+            self._pending.append((g, adv))
+            self._pending_rows += len(g.completions)
+            self.groups_in_update += 1
+            if self._pending_rows >= self.cfg.micro_batch_rows:
+                self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        groups, advs = zip(*self._pending, strict=True)
+        self._pending, self._pending_rows = [], 0
+        batch = make_batch(
+            groups,
+            advs,
+            rows=self.cfg.micro_batch_rows,
+            min_length_bucket=self.cfg.min_length_bucket,
+        )
+        self._accumulate_batch(batch)
+
+    def _batch_shardings(self, batch: Batch) -> Batch:
+        def one(x: np.ndarray) -> NamedSharding:
+            names = ("batch",) + (None,) * (x.ndim - 1)
+            return NamedSharding(
+                self.mesh, logical_to_spec(names, self.mesh, self.rules, shape=x.shape)
+            )
+
+        return jax.tree.map(one, batch)
+
+    def _accumulate_batch(self, batch: Batch) -> None:
+        batch = jax.device_put(batch, self._batch_shardings(batch))
+        with self._on_mesh():
+            if self._acc is None:
+                self._acc = self._zero(self.state.params)
+            self._acc = self._accumulate(
+                self._acc,
+                self.state.params,
+                batch,
+                behavior_params=self._behavior if self.updates_in_round else None,
+                ref_params=self.ref_params,
+            )
+
+    def update(self) -> dict[str, float]:
+        """Applies one optimizer update from everything accumulated since the last one.
+
+        Raises:
+          ValueError: nothing (or no response token) was accumulated.
+          FloatingPointError: the loss or gradient norm is NaN/inf (names the step and metric).
+        """
+        self._flush()
+        if self._acc is None:
+            raise ValueError(
+                f"update() with no groups accumulated ({self.groups_dropped} dropped by dynamic "
+                "sampling); expected at least one group with response tokens."
+            )
+        step = self.step
+        with self._on_mesh():
+            self.state, metrics = self._apply(self.state, self._acc)
+        self._acc = None
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if metrics["tokens"] == 0:
+            raise ValueError(f"Update {step}: the accumulated batch holds no response tokens.")
+        for name in ("loss", "grad_norm"):
+            if not math.isfinite(metrics[name]):
+                raise FloatingPointError(
+                    f"Non-finite {name}={metrics[name]} at update {step}; the update was not "
+                    "applied (parameters and optimizer state are unchanged)."
+                )
+        metrics["groups"] = float(self.groups_in_update)
+        metrics["groups_dropped"] = float(self.groups_dropped)
+        self.groups_in_update = 0
+        self.updates_in_round += 1
+        return metrics

@@ -1,0 +1,169 @@
+"""The pure train step, split in two so micro-batches can be folded in as groups arrive.
+
+    acc = zero_accum(params)
+    acc = accumulate(acc, params, batch_1, ...)   # as many micro-batches as you like
+    state, metrics = apply(state, acc)            # one optimizer update
+    state, metrics = train_step(state, batch)     # the same for one batch, one jitted call
+
+`accumulate` sums the gradient of the aggregation's numerator, the numerator and the denominator
+(rl/aggregation.py), and metric sums, all unnormalised; `apply` divides once. Accumulating any split
+of a batch therefore equals the whole batch.
+
+Old log-probs (the PPO ratio's denominator): `behavior_params` if given (a snapshot of the round's
+published params, for later updates of a round), else the batch's sampler log-probs if
+`old_logprobs == "sampler"`, else the current params with stop_gradient (exact for a round's first
+update, where current params are the behaviour policy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from learner.batching import Batch
+from learner.config import LearnerConfig
+from learner.state import TrainState
+from rl.aggregation import get_aggregation
+from rl.losses import get_policy_loss, kl_penalty
+
+_METRICS = ("clip_frac", "entropy", "kl", "ratio")
+SUM_KEYS = (*_METRICS, "tokens", "sequences")  # what Accum.sums holds
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Accum:
+    grads: Any  # gradient of the summed numerator, params-shaped
+    numerator: jax.Array
+    denominator: jax.Array
+    sums: dict[str, jax.Array]  # token-summed metrics and counts
+
+
+def zero_accum(params: Any) -> Accum:
+    zeros = jnp.zeros((), jnp.float32)
+    return Accum(
+        grads=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+        numerator=zeros,
+        denominator=zeros,
+        sums=dict.fromkeys(SUM_KEYS, zeros),
+    )
+
+
+def _logprobs(
+    graphdef: nnx.GraphDef, params: Any, batch: Batch, cfg: LearnerConfig, entropy: bool
+) -> tuple[jax.Array, jax.Array | None]:
+    model = nnx.merge(graphdef, params)
+    out = model.token_logprobs(
+        batch.inputs,
+        batch.positions,
+        batch.segments,
+        batch.targets,
+        temperature=cfg.temperature,
+        with_entropy=entropy,
+    )
+    return out if entropy else (out, None)
+
+
+def accumulate(
+    acc: Accum,
+    params: Any,
+    batch: Batch,
+    *,
+    graphdef: nnx.GraphDef,
+    cfg: LearnerConfig,
+    behavior_params: Any = None,
+    ref_params: Any = None,
+) -> Accum:
+    """Adds one micro-batch's gradient, loss terms and metric sums to `acc`."""
+    mask = batch.loss_mask
+    if behavior_params is not None:
+        old = jax.lax.stop_gradient(_logprobs(graphdef, behavior_params, batch, cfg, False)[0])
+    elif cfg.old_logprobs == "sampler":
+        old = batch.behavior_logp
+    else:
+        old = None
+    ref = None
+    if cfg.loss.kl_coef > 0:
+        ref = jax.lax.stop_gradient(_logprobs(graphdef, ref_params, batch, cfg, False)[0])
+
+    def loss_fn(p: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+        logp, ent = _logprobs(graphdef, p, batch, cfg, cfg.entropy_metric)
+        old_logp = jax.lax.stop_gradient(logp) if old is None else old
+        loss, m = get_policy_loss(cfg.policy_loss)(logp, old_logp, batch.advantages, mask, cfg.loss)
+        kl = jnp.zeros_like(logp)
+        if ref is not None:
+            kl = kl_penalty(logp, ref, cfg.loss.kl_estimator, mask_BxT=mask)
+            loss = loss + cfg.loss.kl_coef * kl
+        num, den = get_aggregation(cfg.aggregation)(
+            loss, mask, norm_constant=cfg.norm_constant or None
+        )
+        per_token = {
+            "clip_frac": m.get("clip_frac", jnp.zeros_like(logp)),
+            "kl": kl,
+            "ratio": m.get("ratio", jnp.ones_like(logp)),
+            "entropy": jnp.zeros_like(logp) if ent is None else ent,
+        }
+        sums = {k: jnp.sum(jnp.where(mask > 0, v, 0.0)) for k, v in per_token.items()}
+        sums["tokens"] = jnp.sum(mask)
+        sums["sequences"] = jnp.sum(jnp.any(mask > 0, axis=1)).astype(jnp.float32)
+        return num, (den, sums)
+
+    (num, (den, sums)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return Accum(
+        grads=jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc.grads, grads),
+        numerator=acc.numerator + num,
+        denominator=acc.denominator + den,
+        sums={k: acc.sums[k] + sums[k] for k in acc.sums},
+    )
+
+
+def apply(
+    state: TrainState, acc: Accum, *, tx: optax.GradientTransformation, schedule: optax.Schedule
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer update from an accumulator: gradients and loss divided once by the denominator."""
+    den = jnp.maximum(acc.denominator, 1e-9)
+    grads = jax.tree.map(lambda g, p: (g / den).astype(p.dtype), acc.grads, state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    tokens = jnp.maximum(acc.sums["tokens"], 1.0)
+    metrics = {
+        "loss": acc.numerator / den,
+        "grad_norm": optax.global_norm(grads),
+        "lr": schedule(state.step),
+        "tokens": acc.sums["tokens"],
+        "sequences": acc.sums["sequences"],
+        **{k: acc.sums[k] / tokens for k in _METRICS},
+    }
+    new = TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=state.rng)
+    # A non-finite loss or gradient leaves the state as it was; the caller reports and stops.
+    ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state), metrics
+
+
+def train_step(
+    state: TrainState,
+    batch: Batch,
+    *,
+    graphdef: nnx.GraphDef,
+    cfg: LearnerConfig,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    behavior_params: Any = None,
+    ref_params: Any = None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """`apply(state, accumulate(zero, state.params, batch))`: one batch, one update."""
+    acc = accumulate(
+        zero_accum(state.params),
+        state.params,
+        batch,
+        graphdef=graphdef,
+        cfg=cfg,
+        behavior_params=behavior_params,
+        ref_params=ref_params,
+    )
+    return apply(state, acc, tx=tx, schedule=schedule)
