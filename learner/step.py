@@ -133,7 +133,7 @@ def apply(
     tokens = jnp.maximum(acc.sums["tokens"], 1.0)
     metrics = {
         "loss": acc.numerator / den,
-        "grad_norm": optax.global_norm(grads),
+        "grad_norm": optax.tree.norm(grads),
         "lr": schedule(state.step),
         "tokens": acc.sums["tokens"],
         "sequences": acc.sums["sequences"],

@@ -1,0 +1,300 @@
+"""The learner: accumulation equals one batch, sharding changes nothing, old log-probs, guards."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from learner.batching import make_batch
+from learner.config import LearnerConfig, OptimizerConfig
+from learner.learner import Learner
+from learner.mesh import MeshConfig, make_meshes
+from learner.publish import DevicePutSync
+from learner.state import create_train_state, make_optimizer, make_schedule
+from learner.step import accumulate, apply, train_step, zero_accum
+from rl.advantages import get_advantage_estimator
+from rl.models import create_model, get_preset
+from rl.types import Completion, Group, Request
+
+TOL = 1e-5  # float32
+
+
+def make_groups(n, g=4, seed=0, max_response=9, prompt_len=5):
+    rng = np.random.default_rng(seed)
+    out = []
+    for uid in range(n):
+        prompt = tuple(int(x) for x in rng.integers(0, 256, prompt_len))
+        comps = []
+        for s in range(g):
+            k = int(rng.integers(1, max_response))
+            comps.append(
+                Completion(
+                    uid=uid,
+                    round=0,
+                    sample=s,
+                    prompt=prompt,
+                    tokens=tuple(int(x) for x in rng.integers(0, 256, k)),
+                    logprobs=tuple(float(x) for x in -rng.random(k) * 5),
+                    versions=(0,) * k,
+                    finish_reason="length",
+                    reward=float(rng.integers(0, 2)),
+                )
+            )
+        out.append(
+            Group(request=Request(uid=uid, prompt=prompt, group_size=g), completions=tuple(comps))
+        )
+    return out
+
+
+def _advantages(groups):
+    est = get_advantage_estimator("grpo")
+    return [tuple(np.asarray(est(np.asarray([g.rewards])))[0]) for g in groups]
+
+
+def _single_mesh():
+    return jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+
+
+# eps=1 keeps Adam's first steps Lipschitz in the gradient: with eps=1e-8 an update is ~lr*sign(g),
+# which turns float32 rounding of near-zero gradient entries into O(lr) parameter differences.
+WELL_CONDITIONED = OptimizerConfig(lr=1e-2, eps=1.0)
+
+
+@pytest.mark.parametrize(
+    "aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+)
+def test_accumulating_any_split_equals_one_batch(aggregation):
+    cfg = LearnerConfig(
+        optimizer=WELL_CONDITIONED,
+        aggregation=aggregation,
+        norm_constant=8.0 if aggregation == "seq_mean_token_sum_norm" else 0.0,
+        policy_loss="ppo_clip",
+        old_logprobs="sampler",
+    )
+    graphdef, params = nnx.split(create_model(get_preset("tiny"), seed=1))
+    tx, schedule = make_optimizer(cfg.optimizer), make_schedule(cfg.optimizer)
+    groups = make_groups(4, g=2)
+    advs = _advantages(groups)
+    state, _ = create_train_state(params, tx, seed=0, mesh=_single_mesh())
+    # Every micro-batch is padded to the full batch's 8 rows: one compile, padding rows add nothing.
+    acc_fn = jax.jit(lambda a, b: accumulate(a, state.params, b, graphdef=graphdef, cfg=cfg))
+    apply_fn = jax.jit(lambda a: apply(state, a, tx=tx, schedule=schedule))
+    full_acc = acc_fn(zero_accum(params), make_batch(groups, advs, rows=8))
+    full_state, full_metrics = apply_fn(full_acc)
+    if aggregation == "token_mean":  # train_step is exactly apply(accumulate(zero, ...))
+        one = jax.jit(
+            lambda s, b: train_step(s, b, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule)
+        )
+        step_state, _ = one(state, make_batch(groups, advs, rows=8))
+        for a, b in zip(
+            jax.tree.leaves(step_state.params), jax.tree.leaves(full_state.params), strict=True
+        ):
+            np.testing.assert_allclose(a, b, atol=TOL, rtol=0)
+    for parts in (2, 4):
+        acc = zero_accum(params)
+        k = len(groups) // parts
+        for i in range(parts):
+            acc = acc_fn(
+                acc, make_batch(groups[i * k : (i + 1) * k], advs[i * k : (i + 1) * k], rows=8)
+            )
+        for g, g_full in zip(
+            jax.tree.leaves(acc.grads), jax.tree.leaves(full_acc.grads), strict=True
+        ):
+            np.testing.assert_allclose(
+                g / acc.denominator, g_full / full_acc.denominator, atol=TOL, rtol=0
+            )
+        new_state, metrics = apply_fn(acc)
+        np.testing.assert_allclose(metrics["loss"], full_metrics["loss"], atol=TOL, rtol=0)
+        for a, b in zip(
+            jax.tree.leaves(new_state.params), jax.tree.leaves(full_state.params), strict=True
+        ):
+            np.testing.assert_allclose(a, b, atol=TOL, rtol=0, err_msg=f"{parts} micro-batches")
+
+
+def test_sharded_update_equals_unsharded():
+    cfg = LearnerConfig(optimizer=WELL_CONDITIONED, micro_batch_rows=8, old_logprobs="sampler")
+    model = create_model(get_preset("tiny"), seed=2)
+    lm, _ = make_meshes(MeshConfig(learner_devices=8, learner_tp=2, colocated=True))
+    assert dict(lm.shape) == {"fsdp": 4, "tp": 2}
+    results = []
+    for mesh in (_single_mesh(), lm):
+        learner = Learner(model, cfg, mesh=mesh)
+        learner.begin_round(updates=2)
+        metrics = []
+        for r in range(2):
+            learner.add_groups(make_groups(2, seed=r))
+            metrics.append(learner.update())
+        results.append((learner.params, metrics))
+    gate = results[1][0]["layers"][0]["mlp"]["gate"][...]
+    assert gate.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tp")
+    for a, b in zip(jax.tree.leaves(results[0][0]), jax.tree.leaves(results[1][0]), strict=True):
+        np.testing.assert_allclose(a, b, atol=TOL, rtol=0)
+    for m0, m1 in zip(results[0][1], results[1][1], strict=True):
+        np.testing.assert_allclose(m0["loss"], m1["loss"], atol=TOL)
+
+
+def _on_policy_groups(model, groups, temperature=1.0):
+    """The same groups with log-probs recomputed under `model` (as the sampler would report)."""
+    batch = make_batch(groups, [(0.0,) * len(g.completions) for g in groups], rows=1)
+    lp = np.asarray(
+        jax.jit(
+            lambda m, b: m.token_logprobs(
+                b.inputs, b.positions, b.segments, b.targets, temperature=temperature
+            )
+        )(model, batch)
+    )
+    out, row = [], 0
+    for g in groups:
+        comps = []
+        for c in g.completions:
+            start = len(c.prompt) - 1
+            logprobs = tuple(float(x) for x in lp[row, start : start + len(c.tokens)])
+            comps.append(Completion(**{**c.__dict__, "logprobs": logprobs}))
+            row += 1
+        out.append(Group(request=g.request, completions=tuple(comps)))
+    return out
+
+
+def test_later_updates_use_the_behavior_policy_not_the_updated_learner():
+    model = create_model(get_preset("tiny"), seed=3)
+    rounds = [_on_policy_groups(model, make_groups(2, seed=s)) for s in (10, 11)]
+    params = {}
+    for mode in ("snapshot", "sampler"):
+        cfg = LearnerConfig(
+            optimizer=OptimizerConfig(lr=1.0, eps=1.0), micro_batch_rows=8, old_logprobs=mode
+        )
+        learner = Learner(model, cfg, mesh=_single_mesh())
+        learner.begin_round(updates=2)
+        ratios = []
+        for groups in rounds:
+            learner.add_groups(groups)
+            ratios.append(learner.update()["ratio"])
+        params[mode] = learner.params
+        assert ratios[0] == pytest.approx(1.0, abs=1e-5)
+        assert abs(ratios[1] - 1.0) > 1e-3  # the learner has moved away from the behaviour policy
+    for a, b in zip(
+        jax.tree.leaves(params["snapshot"]), jax.tree.leaves(params["sampler"]), strict=True
+    ):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+
+
+def test_nan_loss_stops_naming_step_and_metric_and_keeps_state():
+    learner = Learner(
+        create_model(get_preset("tiny")), LearnerConfig(micro_batch_rows=4), mesh=_single_mesh()
+    )
+    learner.begin_round(updates=1)
+    groups = make_groups(1)
+    bad = Group(
+        request=groups[0].request,
+        completions=tuple(
+            Completion(**{**c.__dict__, "reward": float("nan")}) for c in groups[0].completions
+        ),
+    )
+    before = jax.tree.map(np.asarray, learner.params)
+    learner.add_groups([bad])
+    with pytest.raises(FloatingPointError, match=r"Non-finite loss=nan at update 0"):
+        learner.update()
+    assert learner.step == 0
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(learner.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_dynamic_sampling_drops_zero_variance_groups():
+    learner = Learner(
+        create_model(get_preset("tiny")),
+        LearnerConfig(micro_batch_rows=4, dynamic_sampling=True),
+        mesh=_single_mesh(),
+    )
+    learner.begin_round(updates=1)
+    same, mixed = make_groups(2, seed=5)
+    same = Group(
+        request=same.request,
+        completions=tuple(Completion(**{**c.__dict__, "reward": 1.0}) for c in same.completions),
+    )
+    mixed = Group(
+        request=mixed.request,
+        completions=tuple(
+            Completion(**{**c.__dict__, "reward": float(i % 2)})
+            for i, c in enumerate(mixed.completions)
+        ),
+    )
+    learner.add_groups([same, mixed])
+    m = learner.update()
+    assert m["groups"] == 1 and m["groups_dropped"] == 1 and m["sequences"] == 4
+    learner.add_groups([same])
+    with pytest.raises(ValueError, match="no groups accumulated .*2 dropped by dynamic sampling"):
+        learner.update()
+
+
+def test_published_weights_equal_learner_params_in_sampler_dtype():
+    model = create_model(get_preset("tiny"))
+    lm, sm = make_meshes(
+        MeshConfig(learner_devices=4, learner_tp=2, sampler_devices=4, sampler_tp=2)
+    )
+    learner = Learner(model, LearnerConfig(micro_batch_rows=4), mesh=lm)
+    learner.begin_round(updates=1)
+    learner.add_groups(make_groups(1))
+    learner.update()
+    sync = DevicePutSync(learner.params, sm, dtype="bfloat16")
+    pub = sync.publish(learner.params, version=1)
+    assert pub.version == 1 and pub.seconds > 0
+    q = pub.params["layers"][0]["attn"]["q"][...]
+    assert q.dtype == jnp.bfloat16 and set(q.sharding.device_set) == set(sm.devices.flat)
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "tp", None)
+    for a, b in zip(jax.tree.leaves(pub.params), jax.tree.leaves(learner.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jnp.bfloat16)))
+
+
+def test_bad_input_gets_clear_errors():
+    groups = make_groups(1)
+    with pytest.raises(ValueError, match="empty group list"):
+        make_batch([], [], rows=4)
+    empty = Group(
+        request=groups[0].request,
+        completions=tuple(
+            Completion(**{**c.__dict__, "tokens": (), "logprobs": (), "versions": ()})
+            for c in groups[0].completions
+        ),
+    )
+    with pytest.raises(ValueError, match="hold no response tokens"):
+        make_batch([empty], [(0.0,) * 4], rows=4)
+    learner = Learner(
+        create_model(get_preset("tiny")), LearnerConfig(micro_batch_rows=4), mesh=_single_mesh()
+    )
+    with pytest.raises(ValueError, match="no groups accumulated"):
+        learner.update()
+    lm, _ = make_meshes(MeshConfig(learner_devices=4, learner_tp=1, colocated=True))
+    with pytest.raises(
+        ValueError, match=r"micro_batch_rows \(6\) must be divisible .* \(4: fsdp\)"
+    ):
+        Learner(create_model(get_preset("tiny")), LearnerConfig(micro_batch_rows=6), mesh=lm)
+    with pytest.raises(ValueError, match="Too few devices: the learner needs 6 and the sampler 4"):
+        make_meshes(MeshConfig(learner_devices=6, sampler_devices=4))
+    with pytest.raises(ValueError, match="learner_tp=3 does not divide"):
+        make_meshes(MeshConfig(learner_devices=4, learner_tp=3))
+    with pytest.raises(ValueError, match="Only 1 device"):
+        make_meshes(MeshConfig(), devices=jax.devices()[:1])
+    with pytest.raises(ValueError, match="needs norm_constant > 0"):
+        LearnerConfig(aggregation="seq_mean_token_sum_norm")
+    with pytest.raises(ValueError, match="Unknown policy loss 'ppo'"):
+        LearnerConfig(policy_loss="ppo")
+
+
+def test_training_raises_logprob_of_rewarded_responses():
+    model = create_model(get_preset("tiny"), seed=4)
+    groups = _on_policy_groups(model, make_groups(2, seed=7))
+    learner = Learner(
+        model,
+        LearnerConfig(optimizer=OptimizerConfig(lr=1e-2), micro_batch_rows=8),
+        mesh=_single_mesh(),
+    )
+    for _ in range(5):
+        learner.begin_round(updates=1)
+        learner.add_groups(groups)
+        learner.update()
+    after = _on_policy_groups(nnx.merge(learner.graphdef, learner.params), groups)
+    for g0, g1 in zip(groups, after, strict=True):
+        for c0, c1, a in zip(g0.completions, g1.completions, _advantages([g0])[0], strict=True):
+            if abs(a) > 0.1:
+                assert np.sign(sum(c1.logprobs) - sum(c0.logprobs)) == np.sign(a)
