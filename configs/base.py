@@ -23,6 +23,38 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model.remat = "full"  # per-layer rematerialisation: none | full | dots
     config.model.logits_chunk = 512  # sequence chunk for log-prob computation
 
+    config.mesh = ml_collections.ConfigDict()
+    config.mesh.learner_devices = 0  # 0: half of the devices (all when colocated)
+    config.mesh.learner_tp = 1  # learner tensor parallelism; fsdp = learner_devices / learner_tp
+    config.mesh.sampler_devices = 0  # 0: the other half (all when colocated)
+    config.mesh.sampler_tp = 1  # sampler tensor parallelism; data = sampler_devices / sampler_tp
+    config.mesh.colocated = False  # learner and sampler share devices (one GPU, Colab, CPU)
+
+    config.learner = ml_collections.ConfigDict()
+    config.learner.policy_loss = "ppo_clip"  # ppo_clip | gspo | tis_reinforce
+    config.learner.aggregation = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+    config.learner.norm_constant = 0.0  # seq_mean_token_sum_norm: Dr. GRPO constant (max response length)
+    config.learner.advantage = "grpo"  # grpo | drgrpo | rloo
+    config.learner.dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal
+    config.learner.old_logprobs = "snapshot"  # later updates of a round: snapshot | sampler
+    config.learner.temperature = 1.0  # must equal the sampling temperature
+    config.learner.micro_batch_rows = 16  # sequences per micro-batch (divisible by fsdp)
+    config.learner.min_length_bucket = 32  # sequence lengths pad to powers of two from here
+    config.learner.entropy_metric = True  # per-token policy entropy as a metric
+    config.learner.optimizer = ml_collections.ConfigDict()
+    config.learner.optimizer.lr = 1e-6  # peak learning rate
+    config.learner.optimizer.schedule = "constant"  # constant | cosine
+    config.learner.optimizer.warmup_steps = 0  # linear warmup (updates)
+    config.learner.optimizer.total_steps = 0  # cosine horizon (updates)
+    config.learner.optimizer.weight_decay = 0.0  # AdamW decoupled weight decay
+    config.learner.optimizer.grad_clip_norm = 1.0  # global-norm clipping; 0: off
+    config.learner.loss = ml_collections.ConfigDict()
+    config.learner.loss.clip_low = 0.2  # PPO ratio clip below 1
+    config.learner.loss.clip_high = 0.28  # PPO ratio clip above 1 (DAPO clip-higher)
+    config.learner.loss.tis_clip = 5.0  # tis_reinforce: importance weight cap c
+    config.learner.loss.kl_coef = 0.0  # KL-to-reference coefficient; 0: no reference model
+    config.learner.loss.kl_estimator = "k3"  # k1 | k2 | k3
+
     config.tokenizer = ""  # "byte" or a local tokenizer directory; default: model.hf_path
 
     # logical axis -> mesh axes; one table serves the learner (fsdp, tp) and sampler (data, tp) meshes
@@ -46,3 +78,5 @@ def shrink_for_smoke(config: ml_collections.ConfigDict) -> None:
     config.model.dtype = "float32"
     config.model.remat = "none"
     config.tokenizer = "byte"
+    config.mesh.colocated = True
+    config.learner.micro_batch_rows = 8

@@ -4,11 +4,11 @@
     ckpt.save(step, learner.state, {"round": r, "data": iterator.get_state()})
     state, meta = ckpt.restore(abstract_state=learner.state, shardings=learner.shardings)
 
-A step directory holds three items: `state` (the TrainState arrays, typed PRNG keys stored as their
-uint32 key data), `prng` (JSON: the key implementation of each key leaf, to re-wrap the data) and
-`meta` (JSON: the caller's host state: round, policy version, data iterator state, queues). Saves
-are asynchronous: `save` returns once the arrays are copied off the devices, so the train step may
-donate the state right after; `wait` blocks until the files are written.
+A step directory holds `state` (the TrainState arrays; typed PRNG keys as their uint32 key data),
+`prng` (JSON: each key leaf's implementation, to re-wrap the data) and `meta` (JSON: the caller's
+host state: round, policy version, data iterator state, queues). `save` is asynchronous: it returns
+once the arrays are copied off the devices (the step may donate them next); `wait` blocks until the
+files are written.
 """
 
 from __future__ import annotations
@@ -61,10 +61,8 @@ class Checkpointer:
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1; received {max_to_keep}.")
         self.directory = os.path.abspath(os.fspath(directory))
-        json_handler = ocp.JsonCheckpointHandler
-        handlers = dict(
-            state=ocp.StandardCheckpointHandler(), prng=json_handler(), meta=json_handler()
-        )
+        json_item = ocp.JsonCheckpointHandler
+        handlers = dict(state=ocp.StandardCheckpointHandler(), prng=json_item(), meta=json_item())
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save
         )

@@ -7,6 +7,8 @@ import os
 import pytest
 
 import configs
+from learner.config import learner_config_from
+from learner.mesh import MeshConfig
 from rl.models.build import model_config_from
 from rl.models.sharding import normalize_rules
 
@@ -28,6 +30,8 @@ def test_config_parses_and_builds_typed_objects(name, arg):
     config = importlib.import_module(f"configs.{name}").get_config(arg)
     assert config.model.hf_path or model_config_from(config.model).num_params() > 0
     normalize_rules(config.sharding_rules)
+    learner_config_from(config.learner)
+    MeshConfig(**config.mesh)
     if arg == "smoke":
         assert model_config_from(config.model).num_params() < 1_000_000
         assert config.tokenizer == "byte"

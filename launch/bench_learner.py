@@ -1,0 +1,438 @@
+"""Learner throughput: Learner.add_groups + update vs a minimal hand-written jitted train step.
+
+    python -m launch.bench_learner [--json /tmp/bench_learner.json] [--breakdown] [--steps 4 ...]
+
+One process, one model (the "tiny" preset widened to d_model 128, float32), one synthetic batch of
+complete Groups (seeded random prompts, responses, sampler log-probs near a uniform policy's, 0/1
+rewards) trained with PPO-clip and a token-mean loss, old log-probs from the sampler; every update
+sees the same batch. Tokens/s counts loss tokens (response tokens). Measured ways, interleaved:
+  minimal       the baseline: one hand-written @jax.jit step (value_and_grad of the same loss on
+                model.token_logprobs, optax clip_by_global_norm + adamw, apply_updates; params and
+                optimizer state donated) on device arrays built once by learner.batching.make_batch;
+                `--steps` steps dispatched back to back, one block_until_ready at the end.
+  minimal+sync  the same, with the loss fetched to the host after every step, as update() does.
+  learner       Learner.add_groups(groups) + Learner.update(), what a user pays per update: GRPO
+                advantages, make_batch, device_put, the zero_accum/accumulate/apply jits and the
+                metrics fetch that ends every update.
+With --breakdown (two more train-step compiles; over the default's time budget on a 2-core CPU):
+  train_step    learner.step.train_step in one jit on the device batch, metrics fetched per step:
+                the learner's math (metric sums, float32 accumulator, non-finite guard) fused.
+  3 jits        zero_accum, accumulate, apply as three jits, as Learner runs them; device batch.
+Pieces of an update are also timed alone (median ms): the host work in add_groups (advantages,
+make_batch, device_put), zero_accum, apply against the bare optax update, the metrics fetch.
+Both sides run on the same single device by default (--devices). Everything is compiled by a
+warm-up before timing; each way's best (least disturbed) run counts, as the machine may be shared.
+The first update's loss and gradient norm of the two sides are printed: same initial params and
+batch, so they must agree.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import app, flags
+from flax import nnx
+
+from learner.batching import Batch, make_batch
+from learner.config import LearnerConfig, OptimizerConfig
+from learner.learner import Learner
+from learner.mesh import MeshConfig, make_meshes
+from learner.state import create_train_state, make_optimizer, make_schedule
+from learner.step import accumulate, apply, train_step, zero_accum
+from rl.advantages import get_advantage_estimator
+from rl.losses import LossConfig
+from rl.models import create_model, get_preset, logical_to_spec
+from rl.types import Completion, Group, Request, SamplingParams
+
+_JSON = flags.DEFINE_string("json", "", "Write the results here as JSON; empty: don't.")
+_PRESET = flags.DEFINE_string("preset", "tiny", "Model preset (rl.models.PRESETS).")
+_D_MODEL = flags.DEFINE_integer("d_model", 128, "Preset override: hidden size.")
+_LAYERS = flags.DEFINE_integer("n_layers", 2, "Preset override: decoder layers.")
+_HEADS = flags.DEFINE_integer("n_heads", 4, "Preset override: query heads.")
+_KV_HEADS = flags.DEFINE_integer("n_kv_heads", 2, "Preset override: key/value heads.")
+_HEAD_DIM = flags.DEFINE_integer("head_dim", 32, "Preset override: head dimension.")
+_MLP = flags.DEFINE_integer("mlp_dim", 384, "Preset override: MLP hidden size.")
+_GROUPS = flags.DEFINE_integer("groups", 4, "Groups (prompts) per update.")
+_GROUP_SIZE = flags.DEFINE_integer("group_size", 8, "Completions per group (G).")
+_PROMPT = flags.DEFINE_integer("prompt_tokens", 32, "Prompt length (every prompt).")
+_MIN_RESPONSE = flags.DEFINE_integer("min_response", 32, "Shortest response.")
+_MAX_RESPONSE = flags.DEFINE_integer("max_response", 96, "Longest response (one row has it).")
+_STEPS = flags.DEFINE_integer("steps", 4, "Updates per timed run.")
+_WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed updates per way first (compiles).")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Interleaved timed runs of each way; best counts.")
+_PIECE_REPEATS = flags.DEFINE_integer("piece_repeats", 20, "Repeats of each piece's timing.")
+_BREAKDOWN = flags.DEFINE_bool("breakdown", False, "Also time the train_step and 3 jits ways.")
+_DEVICES = flags.DEFINE_integer("devices", 1, "Learner mesh devices; 0: all local devices.")
+_LR = flags.DEFINE_float("lr", 1e-4, "AdamW learning rate (both sides).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seeds the workload and the model init.")
+_ALL_FLAGS = (
+    _PRESET,
+    _D_MODEL,
+    _LAYERS,
+    _HEADS,
+    _KV_HEADS,
+    _HEAD_DIM,
+    _MLP,
+    _GROUPS,
+    _GROUP_SIZE,
+    _PROMPT,
+    _MIN_RESPONSE,
+    _MAX_RESPONSE,
+    _STEPS,
+    _WARMUP,
+    _REPEATS,
+    _PIECE_REPEATS,
+    _BREAKDOWN,
+    _DEVICES,
+    _LR,
+    _SEED,
+)
+
+
+def make_groups(rng: np.random.Generator, vocab: int) -> list[Group]:
+    """Random complete groups; sampler log-probs near a uniform policy's, so ratios stay near 1."""
+    g = _GROUP_SIZE.value
+    lengths = rng.integers(_MIN_RESPONSE.value, _MAX_RESPONSE.value + 1, _GROUPS.value * g)
+    lengths[0] = _MAX_RESPONSE.value  # fixes the length bucket
+    groups = []
+    for uid in range(_GROUPS.value):
+        request = Request(
+            uid=uid,
+            prompt=tuple(int(t) for t in rng.integers(0, vocab, _PROMPT.value)),
+            group_size=g,
+            params=SamplingParams(max_new_tokens=_MAX_RESPONSE.value),
+        )
+        completions = []
+        for sample in range(g):
+            n = int(lengths[uid * g + sample])
+            logprobs = -math.log(vocab) + 0.1 * rng.standard_normal(n)
+            completions.append(
+                Completion(
+                    uid=uid,
+                    round=0,
+                    sample=sample,
+                    prompt=request.prompt,
+                    tokens=tuple(int(t) for t in rng.integers(0, vocab, n)),
+                    logprobs=tuple(float(x) for x in logprobs),
+                    versions=(0,) * n,
+                    finish_reason="length" if n == _MAX_RESPONSE.value else "stop",
+                    reward=float(rng.integers(0, 2)),
+                )
+            )
+        groups.append(Group(request=request, completions=tuple(completions)))
+    return groups
+
+
+def minimal_step_fn(
+    graphdef: nnx.GraphDef, tx: optax.GradientTransformation, clip: LossConfig
+) -> Callable[..., Any]:
+    """The baseline: PPO-clip, token mean, old log-probs from the sampler; nothing else."""
+
+    def loss_fn(params: Any, batch: Batch) -> jax.Array:
+        model = nnx.merge(graphdef, params)
+        logp = model.token_logprobs(batch.inputs, batch.positions, batch.segments, batch.targets)
+        mask = batch.loss_mask > 0
+        ratio = jnp.exp(jnp.where(mask, logp - batch.behavior_logp, 0.0))
+        adv = batch.advantages[:, None]
+        clipped = jnp.clip(ratio, 1.0 - clip.clip_low, 1.0 + clip.clip_high)
+        loss = -jnp.minimum(ratio * adv, clipped * adv)
+        return jnp.sum(jnp.where(mask, loss, 0.0)) / jnp.maximum(jnp.sum(batch.loss_mask), 1.0)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params: Any, opt_state: Any, batch: Batch) -> tuple[Any, Any, jax.Array, jax.Array]:
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, optax.global_norm(grads)
+
+    return step
+
+
+def wall_ms(fn: Callable[[], Any], repeats: int) -> float:
+    """Median milliseconds of one call of `fn`."""
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        out.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(out)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    if not 1 <= _MIN_RESPONSE.value <= _MAX_RESPONSE.value:
+        raise app.UsageError("Need 1 <= --min_response <= --max_response.")
+    if min(_WARMUP.value, _STEPS.value, _REPEATS.value, _PIECE_REPEATS.value) < 1:
+        raise app.UsageError("--warmup, --steps, --repeats and --piece_repeats must be >= 1.")
+    overall = time.perf_counter()
+    model_cfg = get_preset(
+        _PRESET.value,
+        d_model=_D_MODEL.value,
+        n_layers=_LAYERS.value,
+        n_heads=_HEADS.value,
+        n_kv_heads=_KV_HEADS.value,
+        head_dim=_HEAD_DIM.value,
+        mlp_dim=_MLP.value,
+    )
+    model = create_model(model_cfg, seed=_SEED.value)
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    groups = make_groups(np.random.default_rng(_SEED.value), model_cfg.vocab_size)
+    rows = _GROUPS.value * _GROUP_SIZE.value
+    n_devices = _DEVICES.value or jax.device_count()
+    mesh, _ = make_meshes(MeshConfig(learner_devices=n_devices, colocated=True))
+    opt_cfg = OptimizerConfig(lr=_LR.value)
+    cfg = LearnerConfig(
+        optimizer=opt_cfg,
+        policy_loss="ppo_clip",
+        aggregation="token_mean",
+        advantage="grpo",
+        old_logprobs="sampler",
+        micro_batch_rows=rows,  # the whole update in one micro-batch
+        entropy_metric=False,
+    )
+
+    # The batch the learner builds: GRPO advantages group by group (as add_groups), make_batch.
+    estimator = get_advantage_estimator(cfg.advantage)
+
+    def advantages() -> list[tuple[float, ...]]:
+        return [
+            tuple(float(a) for a in np.asarray(estimator(np.asarray([g.rewards], np.float32)))[0])
+            for g in groups
+        ]
+
+    advs = advantages()
+    build = lambda: make_batch(groups, advs, rows=rows, min_length_bucket=cfg.min_length_bucket)
+    host_batch = build()
+    tokens = host_batch.num_tokens
+    seq_len = host_batch.inputs.shape[1]
+    batch_shardings = jax.tree.map(  # as Learner places a batch: rows over the batch axes
+        lambda x: jax.NamedSharding(
+            mesh, logical_to_spec(("batch",) + (None,) * (x.ndim - 1), mesh, shape=x.shape)
+        ),
+        host_batch,
+    )
+    mesh_batch = jax.device_put(host_batch, batch_shardings)
+
+    # --- learner: the whole public path, add_groups and update timed apart too.
+    learner = Learner(model, cfg, mesh=mesh, seed=_SEED.value)
+    learner.begin_round(updates=1 << 30)  # old log-probs from the sampler: no snapshot is taken
+    first: dict[str, dict[str, float]] = {}
+    learner_parts: dict[str, list[float]] = {"add_groups": [], "update": []}
+
+    def learner_update() -> None:
+        t0 = time.perf_counter()
+        learner.add_groups(groups)
+        t1 = time.perf_counter()
+        m = learner.update()
+        learner_parts["add_groups"].append(1e3 * (t1 - t0))
+        learner_parts["update"].append(1e3 * (time.perf_counter() - t1))
+        first.setdefault("learner", dict(loss=m["loss"], grad_norm=m["grad_norm"]))
+
+    # --- minimal, on the mesh's first device (the same device with --devices 1).
+    device = mesh.devices.flat[0]
+    graphdef, params0 = nnx.split(model)
+    tx = optax.chain(
+        optax.clip_by_global_norm(opt_cfg.grad_clip_norm),
+        optax.adamw(
+            opt_cfg.lr,
+            b1=opt_cfg.b1,
+            b2=opt_cfg.b2,
+            eps=opt_cfg.eps,
+            weight_decay=opt_cfg.weight_decay,
+        ),
+    )
+    step = minimal_step_fn(graphdef, tx, cfg.loss)
+    dev_batch = jax.device_put(host_batch, device)
+    params = jax.device_put(jax.tree.map(jnp.copy, params0), device)  # the model's stay undonated
+    mini: dict[str, Any] = dict(params=params, opt_state=jax.jit(tx.init)(params), loss=None)
+
+    def minimal_step() -> None:
+        mini["params"], mini["opt_state"], mini["loss"], gnorm = step(
+            mini["params"], mini["opt_state"], dev_batch
+        )
+        if "minimal" not in first:
+            first["minimal"] = dict(loss=float(mini["loss"]), grad_norm=float(gnorm))
+
+    def minimal_sync_step() -> None:
+        minimal_step()
+        float(mini["loss"])
+
+    # --- the learner's own step functions, jitted here, on the mesh batch: breakdown and pieces.
+    ltx, schedule = make_optimizer(opt_cfg), make_schedule(opt_cfg)
+    with jax.set_mesh(mesh):
+        state, _ = create_train_state(
+            jax.tree.map(jnp.copy, params0), ltx, seed=_SEED.value, mesh=mesh
+        )
+    own: dict[str, Any] = dict(state=state)
+    kw = dict(graphdef=graphdef, cfg=cfg)
+    zero_fn = jax.jit(zero_accum)
+    apply_fn = jax.jit(functools.partial(apply, tx=ltx, schedule=schedule), donate_argnums=(0,))
+
+    ways: dict[str, Callable[[], None]] = {
+        "minimal": minimal_step,
+        "minimal+sync": minimal_sync_step,
+    }
+    if _BREAKDOWN.value:
+        fused_fn = jax.jit(
+            functools.partial(train_step, tx=ltx, schedule=schedule, **kw), donate_argnums=(0,)
+        )
+        acc_fn = jax.jit(functools.partial(accumulate, **kw), donate_argnums=(0,))
+
+        def fused_step() -> None:
+            with jax.set_mesh(mesh):
+                own["state"], metrics = fused_fn(own["state"], mesh_batch)
+            jax.device_get(metrics)
+
+        def three_jits_step() -> None:
+            with jax.set_mesh(mesh):
+                acc = acc_fn(zero_fn(own["state"].params), own["state"].params, mesh_batch)
+                own["state"], metrics = apply_fn(own["state"], acc)
+            jax.device_get(metrics)
+
+        ways.update({"train_step": fused_step, "3 jits": three_jits_step})
+    ways["learner"] = learner_update
+    settle = lambda: jax.block_until_ready((mini["params"], own["state"], learner.state))
+
+    # Warm-up: compiles every program (the first calls give the agreement check).
+    start = time.perf_counter()
+    for fn in ways.values():
+        for _ in range(_WARMUP.value):
+            fn()
+    settle()
+    warmup_seconds = time.perf_counter() - start
+    for v in learner_parts.values():
+        v.clear()
+
+    runs: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(_REPEATS.value):
+        for name, fn in ways.items():
+            settle()
+            t0 = time.perf_counter()
+            for _ in range(_STEPS.value):
+                fn()
+            settle()
+            runs[name].append(time.perf_counter() - t0)
+    best = {name: min(r) for name, r in runs.items()}
+    rate = {name: tokens * _STEPS.value / s for name, s in best.items()}
+    ms = {name: 1e3 * s / _STEPS.value for name, s in best.items()}
+
+    # Pieces of one update, each alone with the device otherwise idle (median ms).
+    opt_only = jax.jit(
+        lambda g, p, o: (lambda u, o2: (optax.apply_updates(p, u), o2))(*tx.update(g, o, p)),
+        donate_argnums=(1, 2),
+    )
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 1e-3, p.dtype), mini["params"])
+
+    def opt_only_ms() -> float:
+        jax.block_until_ready((mini["params"], mini["opt_state"]))
+        t0 = time.perf_counter()
+        mini["params"], mini["opt_state"] = opt_only(grads, mini["params"], mini["opt_state"])
+        jax.block_until_ready(mini["params"])
+        return 1e3 * (time.perf_counter() - t0)
+
+    def apply_ms(fetch: bool) -> float:
+        acc = jax.block_until_ready(zero_fn(own["state"].params))
+        acc.denominator = jnp.ones((), jnp.float32)
+        t0 = time.perf_counter()
+        with jax.set_mesh(mesh):
+            own["state"], metrics = apply_fn(own["state"], acc)
+        jax.block_until_ready((own["state"], metrics))
+        t1 = time.perf_counter()
+        jax.device_get(metrics)  # fresh arrays: nothing cached on the host yet
+        return 1e3 * ((time.perf_counter() - t1) if fetch else (t1 - t0))
+
+    n = _PIECE_REPEATS.value
+    pieces = dict(
+        advantages=wall_ms(advantages, n),
+        make_batch=wall_ms(build, n),
+        device_put=wall_ms(
+            lambda: jax.block_until_ready(jax.device_put(host_batch, batch_shardings)), n
+        ),
+        zero_accum=wall_ms(lambda: jax.block_until_ready(zero_fn(own["state"].params)), n),
+        apply=statistics.median(apply_ms(False) for _ in range(n)),
+        optax_update=statistics.median(opt_only_ms() for _ in range(n)),
+        metrics_fetch=statistics.median(apply_ms(True) for _ in range(n)),
+        learner_add_groups=statistics.median(learner_parts["add_groups"]),
+        learner_update=statistics.median(learner_parts["update"]),
+    )
+    total_seconds = time.perf_counter() - overall
+
+    base = rate["minimal"]
+    overhead = base / rate["learner"]
+    print(
+        f"model: {_PRESET.value} with d_model {_D_MODEL.value}, {_LAYERS.value} layers, mlp "
+        f"{_MLP.value}, vocab {model_cfg.vocab_size}: {n_params / 1e6:.2f}M params, "
+        f"{model_cfg.dtype}; {jax.default_backend()}, learner mesh {dict(mesh.shape)}"
+    )
+    print(
+        f"batch: {_GROUPS.value} groups x {_GROUP_SIZE.value} = {rows} rows x {seq_len} positions, "
+        f"{tokens} loss tokens ({tokens / (rows * seq_len):.0%} of the padded batch); "
+        f"best of {_REPEATS.value} runs of {_STEPS.value} updates"
+    )
+    print(f"{'way':<14}{'ms/update':>10}{'tokens/s':>10}{'vs minimal':>11}{'+ms':>8}")
+    prev = None
+    for name in ways:
+        delta = "" if prev is None else f"{ms[name] - ms[prev]:+.1f}"
+        print(f"{name:<14}{ms[name]:>10.1f}{rate[name]:>10.0f}{rate[name] / base:>11.3f}{delta:>8}")
+        prev = name
+    print("(+ms: against the row above)")
+    print("pieces of an update, each alone, median ms:")
+    for k, v in pieces.items():
+        print(f"  {k:<20}{v:>9.2f}")
+    print(
+        f"overhead_ratio (minimal / learner tokens/s): {overhead:.3f} (target <= 1.10: "
+        f"{'met' if overhead <= 1.10 else 'NOT met'})"
+    )
+    lf, mf = first["learner"], first["minimal"]
+    print(
+        f"first update, learner vs minimal: loss {lf['loss']:.6f} vs {mf['loss']:.6f}, "
+        f"grad_norm {lf['grad_norm']:.6f} vs {mf['grad_norm']:.6f}"
+    )
+    print(f"warm-up (compiles): {warmup_seconds:.1f} s; total {total_seconds:.1f} s")
+
+    if _JSON.value:
+        result = dict(
+            learner_tokens_per_s=rate["learner"],
+            minimal_tokens_per_s=base,
+            overhead_ratio=overhead,
+            tokens_per_s=rate,
+            ms_per_update=ms,
+            seconds=dict(runs=runs, warmup=warmup_seconds, total=total_seconds),
+            pieces_ms=pieces,
+            first_update=first,
+            loss_tokens_per_update=tokens,
+            padded_tokens_per_update=rows * seq_len,
+            config=dict(
+                {f.name: f.value for f in _ALL_FLAGS},
+                rows=rows,
+                seq_len=seq_len,
+                params=n_params,
+                vocab_size=model_cfg.vocab_size,
+                dtype=model_cfg.dtype,
+                policy_loss=cfg.policy_loss,
+                aggregation=cfg.aggregation,
+                advantage=cfg.advantage,
+                old_logprobs=cfg.old_logprobs,
+                micro_batch_rows=cfg.micro_batch_rows,
+                entropy_metric=cfg.entropy_metric,
+                backend=jax.default_backend(),
+                mesh=dict(mesh.shape),
+            ),
+        )
+        with open(_JSON.value, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {_JSON.value}")
+
+
+if __name__ == "__main__":
+    app.run(main)

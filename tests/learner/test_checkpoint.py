@@ -1,0 +1,255 @@
+"""Checkpoints: exact resume in a fresh process, restore onto other meshes, clear errors.
+
+Run as a script (`python test_checkpoint.py CKPT_DIR OUT.npz`), this file is the resumed process of
+the exact-resume test: it restores CKPT_DIR, trains the remaining rounds and writes what it got.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from learner.checkpoint import Checkpointer
+from learner.config import LearnerConfig, OptimizerConfig
+from learner.learner import Learner
+from learner.mesh import MeshConfig, make_meshes
+from learner.state import TrainState, make_optimizer, state_shardings
+from rl.models import abstract_model, get_preset
+from rl.types import Completion, Group, Request
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CFG = LearnerConfig(optimizer=OptimizerConfig(lr=1e-3), micro_batch_rows=4)
+ROUNDS, SAVED_ROUNDS, GROUPS, G = 4, 2, 2, 4  # rounds of one update of 2 groups of 4 samples
+DATA_SEEN, DATA_NEXT = 7, 5  # grain elements consumed before the save, compared after it
+
+
+def _mesh(devices: int, tp: int = 1) -> jax.sharding.Mesh:
+    """A learner mesh of `devices` (fsdp x tp) beside a sampler mesh on the others."""
+    cfg = MeshConfig(learner_devices=devices, learner_tp=tp, sampler_devices=8 - devices)
+    return make_meshes(cfg)[0]
+
+
+def _learner(mesh) -> Learner:
+    """A Learner of the tiny model with seeded numpy weights (no init program to compile)."""
+    graphdef, abstract = nnx.split(abstract_model(get_preset("tiny")))
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(
+        lambda x: np.ones(x.shape, x.dtype) if x.ndim == 1 else rng.normal(0, 0.05, x.shape),
+        abstract,
+    )
+    return Learner(nnx.merge(graphdef, jax.tree.map(np.float32, params)), CFG, mesh=mesh)
+
+
+def _groups(rnd: int) -> list[Group]:
+    """Deterministic synthetic groups for one round: random tokens, log-probs and rewards."""
+    rng = np.random.default_rng(rnd)
+    out = []
+    for uid in range(GROUPS):
+        prompt = tuple(int(t) for t in rng.integers(1, 259, rng.integers(3, 9)))
+        completions = []
+        for s in range(G):
+            n = int(rng.integers(2, 12))
+            completions.append(
+                Completion(
+                    uid=uid,
+                    round=rnd,
+                    sample=s,
+                    prompt=prompt,
+                    tokens=tuple(int(t) for t in rng.integers(1, 259, n)),
+                    logprobs=tuple(float(x) for x in -rng.exponential(2.0, n)),
+                    versions=(rnd,) * n,
+                    finish_reason="stop",
+                    reward=float(rng.random()),
+                )
+            )
+        request = Request(uid=uid, round=rnd, prompt=prompt, group_size=G)
+        out.append(Group(request=request, completions=tuple(completions)))
+    return out
+
+
+def _train(learner: Learner, rounds: range) -> list[float]:
+    """One update per round (the round's groups), as the driver runs it; returns the losses."""
+    losses = []
+    for rnd in rounds:
+        learner.begin_round(1)
+        learner.add_groups(_groups(rnd))
+        losses.append(learner.update()["loss"])
+    return losses
+
+
+def _host(state) -> dict[str, np.ndarray]:
+    """Leaf path -> numpy copy (PRNG keys as their key data)."""
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    out = {}
+    for path, x in leaves:
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        out[jax.tree_util.keystr(path)] = np.asarray(jax.device_get(x))
+    return out
+
+
+def _assert_equal(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)  # bit-exact
+
+
+def _data_iter():
+    return iter(grain.MapDataset.range(100).shuffle(seed=1).to_iter_dataset())
+
+
+def _abstract(mesh, **model_overrides) -> tuple[TrainState, TrainState]:
+    """(abstract TrainState, shardings) for the tiny model on `mesh`, built without any compile."""
+    params = nnx.state(abstract_model(get_preset("tiny", **model_overrides)))
+    tx = make_optimizer(CFG.optimizer)
+    abstract = TrainState(
+        params=params,
+        opt_state=jax.eval_shape(tx.init, params),
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+        rng=jax.eval_shape(lambda: jax.random.key(0)),
+    )
+    return abstract, state_shardings(params, tx, mesh)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Rounds 0-1 on fsdp=2 x tp=2, an async save of step 2 (host state in meta), then rounds 2-3.
+
+    Training on right after `save` returns checks the async save against donation: the next update
+    donates the very buffers the save started from. The losses and final state are the
+    uninterrupted 4-update trajectory (saving changes nothing in it); `at_save` is what was saved.
+    """
+    directory = tmp_path_factory.mktemp("ckpt")
+    learner = _learner(_mesh(4, tp=2))
+    losses = _train(learner, range(SAVED_ROUNDS))
+    it = _data_iter()
+    seen = [int(next(it)) for _ in range(DATA_SEEN)]
+    data_state = it.get_state()  # a dict of ints ({"next_index": 7}): JSON-safe as it is
+    meta = {
+        "round": SAVED_ROUNDS,
+        "policy_version": SAVED_ROUNDS,
+        "data": data_state,
+        "long_prompts": [[5, 6, 7]],
+    }
+    at_save = _host(learner.state)
+    ckpt = Checkpointer(directory, async_save=True)
+    ckpt.save(learner.step, learner.state, meta)
+    losses += _train(learner, range(SAVED_ROUNDS, ROUNDS))
+    ckpt.wait()
+    ckpt.close()
+    data = seen + [int(next(it)) for _ in range(DATA_NEXT)]
+    final = _host(learner.state)
+    return dict(dir=directory, meta=meta, at_save=at_save, final=final, losses=losses, data=data)
+
+
+def test_resume_in_fresh_process_continues_the_exact_trajectory(run, tmp_path):
+    out = tmp_path / "resumed.npz"
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    )
+    cmd = [sys.executable, __file__, str(run["dir"]), str(out)]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with np.load(out) as f:
+        resumed = dict(f)
+    assert json.loads(str(resumed.pop("meta"))) == run["meta"]
+    assert resumed.pop("losses").tolist() == run["losses"][SAVED_ROUNDS:]
+    assert resumed.pop("data").tolist() == run["data"][DATA_SEEN:]
+    _assert_equal(resumed, run["final"])  # params, optimizer state, step and rng, bit for bit
+
+
+def _resume_main(directory: str, out: str) -> None:
+    """The resumed process: restore, train rounds 2-3, write state, losses, meta and next data."""
+    jax.config.update("jax_numpy_rank_promotion", "raise")
+    learner = _learner(_mesh(4, tp=2))
+    ckpt = Checkpointer(directory)
+    learner.state, meta = ckpt.restore(abstract_state=learner.state, shardings=learner.shardings)
+    ckpt.close()
+    losses = _train(learner, range(meta["round"], ROUNDS))
+    it = _data_iter()
+    it.set_state(meta["data"])
+    data = [int(next(it)) for _ in range(DATA_NEXT)]
+    np.savez(out, meta=json.dumps(meta), losses=losses, data=data, **_host(learner.state))
+
+
+@pytest.mark.parametrize("devices,tp", [(2, 1), (1, 1), (6, 3)])
+def test_restore_onto_another_mesh_layout_gives_identical_values(run, devices, tp):
+    abstract, shardings = _abstract(_mesh(devices, tp))
+    state, meta = Checkpointer(run["dir"]).restore(abstract_state=abstract, shardings=shardings)
+    assert meta == run["meta"]
+    _assert_equal(_host(state), run["at_save"])
+    assert jax.tree.leaves(jax.tree.map(lambda x: x.sharding, state)) == jax.tree.leaves(shardings)
+    assert state.rng.dtype == abstract.rng.dtype
+
+
+@pytest.mark.parametrize(
+    "overrides,error",
+    [
+        (
+            dict(mlp_dim=96),
+            r"params/layers/0/mlp/down/value has shape \(128, 64\) in the checkpoint; "
+            r"expected \(96, 64\)",
+        ),
+        (dict(n_layers=3), r"has no array params/layers/2/attn/k/value; expected one of shape"),
+        (dict(n_layers=1), r"arrays the model does not have: \['params/layers/1/"),
+    ],
+)
+def test_checkpoint_of_another_model_shape_names_parameter_and_shapes(run, overrides, error):
+    abstract, shardings = _abstract(_mesh(2), **overrides)
+    with pytest.raises(ValueError, match=error):
+        Checkpointer(run["dir"]).restore(abstract_state=abstract, shardings=shardings)
+
+
+def test_missing_checkpoint_errors_name_directory_and_available_steps(run, tmp_path):
+    abstract, shardings = _abstract(_mesh(2))
+    empty = Checkpointer(tmp_path / "empty")
+    assert empty.latest_step() is None
+    with pytest.raises(FileNotFoundError, match=f"No checkpoint found in {tmp_path / 'empty'}"):
+        empty.restore(abstract_state=abstract, shardings=shardings)
+    with pytest.raises(FileNotFoundError, match=r"step 7 in .*; available steps: \[2\]"):
+        Checkpointer(run["dir"]).restore(7, abstract_state=abstract, shardings=shardings)
+
+
+def _small_state(step: int) -> TrainState:
+    return TrainState(
+        params={"w": jnp.full((4, 2), float(step))},
+        opt_state=(jnp.zeros(3),),
+        step=jnp.asarray(step, jnp.int32),
+        rng=jax.random.key(step),
+    )
+
+
+def test_async_saves_keep_max_to_keep_and_bad_saves_are_refused(tmp_path):
+    ckpt = Checkpointer(tmp_path, max_to_keep=2, async_save=True)
+    for step in range(1, 5):
+        ckpt.save(step, _small_state(step), {"round": step})
+    ckpt.wait()
+    assert ckpt.all_steps() == [3, 4] and ckpt.latest_step() == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["3", "4"]
+    abstract = jax.eval_shape(lambda: _small_state(0))
+    shardings = jax.tree.map(
+        lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract
+    )
+    state, meta = ckpt.restore(3, abstract_state=abstract, shardings=shardings)
+    assert meta == {"round": 3}
+    _assert_equal(_host(state), _host(_small_state(3)))
+    with pytest.raises(ValueError, match="steps must increase.*holds step 4"):
+        ckpt.save(4, _small_state(4), {})
+    with pytest.raises(TypeError, match=r"JSON-serialisable.*\['queue'\]"):
+        ckpt.save(5, _small_state(5), {"round": 5, "queue": b"bytes"})
+    ckpt.close()
+
+
+if __name__ == "__main__":
+    _resume_main(*sys.argv[1:])
