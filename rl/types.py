@@ -44,6 +44,7 @@ class Request:
 
     uid: int  # the prompt's id, unique within a round
     round: int = 0
+    index: int = 0  # position in the round's logical order: training batch k = indices kU..kU+U-1
     prompt: tuple[int, ...]
     group_size: int = 1
     params: SamplingParams = SamplingParams()
