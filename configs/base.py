@@ -32,8 +32,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     config.learner = ml_collections.ConfigDict()
     config.learner.policy_loss = "ppo_clip"  # ppo_clip | gspo | tis_reinforce
-    config.learner.aggregation = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
-    config.learner.norm_constant = 0.0  # seq_mean_token_sum_norm: Dr. GRPO constant (max response length)
+    config.learner.aggregation = (
+        "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+    )
+    config.learner.norm_constant = (
+        0.0  # seq_mean_token_sum_norm: Dr. GRPO constant (max response length)
+    )
     config.learner.advantage = "grpo"  # grpo | drgrpo | rloo
     config.learner.dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal
     config.learner.old_logprobs = "snapshot"  # later updates of a round: snapshot | sampler
@@ -60,7 +64,36 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # logical axis -> mesh axes; one table serves the learner (fsdp, tp) and sampler (data, tp) meshes
     config.sharding_rules = [list(rule) for rule in DEFAULT_RULES]
 
-    config.prompt = "The answer to 12 + 30 is"  # text for the smoke forward pass
+    config.rounds = 100  # RL rounds to run
+    config.task = ml_collections.ConfigDict()
+    config.task.name = "addition"  # the synthetic task (rl/tasks)
+    config.task.digits = 3  # operands of up to this many digits
+
+    config.driver = ml_collections.ConfigDict()
+    config.driver.mode = "cgp"  # sync (rollout all, then train) | cgp (complete-group pipelining)
+    config.driver.admission = "frontier"  # fcfs | frontier
+    config.driver.batching = "ordered"  # fifo | ordered
+    config.driver.groups_per_round = 64  # R prompts per round
+    config.driver.groups_per_update = 8  # U groups per optimizer update (S = R / U)
+    config.driver.group_size = 8  # G samples per prompt
+    config.driver.queue_size = 0  # complete groups buffered before the sampler blocks; 0: unbounded
+
+    config.sampling = ml_collections.ConfigDict()
+    config.sampling.temperature = 1.0  # must equal learner.temperature
+    config.sampling.top_k = 0  # 0: off
+    config.sampling.top_p = 1.0  # 1.0: off
+    config.sampling.max_new_tokens = 512  # response length cap
+
+    config.engine = ml_collections.ConfigDict()
+    config.engine.max_slots = 64  # concurrent sequences per sampler replica
+    config.engine.max_length = 1024  # KV positions per slot: prompt + response
+    config.engine.max_prefill_length = 512  # longest prompt
+    config.engine.steps_per_call = 8  # decode steps fused per generate call
+    config.sampler_dtype = (
+        "bfloat16"  # dtype of the weights published to the sampler; "": as trained
+    )
+
+    config.prompt = "The answer to 12 + 30 is"  # text for the model check (rl.models.summary)
 
     if arg == "smoke":
         shrink_for_smoke(config)
@@ -80,3 +113,14 @@ def shrink_for_smoke(config: ml_collections.ConfigDict) -> None:
     config.tokenizer = "byte"
     config.mesh.colocated = True
     config.learner.micro_batch_rows = 8
+    config.learner.optimizer.lr = 1e-3
+    config.rounds = 2
+    config.driver.groups_per_round = 4
+    config.driver.groups_per_update = 2
+    config.driver.group_size = 4
+    config.sampling.max_new_tokens = 8
+    config.engine.max_slots = 8
+    config.engine.max_length = 32
+    config.engine.max_prefill_length = 16
+    config.engine.steps_per_call = 4
+    config.sampler_dtype = ""

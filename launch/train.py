@@ -1,23 +1,28 @@
 """Entry point: python -m launch.train [--config=configs/X.py[:arg]] [--config.field=value ...].
 
-For now it builds the configured model and tokenizer and checks both call paths (a forward pass and
-a short cached greedy decode); the RL driver takes over this entry point as it lands.
+Runs `config.rounds` RL rounds through the pipelined driver (rl.run.train), writing metrics.jsonl,
+TensorBoard logs and the timeline (timeline.json for Perfetto, timeline.png) to config.workdir.
+`--check_model` instead builds the model and runs one forward pass and a short greedy decode.
 """
 
 import os
 import sys
 
-from absl import app
+from absl import app, flags
 from ml_collections import config_flags
 
 import configs
 from rl.models.summary import summarize
+from rl.run import train
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
     os.path.join(os.path.dirname(configs.__file__), "smoke.py"),
     "Experiment config file.",
     lock_config=True,
+)
+_CHECK = flags.DEFINE_bool(
+    "check_model", False, "Only check the model: size, forward, greedy decode."
 )
 
 
@@ -26,18 +31,30 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     config = _CONFIG.value
     try:
-        s = summarize(config)
+        if _CHECK.value:
+            s = summarize(config)
+            name = config.model.hf_path or config.model.preset
+            print(
+                f"model: {name} ({s['family']}), {s['params']:,} parameters "
+                f"({s['param_bytes'] / 2**20:.1f} MiB), {s['layers']} layers, d_model "
+                f"{s['d_model']}, vocab {s['vocab_size']}, {s['devices']} device(s)"
+            )
+            print(
+                f"forward: {s['prompt_tokens']} prompt tokens, mean log-prob {s['mean_logprob']:.3f}"
+            )
+            print(f"greedy decode: {s['greedy_continuation']!r}")
+            print(f"done in {s['seconds']:.1f} s")
+            return
+        summary = train(config)
     except (ValueError, FileNotFoundError) as e:  # bad config or input: the message says what
         sys.exit(f"launch.train: {e}")
-    name = config.model.hf_path or config.model.preset
+    last = summary["rounds"][-1]
     print(
-        f"model: {name} ({s['family']}), {s['params']:,} parameters "
-        f"({s['param_bytes'] / 2**20:.1f} MiB), {s['layers']} layers, d_model {s['d_model']}, "
-        f"vocab {s['vocab_size']}, {s['devices']} device(s)"
+        f"{summary['mode']}: {len(summary['rounds'])} rounds in {summary['wall_s']:.1f} s; last round: "
+        f"reward {last['reward_mean']:.3f}, rollout-to-train-end {last['rollout_to_train_end_s']:.2f} s, "
+        f"first dispatch {last['first_dispatch_s']:.2f} s, trainer wait {last['trainer_wait_ratio']:.2f}"
     )
-    print(f"forward: {s['prompt_tokens']} prompt tokens, mean log-prob {s['mean_logprob']:.3f}")
-    print(f"greedy decode: {s['greedy_continuation']!r}")
-    print(f"done in {s['seconds']:.1f} s")
+    print(f"wrote {summary['metrics']}, {summary['timeline']} (Perfetto), {summary['gantt']}")
 
 
 if __name__ == "__main__":

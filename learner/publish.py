@@ -60,6 +60,7 @@ class DevicePutSync:
                 lambda x: x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
                 params,
             )
-        out = jax.device_put(params, self.shardings)
+        # Always a copy: colocated, the sampler must not share buffers the learner will donate.
+        out = jax.device_put(params, self.shardings, may_alias=False)
         jax.block_until_ready(out)
         return Published(params=out, version=version, seconds=time.perf_counter() - start)

@@ -7,7 +7,8 @@ admitted only whole (all G samples of its group at once, one shared prefill).
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+import heapq
+from collections.abc import Container, Iterable
 from typing import Protocol
 
 from rl.types import Request
@@ -34,9 +35,8 @@ class FCFS:
         self._waiting: collections.OrderedDict[tuple[int, int], Request] = collections.OrderedDict()
 
     def submit(self, requests: Iterable[Request]) -> None:
+        requests = _check_new(requests, self._waiting)
         for r in requests:
-            if r.key in self._waiting:
-                raise ValueError(f"Request (round, uid)={r.key} is already waiting.")
             self._waiting[r.key] = r
 
     def next(self, free_slots: int) -> Request | None:
@@ -54,7 +54,70 @@ class FCFS:
         return len(self._waiting)
 
 
-POLICIES = {"fcfs": FCFS}
+class Frontier:
+    """Frontier-group dispatch (RolloutPipe FGD): logical order, not submission order.
+
+    Waiting requests are ordered by (round, index), ties by submission order. `next` returns the
+    earliest one if its whole group fits in `free_slots`, else None: the free slots are kept for
+    the frontier and later groups never jump ahead of it, so the groups the next training batch
+    needs start first.
+
+    With one engine and requests submitted in logical order this equals `fcfs`. It differs when
+    submissions arrive out of logical order: several rounds in flight, aborted or resubmitted
+    prompts, or a round submitted in another order (e.g. longest prompt first).
+    O(log n) per operation (a heap; removed requests are dropped lazily).
+    """
+
+    def __init__(self) -> None:
+        self._waiting: dict[tuple[int, int], tuple[int, Request]] = {}  # key -> (seq, request)
+        self._heap: list[tuple[int, int, int, tuple[int, int]]] = []  # (round, index, seq, key)
+        self._seq = 0
+
+    def submit(self, requests: Iterable[Request]) -> None:
+        requests = _check_new(requests, self._waiting)
+        for r in requests:
+            self._waiting[r.key] = (self._seq, r)
+            heapq.heappush(self._heap, (r.round, r.index, self._seq, r.key))
+            self._seq += 1
+
+    def next(self, free_slots: int) -> Request | None:
+        head = self._head()
+        if head is None or head.group_size > free_slots:
+            return None
+        heapq.heappop(self._heap)
+        return self._waiting.pop(head.key)[1]
+
+    def remove(self, key: tuple[int, int]) -> Request | None:
+        entry = self._waiting.pop(key, None)
+        if len(self._heap) > 2 * len(self._waiting) + 64:  # compact the lazily removed entries
+            self._heap = [e for e in self._heap if self._live(e)]
+            heapq.heapify(self._heap)
+        return None if entry is None else entry[1]
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def _live(self, entry: tuple[int, int, int, tuple[int, int]]) -> bool:
+        w = self._waiting.get(entry[3])
+        return w is not None and w[0] == entry[2]
+
+    def _head(self) -> Request | None:
+        while self._heap and not self._live(self._heap[0]):
+            heapq.heappop(self._heap)
+        return self._waiting[self._heap[0][3]][1] if self._heap else None
+
+
+POLICIES = {"fcfs": FCFS, "frontier": Frontier}
+
+
+def _check_new(requests: Iterable[Request], waiting: Container[tuple[int, int]]) -> list[Request]:
+    """Checks a whole submission before any of it is taken: a bad one changes nothing."""
+    requests, seen = list(requests), set[tuple[int, int]]()
+    for r in requests:
+        if r.key in waiting or r.key in seen:
+            raise ValueError(f"Request (round, uid)={r.key} is already waiting.")
+        seen.add(r.key)
+    return requests
 
 
 def make_policy(name: str) -> AdmissionPolicy:

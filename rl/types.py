@@ -35,6 +35,15 @@ class SamplingParams:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Prompt:
+    """A prompt from a task: what the driver turns into a Request of a round."""
+
+    uid: int  # unique within an epoch
+    tokens: tuple[int, ...]
+    meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # e.g. the reference answer
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Request:
     """One prompt to be answered `group_size` times: the unit of admission and of one prefill.
 

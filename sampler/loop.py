@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -34,6 +35,7 @@ class _Sample:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
+    start: float = 0.0  # when it entered its slot
 
 
 @dataclasses.dataclass
@@ -73,8 +75,12 @@ class SamplerLoop:
         emit: EmitFn,
         version: int = 0,
         static_batching: bool = False,
+        timeline: Any = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.engine = engine
+        self.timeline = timeline  # rl.timeline.Timeline: slot, prefill and group-complete events
+        self.clock = clock
         self.admission = admission
         self.reward_fn = reward_fn
         self.emit = emit
@@ -95,6 +101,11 @@ class SamplerLoop:
         self._thread: threading.Thread | None = None
 
     # ---------------------------------------------------------------------------- control (any thread)
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception that stopped the loop thread, if any."""
+        return self._error
 
     @property
     def version(self) -> int:
@@ -172,6 +183,14 @@ class SamplerLoop:
         finished = self._record(result, version)
         groups = [g for g in (self._reward(run, s) for run, s in finished) if g is not None]
         for g in groups:
+            if self.timeline is not None:
+                self.timeline.instant(
+                    "sampler/groups",
+                    "group",
+                    self.clock(),
+                    round=g.request.round,
+                    uid=g.request.uid,
+                )
             self.emit(g)
         with self._lock:
             self.stats.groups_emitted += len(groups)
@@ -204,8 +223,16 @@ class SamplerLoop:
                     self._slot_run[s] = run
                 self._runs[request.key] = run
                 self.stats.groups_admitted += 1
+            t0 = self.clock()
             prefix = self.engine.prefill(params, request.prompt)
             self._state = self.engine.bulk_insert(prefix, self._state, run.slots, request)
+            t1 = self.clock()
+            for sample in run.samples:
+                sample.start = t1
+            if self.timeline is not None:
+                self.timeline.span(
+                    "sampler/prefill", "prefill", t0, t1, round=request.round, uid=request.uid
+                )
             with self._lock:
                 self.stats.prefills += 1
 
@@ -232,6 +259,17 @@ class SamplerLoop:
                     if result.finished[t, s]:
                         self._slot_run[s] = None
                         finished.append((run, i))
+                        if self.timeline is not None:
+                            self.timeline.span(
+                                f"sampler/slot{s}",
+                                f"{run.request.uid}/{i}",
+                                sample.start,
+                                self.clock(),
+                                round=run.request.round,
+                                uid=run.request.uid,
+                                sample=i,
+                                tokens=len(sample.tokens),
+                            )
                         break
         return finished
 

@@ -15,7 +15,9 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # XLA's persistent cache, keyed by the compiled program, turns those recompiles into lookups.
 jax.config.update(
     "jax_compilation_cache_dir",
-    os.environ.get("ROLLOUTPIPE_JAX_CACHE", os.path.join(tempfile.gettempdir(), "rolloutpipe-jax-cache")),
+    os.environ.get(
+        "ROLLOUTPIPE_JAX_CACHE", os.path.join(tempfile.gettempdir(), "rolloutpipe-jax-cache")
+    ),
 )
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -1,0 +1,257 @@
+"""The round driver: rollout and training of each round, synchronous or pipelined.
+
+Modes:
+  sync  rollout all R groups, then train (what slime does; the baseline);
+  cgp   complete-group pipelining: each complete group goes on the queue at once and the learner
+        updates as soon as U groups form a batch (`fifo`: the next U to complete; `ordered`: batch k
+        is logical groups kU..kU+U-1), while the rest of the round is still decoding.
+Weights are published after the round's S = R/U updates, and the next round samples with them: every
+update sees data of exactly the policy it should. `sync` trains in logical order, so `cgp` with
+`ordered` batches performs the same updates on the same data: same tokens, same parameters.
+
+The sampler loop runs in its own thread; this driver's thread is the learner loop. An error on
+either side stops both (the queue fails, the sampler thread stops) and re-raises the original error;
+a round's result lists only groups whose update completed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rl.admission import make_policy
+from rl.formation import make_former
+from rl.metrics import round_metrics
+from rl.queue import GroupQueue
+from rl.timeline import Timeline
+from rl.types import Group, Prompt, Request, SamplingParams
+
+if TYPE_CHECKING:
+    from learner.learner import Learner
+    from learner.publish import WeightSync
+    from sampler.engine import Engine
+    from sampler.loop import RewardFn
+
+MODES = ("sync", "cgp")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DriverConfig:
+    mode: str = "cgp"  # sync | cgp
+    admission: str = "frontier"  # fcfs | frontier (rl.admission)
+    batching: str = "ordered"  # fifo | ordered (cgp only; sync trains in logical order)
+    groups_per_round: int = 16  # R
+    groups_per_update: int = 2  # U; S = R / U updates per round
+    group_size: int = 8  # G samples per prompt
+    sampling: SamplingParams = SamplingParams()
+    queue_size: int = (
+        0  # complete groups waiting for the learner before the sampler blocks; 0: no bound
+    )
+    poll_s: float = 0.2  # how often a waiting learner checks the sampler thread for an error
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"driver.mode={self.mode!r}; expected one of {MODES}.")
+        make_policy(self.admission)
+        make_former(self.batching, 1, 1)
+        if self.groups_per_update < 1 or self.groups_per_round % self.groups_per_update:
+            raise ValueError(
+                f"groups_per_round ({self.groups_per_round}) must be a positive multiple of "
+                f"groups_per_update ({self.groups_per_update})."
+            )
+        if self.group_size < 1 or self.queue_size < 0:
+            raise ValueError(
+                f"group_size must be >= 1 and queue_size >= 0; received {self.group_size}, {self.queue_size}."
+            )
+
+    @property
+    def updates_per_round(self) -> int:
+        return self.groups_per_round // self.groups_per_update
+
+    @property
+    def name(self) -> str:
+        return "sync" if self.mode == "sync" else f"cgp+{self.admission}+{self.batching}"
+
+
+@dataclasses.dataclass
+class RoundResult:
+    round: int
+    version: int  # the policy version that sampled this round
+    groups: list[Group]  # trained groups, in training order
+    updates: list[dict[str, float]]  # the learner's metrics per update
+    metrics: dict[str, float]  # timing (rl.metrics.round_metrics), rewards, learner means
+
+
+class Driver:
+    """Runs rounds; see the module docstring."""
+
+    def __init__(
+        self,
+        cfg: DriverConfig,
+        *,
+        engine: Engine,
+        learner: Learner,
+        weight_sync: WeightSync,
+        prompts: Iterator[Prompt],
+        reward_fn: RewardFn,
+        timeline: Timeline | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        version: int = 0,
+    ):
+        from sampler.loop import (
+            SamplerLoop,
+        )  # the driver wires concrete sides; rl/ stays importable alone
+
+        self.cfg = cfg
+        self.learner = learner
+        self.weight_sync = weight_sync
+        self.prompts = prompts
+        self.timeline = Timeline() if timeline is None else timeline
+        self.clock = clock
+        self.version = version
+        self.num_slots = engine.max_concurrent_decodes
+        self.queue = GroupQueue(cfg.queue_size)
+        published = self._publish(version, round=-1)
+        self.sampler = SamplerLoop(
+            engine,
+            published,
+            admission=make_policy(cfg.admission),
+            reward_fn=reward_fn,
+            emit=self.queue.put,
+            version=version,
+            timeline=self.timeline,
+            clock=clock,
+        )
+        self.sampler.start()
+        self._closed = False
+
+    def _publish(self, version: int, round: int) -> Any:
+        t0 = self.clock()
+        pub = self.weight_sync.publish(self.learner.params, version)
+        self.timeline.span("publish", f"v{version}", t0, self.clock(), version=version, round=round)
+        return pub.params
+
+    def _next_group(self) -> Group:
+        while True:
+            try:
+                return self.queue.get(timeout=self.cfg.poll_s)
+            except TimeoutError:
+                if self.sampler.error is not None:
+                    raise self.sampler.error from None
+
+    def _requests(self, round: int) -> list[Request]:
+        out = []
+        for i in range(self.cfg.groups_per_round):
+            try:
+                p = next(self.prompts)
+            except StopIteration:
+                raise ValueError(
+                    f"The prompt source ran out after {i} prompts of round {round}; it must yield "
+                    f"{self.cfg.groups_per_round} per round."
+                ) from None
+            out.append(
+                Request(
+                    uid=p.uid,
+                    round=round,
+                    index=i,
+                    prompt=p.tokens,
+                    group_size=self.cfg.group_size,
+                    params=self.cfg.sampling,
+                    meta=p.meta,
+                )
+            )
+        return out
+
+    def _train(
+        self,
+        batch: tuple[Group, ...],
+        round: int,
+        updates: list[dict[str, float]],
+        trained: list[Group],
+    ) -> None:
+        t0 = self.clock()
+        self.learner.add_groups(batch)
+        t1 = self.clock()
+        tokens = sum(len(c.tokens) for g in batch for c in g.completions)
+        self.timeline.span("learner", "micro_step", t0, t1, round=round, tokens=tokens)
+        m = self.learner.update()
+        self.timeline.span(
+            "learner",
+            "update",
+            t1,
+            self.clock(),
+            round=round,
+            tokens=tokens,
+            step=self.learner.step,
+        )
+        updates.append(m)
+        trained.extend(batch)
+
+    def run_round(self, round: int) -> RoundResult:
+        """Samples, trains and publishes one round; on any error both sides stop and it re-raises."""
+        if self._closed:
+            raise RuntimeError("Driver is closed.")
+        try:
+            return self._run_round(round)
+        except BaseException as e:
+            self.close(error=e)
+            raise
+
+    def _run_round(self, round: int) -> RoundResult:
+        cfg = self.cfg
+        requests = self._requests(round)
+        self.learner.begin_round(updates=cfg.updates_per_round)
+        updates: list[dict[str, float]] = []
+        trained: list[Group] = []
+        start = self.clock()
+        self.sampler.submit(requests)
+        former = make_former(
+            "ordered" if cfg.mode == "sync" else cfg.batching,
+            cfg.groups_per_update,
+            cfg.groups_per_round,
+        )
+        if cfg.mode == "sync":
+            done = [self._next_group() for _ in range(cfg.groups_per_round)]
+            for g in done:
+                for batch in former.add(g):
+                    self._train(batch, round, updates, trained)
+        else:
+            for _ in range(cfg.groups_per_round):
+                for batch in former.add(self._next_group()):
+                    self._train(batch, round, updates, trained)
+        if former.flush() is not None or len(updates) != cfg.updates_per_round:
+            raise RuntimeError(
+                f"Round {round} ran {len(updates)} updates; expected {cfg.updates_per_round}."
+            )
+        sampled_version = self.version
+        self.version += 1
+        self.sampler.set_params(self._publish(self.version, round), self.version)
+        rewards = np.asarray([g.rewards for g in trained], np.float32)
+        metrics = round_metrics(
+            self.timeline, round=round, rollout_start=start, num_slots=self.num_slots
+        )
+        metrics.update(reward_mean=float(rewards.mean()), version=float(self.version))
+        for key in ("loss", "grad_norm", "clip_frac", "entropy", "kl"):
+            metrics[key] = float(np.mean([u[key] for u in updates]))
+        return RoundResult(
+            round=round, version=sampled_version, groups=trained, updates=updates, metrics=metrics
+        )
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Stops the sampler thread; with `error`, fails the queue so a blocked side wakes up."""
+        if self._closed:
+            return
+        self._closed = True
+        if error is not None:
+            self.queue.fail(error)
+            try:
+                self.sampler.close()
+            except BaseException:  # the original error is what the caller sees
+                pass
+        else:
+            self.queue.close()
+            self.sampler.close()

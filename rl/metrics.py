@@ -1,0 +1,243 @@
+"""Per-round pipeline metrics from a Timeline, and the writer for JSONL, TensorBoard and stdout.
+
+Clock-free like the Timeline: every time comes from the caller (seconds), so the simulator's
+virtual clock works too. Definitions (RolloutPipe, arXiv 2606.26997), for round r started at
+`rollout_start` (t0); "the round's spans" are those with args round == r:
+
+    rollout_s              t0 -> end of the round's last sampler slot span (last sequence done)
+    rollout_to_train_end_s t0 -> end of the round's last learner "update" span
+    first_dispatch_s       t0 -> start of the round's first learner span (micro_step or update)
+    trainer_wait_s         time in the window [t0, train end] the learner lane is not busy
+    trainer_compute_s      time in that window the learner lane is busy (its spans merged)
+    trainer_wait_ratio     wait / (wait + compute) = wait / rollout_to_train_end_s
+    slot_occupancy         busy slot-seconds in [t0, rollout end] / (num_slots * rollout_s)
+    sampler_tokens_per_s   sum of the round's slot spans' "tokens" / rollout_s
+    learner_tokens_per_s   tokens trained in the round / the round's learner busy time (merged)
+
+The utilization metrics (trainer_wait/compute/ratio, slot_occupancy) look at the lanes over the
+round's window whatever round the work belongs to: a learner busy with round r-1 inside round r's
+window is not waiting (in synchronous rounds only round r's work falls in the window). Busy time
+is the union of the lane's spans, so a micro_step inside an update counts once. Tokens trained:
+per optimizer step, the update span's "tokens" (it covers its micro steps), or the sum of that
+step's micro_step "tokens" when the update carries none (or has not happened yet). A micro_step
+belongs to the update with the same "step" arg; without one, to the first update ending at or
+after it. A metric whose spans are missing (no update yet, say) is NaN (null in the JSONL).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from rl.timeline import SLOT_PREFIX, Span, Timeline, lane_group
+
+LEARNER_LANE = "learner"
+LEARNER_SPANS = ("micro_step", "update")
+SUMMARY_KEYS = tuple(  # printed on stdout when present, in this order
+    "round reward reward_mean accuracy loss kl rollout_to_train_end_s first_dispatch_s "
+    "trainer_wait_ratio slot_occupancy".split()
+)
+NAN = float("nan")
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Merges overlapping or touching intervals; returns them sorted and disjoint."""
+    merged: list[tuple[float, float]] = []
+    for lo, hi in sorted(intervals):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _busy(spans: Iterable[Span], lo: float = -math.inf, hi: float = math.inf) -> float:
+    """Length of the union of the spans, clipped to [lo, hi]."""
+    clipped = [(max(s.start, lo), min(s.end, hi)) for s in spans]
+    return sum(b - a for a, b in _union((a, b) for a, b in clipped if b > a))
+
+
+def _div(num: float, den: float) -> float:
+    return num / den if den > 0 and math.isfinite(num) and math.isfinite(den) else NAN
+
+
+def _tokens(spans: Iterable[Span]) -> float:
+    return float(sum(s.args.get("tokens") or 0 for s in spans))
+
+
+def _learner_tokens(learner: list[Span]) -> float:
+    """Per step: the update's tokens, else the sum of its micro steps' tokens."""
+    updates = sorted((s for s in learner if s.name == "update"), key=lambda s: s.end)
+    key = lambda s: s.args.get("step", ("span", id(s)))
+    steps: dict[Any, list[Span]] = {}
+    for s in learner:
+        if s.name == "micro_step" and "step" not in s.args:  # the update that ends next owns it
+            owner = next((u for u in updates if u.end >= s.end), s)
+            steps.setdefault(key(owner), []).append(s)
+        else:
+            steps.setdefault(key(s), []).append(s)
+    total = 0.0
+    for spans in steps.values():
+        updates = [s for s in spans if s.name == "update" and s.args.get("tokens") is not None]
+        total += _tokens(updates) if updates else _tokens(s for s in spans if s.name != "update")
+    return total
+
+
+def round_metrics(
+    timeline: Timeline, *, round: int, rollout_start: float, num_slots: int
+) -> dict[str, float]:
+    """Pipeline metrics of one round; see the module docstring for the definitions.
+
+    Args:
+      timeline: the run's Timeline (lanes as documented in rl.timeline).
+      round: which round (spans' args["round"]).
+      rollout_start: when the round's rollout started, in the timeline's clock (seconds).
+      num_slots: the sampler's engine slots.
+
+    Returns:
+      Floats keyed by metric name (NaN where the spans needed are missing), plus counts
+      sequences, updates, sampler_tokens and learner_tokens.
+    """
+    if num_slots < 1:
+        raise ValueError(f"num_slots must be >= 1; received {num_slots}.")
+    if not math.isfinite(rollout_start):
+        raise ValueError(f"rollout_start must be a finite time; received {rollout_start}.")
+    spans = timeline.spans()
+    mine = [s for s in spans if s.args.get("round") == round]
+    if not mine:
+        rounds = sorted({s.args["round"] for s in spans if "round" in s.args}, key=str)
+        raise ValueError(f"No spans with round={round} in the timeline; rounds present: {rounds}.")
+    by_slot: dict[str, list[Span]] = {}
+    for s in spans:
+        if s.lane.startswith(SLOT_PREFIX):
+            by_slot.setdefault(s.lane, []).append(s)
+    if len(by_slot) > num_slots:
+        raise ValueError(
+            f"The timeline has {len(by_slot)} sampler slot lanes; expected at most "
+            f"num_slots={num_slots}."
+        )
+    on_learner = [s for s in spans if lane_group(s.lane) == LEARNER_LANE]
+    learner = [s for s in mine if lane_group(s.lane) == LEARNER_LANE and s.name in LEARNER_SPANS]
+    slots = [s for s in mine if s.lane.startswith(SLOT_PREFIX)]
+    updates = [s for s in learner if s.name == "update"]
+
+    rollout_end = max((s.end for s in slots), default=NAN)
+    train_end = max((s.end for s in updates), default=NAN)
+    rollout_s = rollout_end - rollout_start
+    window = train_end - rollout_start
+    compute = _busy(on_learner, rollout_start, train_end) if window > 0 else NAN
+    slot_busy = sum(_busy(lane, rollout_start, rollout_end) for lane in by_slot.values())
+    sampler_tokens, learner_tokens = _tokens(slots), _learner_tokens(learner)
+    return {
+        "rollout_s": rollout_s,
+        "rollout_to_train_end_s": window,
+        "first_dispatch_s": min((s.start for s in learner), default=NAN) - rollout_start,
+        "trainer_wait_s": window - compute,
+        "trainer_compute_s": compute,
+        "trainer_wait_ratio": _div(window - compute, window),
+        "slot_occupancy": _div(slot_busy, num_slots * rollout_s),
+        "sampler_tokens_per_s": _div(sampler_tokens, rollout_s),
+        "learner_tokens_per_s": _div(learner_tokens, _busy(learner)),
+        "sequences": float(len(slots)),
+        "updates": float(len(updates)),
+        "sampler_tokens": sampler_tokens,
+        "learner_tokens": learner_tokens,
+    }
+
+
+def _finite_or_none(key: str, value: Any) -> float | None:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"Metric {key!r} must be a number; received {value!r}.") from None
+    return x if math.isfinite(x) else None
+
+
+class MetricsWriter:
+    """Writes metrics to workdir/metrics.jsonl, TensorBoard (workdir/tb) and stdout.
+
+    writer = MetricsWriter(workdir)
+    bar = writer.progress(total=R, desc=f"round {r}")  # bar.update(1) per group, bar.close()
+    writer.write(step, {"round": r, "loss": 0.1, **round_metrics(...)}, prefix="train")
+    writer.close()
+    """
+
+    def __init__(
+        self, workdir: str | os.PathLike, *, tensorboard: bool = True, stdout: bool = True
+    ) -> None:
+        """Opens the outputs (creates workdir; appends to an existing metrics.jsonl).
+
+        Args:
+          workdir: directory for metrics.jsonl and tb/.
+          tensorboard: log scalars with tensorboardX.
+          stdout: print a one-line summary per write and show progress bars.
+        """
+        os.makedirs(workdir, exist_ok=True)
+        self.workdir = os.fspath(workdir)
+        self.stdout = stdout
+        self._lock = threading.Lock()
+        self._jsonl = open(os.path.join(self.workdir, "metrics.jsonl"), "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(self.workdir, "tb"))
+
+    def write(self, step: int, metrics: Mapping[str, float], prefix: str = "") -> None:
+        """Appends one JSON line, logs TensorBoard scalars ("prefix/key"), prints a summary.
+
+        Args:
+          step: the x axis (optimizer step or round).
+          metrics: name -> number; NaN/inf are written as null (and skipped in TensorBoard).
+          prefix: a namespace such as "train" or "eval"; kept as the line's "prefix" field.
+        """
+        for reserved in ("step", "prefix"):
+            if reserved in metrics:
+                raise ValueError(f"Metric name {reserved!r} is reserved; received it in metrics.")
+        values = {k: _finite_or_none(k, v) for k, v in metrics.items()}
+        line = json.dumps({"step": int(step), "prefix": prefix, **values}, allow_nan=False)
+        with self._lock:
+            self._jsonl.write(line + "\n")
+            self._jsonl.flush()
+            if self._tb is not None:
+                for k, v in values.items():
+                    if v is not None:
+                        self._tb.add_scalar(f"{prefix}/{k}" if prefix else k, v, int(step))
+                self._tb.flush()
+        if self.stdout:
+            from tqdm import tqdm
+
+            tqdm.write(self.summary(step, values, prefix), file=sys.stdout)
+
+    @staticmethod
+    def summary(step: int, values: Mapping[str, float | None], prefix: str = "") -> str:
+        """The compact stdout line: step, then SUMMARY_KEYS present in `values`."""
+        head = f"[{prefix}] step {int(step)}" if prefix else f"step {int(step)}"
+        fmt = lambda v: "nan" if v is None else f"{v:.4g}"
+        return " | ".join([head] + [f"{k} {fmt(values[k])}" for k in SUMMARY_KEYS if k in values])
+
+    def progress(self, total: int, desc: str) -> Any:
+        """A tqdm progress bar (disabled when stdout is off); call .update(n) and .close()."""
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, disable=not self.stdout, leave=False, file=sys.stdout)
+
+    def close(self) -> None:
+        """Flushes and closes the JSONL file and the TensorBoard writer."""
+        with self._lock:
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = None
+            if not self._jsonl.closed:
+                self._jsonl.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

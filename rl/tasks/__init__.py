@@ -1,0 +1,1 @@
+"""Tasks: prompt sources with verifiable rewards."""
