@@ -1,6 +1,6 @@
 """Learner throughput: Learner.add_groups + update vs a minimal hand-written jitted train step.
 
-    python -m launch.bench_learner [--json /tmp/bench_learner.json] [--breakdown] [--steps 4 ...]
+    python -m launch.bench_learner [--json /tmp/bench_learner.json] [--breakdown] [--steps 3 ...]
 
 One process, one model (the "tiny" preset widened to d_model 128, float32), one synthetic batch of
 complete Groups (seeded random prompts, responses, sampler log-probs near a uniform policy's, 0/1
@@ -14,14 +14,17 @@ sees the same batch. Tokens/s counts loss tokens (response tokens). Measured way
   learner       Learner.add_groups(groups) + Learner.update(), what a user pays per update: GRPO
                 advantages, make_batch, device_put, the zero_accum/accumulate/apply jits and the
                 metrics fetch that ends every update.
-With --breakdown (two more train-step compiles; over the default's time budget on a 2-core CPU):
+With --breakdown (two more train-step compiles and 2/3 more timed updates):
   train_step    learner.step.train_step in one jit on the device batch, metrics fetched per step:
                 the learner's math (metric sums, float32 accumulator, non-finite guard) fused.
   3 jits        zero_accum, accumulate, apply as three jits, as Learner runs them; device batch.
 Pieces of an update are also timed alone (median ms): the host work in add_groups (advantages,
-make_batch, device_put), zero_accum, apply against the bare optax update, the metrics fetch.
+make_batch, device_put), zero_accum, apply against the bare optax update, the metrics fetch; and
+the learner's add_groups and update calls during its timed runs.
 Both sides run on the same single device by default (--devices). Everything is compiled by a
-warm-up before timing; each way's best (least disturbed) run counts, as the machine may be shared.
+warm-up before timing. Each way's median run counts; as the machine may be shared (others' load
+comes and goes within seconds), the median over repeats of learner / minimal seconds within one
+repeat is given too (overhead_ratio_paired), and the best runs (least disturbed).
 The first update's loss and gradient norm of the two sides are printed: same initial params and
 batch, so they must agree.
 """
@@ -31,6 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -69,7 +73,9 @@ _MIN_RESPONSE = flags.DEFINE_integer("min_response", 32, "Shortest response.")
 _MAX_RESPONSE = flags.DEFINE_integer("max_response", 96, "Longest response (one row has it).")
 _STEPS = flags.DEFINE_integer("steps", 3, "Updates per timed run.")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed updates per way first (compiles).")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Interleaved timed runs of each way; best counts.")
+_REPEATS = flags.DEFINE_integer(
+    "repeats", 5, "Interleaved timed runs of each way; the median counts."
+)
 _PIECE_REPEATS = flags.DEFINE_integer("piece_repeats", 20, "Repeats of each piece's timing.")
 _BREAKDOWN = flags.DEFINE_bool("breakdown", False, "Also time the train_step and 3 jits ways.")
 _DEVICES = flags.DEFINE_integer("devices", 1, "Learner mesh devices; 0: all local devices.")
@@ -152,7 +158,7 @@ def minimal_step_fn(
     def step(params: Any, opt_state: Any, batch: Batch) -> tuple[Any, Any, jax.Array, jax.Array]:
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, optax.global_norm(grads)
+        return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
 
     return step
 
@@ -313,6 +319,7 @@ def main(argv: list[str]) -> None:
     for v in learner_parts.values():
         v.clear()
 
+    load_before = os.getloadavg()[0]
     runs: dict[str, list[float]] = {name: [] for name in ways}
     names = list(ways)
     for r in range(_REPEATS.value):
@@ -324,9 +331,12 @@ def main(argv: list[str]) -> None:
                 fn()
             settle()
             runs[name].append(time.perf_counter() - t0)
-    best = {name: min(r) for name, r in runs.items()}
-    rate = {name: tokens * _STEPS.value / s for name, s in best.items()}
-    ms = {name: 1e3 * s / _STEPS.value for name, s in best.items()}
+    load_after = os.getloadavg()[0]
+    best_ms = {name: 1e3 * min(r) / _STEPS.value for name, r in runs.items()}
+    # The same repeat's runs ran seconds apart, under much the same outside load.
+    paired = statistics.median(a / b for a, b in zip(runs["learner"], runs["minimal"], strict=True))
+    ms = {name: 1e3 * statistics.median(r) / _STEPS.value for name, r in runs.items()}
+    rate = {name: 1e3 * tokens / v for name, v in ms.items()}
 
     # Pieces of one update, each alone with the device otherwise idle (median ms).
     opt_only = jax.jit(
@@ -364,9 +374,8 @@ def main(argv: list[str]) -> None:
         apply=statistics.median(apply_ms(False) for _ in range(n)),
         optax_update=statistics.median(opt_only_ms() for _ in range(n)),
         metrics_fetch=statistics.median(apply_ms(True) for _ in range(n)),
-        learner_add_groups=statistics.median(learner_parts["add_groups"]),
-        learner_update=statistics.median(learner_parts["update"]),
     )
+    calls = {k: statistics.median(v) for k, v in learner_parts.items()}
     # The learner's serial extra per update by the pieces: host work before accumulate is
     # dispatched (the device is idle: the previous update ended in a fetch), the zero_accum jit,
     # apply beyond the bare optax update, the fetch. Not in it: accumulate's extra math (metric
@@ -386,18 +395,25 @@ def main(argv: list[str]) -> None:
     print(
         f"batch: {_GROUPS.value} groups x {_GROUP_SIZE.value} = {rows} rows x {seq_len} positions, "
         f"{tokens} loss tokens ({tokens / (rows * seq_len):.0%} of the padded batch); "
-        f"best of {_REPEATS.value} runs of {_STEPS.value} updates"
+        f"median of {_REPEATS.value} runs of {_STEPS.value} updates"
     )
-    print(f"{'way':<14}{'ms/update':>10}{'tokens/s':>10}{'vs minimal':>11}{'+ms':>8}")
+    print(f"{'way':<14}{'ms/update':>10}{'best':>8}{'tokens/s':>10}{'vs minimal':>11}{'+ms':>8}")
     prev = None
     for name in ways:
         delta = "" if prev is None else f"{ms[name] - ms[prev]:+.1f}"
-        print(f"{name:<14}{ms[name]:>10.1f}{rate[name]:>10.0f}{rate[name] / base:>11.3f}{delta:>8}")
+        print(
+            f"{name:<14}{ms[name]:>10.1f}{best_ms[name]:>8.1f}{rate[name]:>10.0f}"
+            f"{rate[name] / base:>11.3f}{delta:>8}"
+        )
         prev = name
-    print("(+ms: against the row above)")
+    print("(ms/update, tokens/s: the median run; best: the fastest run; +ms: vs the row above)")
     print("pieces of an update, each alone, median ms:")
     for k, v in pieces.items():
-        print(f"  {k:<20}{v:>9.2f}")
+        print(f"  {k:<16}{v:>8.2f}")
+    print(
+        f"learner calls in its timed runs, median ms: add_groups {calls['add_groups']:.2f} "
+        f"(host work + dispatch, the device idle), update {calls['update']:.1f}"
+    )
     print(
         f"by the pieces: the learner adds ~{extra_ms:.1f} ms/update to minimal's "
         f"{ms['minimal']:.1f}, an expected ratio of {1 + extra_ms / ms['minimal']:.3f}"
@@ -405,6 +421,16 @@ def main(argv: list[str]) -> None:
     print(
         f"overhead_ratio (minimal / learner tokens/s): {overhead:.3f} (target <= 1.10: "
         f"{'met' if overhead <= 1.10 else 'NOT met'})"
+    )
+    print(f"overhead_ratio_paired (median over repeats of learner / minimal s): {paired:.3f}")
+    cores = os.cpu_count() or 1
+    print(
+        f"load average {load_before:.1f} before timing, {load_after:.1f} after, {cores} cores"
+        + (
+            ""
+            if max(load_before, load_after) < cores
+            else ": a shared, busy machine; noisy figures"
+        )
     )
     lf, mf = first["learner"], first["minimal"]
     print(
@@ -418,10 +444,14 @@ def main(argv: list[str]) -> None:
             learner_tokens_per_s=rate["learner"],
             minimal_tokens_per_s=base,
             overhead_ratio=overhead,
+            overhead_ratio_paired=paired,
+            load_average=dict(before=load_before, after=load_after, cores=os.cpu_count()),
             tokens_per_s=rate,
             ms_per_update=ms,
+            best_ms_per_update=best_ms,
             seconds=dict(runs=runs, warmup=warmup_seconds, total=total_seconds),
             pieces_ms=pieces,
+            learner_calls_ms=calls,
             pieces_extra_ms=extra_ms,
             pieces_expected_ratio=1 + extra_ms / ms["minimal"],
             first_update=first,
