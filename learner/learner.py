@@ -129,14 +129,27 @@ class Learner:
 
     def add_groups(self, groups: Iterable[Group]) -> None:
         """Computes advantages and accumulates gradients of every full micro-batch."""
+        groups = list(groups)
+        if not groups:
+            return
+        by_size: dict[int, list[int]] = {}
+        for i, g in enumerate(groups):
+            by_size.setdefault(len(g.completions), []).append(i)
+        advantages: list[np.ndarray] = [np.empty(0)] * len(groups)
+        keep = [True] * len(groups)
         estimator = get_advantage_estimator(self.cfg.advantage)
-        for g in groups:
-            rewards = np.asarray([g.rewards], np.float32)
-            if self.cfg.dynamic_sampling and bool(zero_variance_groups(rewards)[0]):
+        for idx in by_size.values():  # one estimator call per group size, not per group
+            rewards = np.asarray([groups[i].rewards for i in idx], np.float32)
+            adv = np.asarray(estimator(rewards))
+            flat = np.asarray(zero_variance_groups(rewards)) if self.cfg.dynamic_sampling else None
+            for row, i in enumerate(idx):
+                advantages[i] = adv[row]
+                keep[i] = flat is None or not bool(flat[row])
+        for g, adv, k in zip(groups, advantages, keep, strict=True):
+            if not k:
                 self.groups_dropped += 1
                 continue
-            adv = tuple(float(a) for a in np.asarray(estimator(rewards))[0])
-            self._pending.append((g, adv))
+            self._pending.append((g, tuple(float(a) for a in adv)))
             self._pending_rows += len(g.completions)
             self.groups_in_update += 1
             if self._pending_rows >= self.cfg.micro_batch_rows:
