@@ -9,23 +9,29 @@ R groups per round of G samples, U groups per update (S = R / U updates per roun
 response lengths drawn once from --seed and the same every round (so the warm-up round compiles all
 the timed rounds run): most groups short (uniform in [--short_min, --short_max]), a
 --long_fraction of them (at least one) at the cap --max_new_tokens, at random positions of the
-round's logical order (printed; ordered batching waits for a long group in its batch). The Driver takes one SamplingParams for all requests, so
-a Driver subclass sets each request's max_new_tokens from the draw; there are no stop tokens, so
-every response has exactly its drawn length (checked). Reward: parity of the first response token.
+round's logical order (printed: an ordered batch waits for a long group in it). The Driver takes
+one SamplingParams for all requests, so a Driver subclass sets each request's max_new_tokens from
+the draw; there are no stop tokens, so every response has exactly its drawn length (checked).
+Reward: parity of the first response token.
 Modes:
   sync                   rollout all R groups, then S updates in logical order (the baseline);
   cgp+{fcfs,frontier}+{fifo,ordered}
                          each complete group goes on the queue at once; an update starts as soon as
                          U groups form a batch (fifo: the next U to complete; ordered: the logical
                          batch k), while the rest of the round still decodes.
-Per mode: one warm-up round (compiles; reported, not timed), then --rounds timed rounds; the table
-gives per-mode means of rl.metrics.round_metrics (rollout_to_train_end_s, first_dispatch_s,
+Per mode: one warm-up round (compiles; reported, not timed), then --rounds timed rounds, interleaved
+across the modes (round r of every mode in turn, the order rotated each round). The table gives
+per-mode means of rl.metrics.round_metrics (rollout_to_train_end_s, first_dispatch_s,
 trainer_wait_ratio, rollout_s, slot_occupancy) and ratios against sync measured in the same run.
 XLA's persistent compilation cache (--compilation_cache) turns the later modes' recompiles of the
-same programs into lookups. Expect cgp's first_dispatch_s at most half of sync's and a shorter
-rollout_to_train_end_s; on a machine with few cores the sampler and learner threads compete for
-the same cores, so the overlap gain is smaller than the learner's share of a sync round. fcfs and
-frontier admit in the same order here (one round in flight, submitted in logical order).
+same programs into lookups. Expect cgp+*+fifo's first_dispatch_s at most half of sync's (the first
+U groups to finish are short), an ordered batch's only when no long group sits in logical batch 0,
+and a shorter rollout_to_train_end_s. On a machine with few cores the sampler and learner threads
+compete for the same cores (both sides slow down while they overlap), so the gain is well below the
+learner's share of a sync round. fcfs and frontier admit in the same order here (one round in
+flight, submitted in logical order): same tokens, same schedule; their figures differ by noise.
+fifo also tends to pair the long groups (they finish last) into one batch, so it pads fewer
+sequences to the longest length bucket than sync and ordered do.
 """
 
 from __future__ import annotations
@@ -245,7 +251,8 @@ def check_round(result: RoundResult) -> str:
     lengths = response_lengths()
     if sorted(g.request.index for g in result.groups) != list(range(_GROUPS.value)):
         raise RuntimeError(
-            f"Round {result.round} trained indices {[g.request.index for g in result.groups]}."
+            f"Round {result.round} trained indices {[g.request.index for g in result.groups]}; "
+            f"expected each of 0..{_GROUPS.value - 1} once."
         )
     digest = hashlib.sha256()
     for g in sorted(result.groups, key=lambda g: g.request.index):
@@ -260,38 +267,52 @@ def check_round(result: RoundResult) -> str:
     return digest.hexdigest()[:16]
 
 
-def run_mode(mode: str, max_length: int, max_prefill: int) -> dict[str, Any]:
-    """One warm-up round, then the timed rounds, on fresh objects."""
-    driver, engine = build(mode, max_length, max_prefill)
+def run_modes(modes: list[str], max_length: int, max_prefill: int) -> dict[str, dict[str, Any]]:
+    """Fresh objects per mode, one warm-up round each, then the timed rounds interleaved.
+
+    Timed round r runs every mode in turn, the order rotated by one each round, so a drift in the
+    machine's speed (others' load, clocks) spreads over the modes instead of favouring the last.
+    """
+    built: dict[str, tuple[LongTailDriver, Engine]] = {}
+    warmup_s, compiles_warm, results = {}, {}, {m: [] for m in modes}
     try:
-        start = time.perf_counter()
-        warm = driver.run_round(0)
-        warmup_s = time.perf_counter() - start
-        check_round(warm)
-        compiles_warm = compile_counts(driver, engine)
-        results = [driver.run_round(r) for r in range(1, _ROUNDS.value + 1)]
-        compiles = compile_counts(driver, engine)
+        for m in modes:
+            start = time.perf_counter()
+            built[m] = driver, engine = build(m, max_length, max_prefill)
+            check_round(driver.run_round(0))
+            warmup_s[m] = time.perf_counter() - start
+            compiles_warm[m] = compile_counts(driver, engine)
+            print(f"{m}: built and warmed up in {warmup_s[m]:.1f} s", flush=True)
+        for r in range(1, _ROUNDS.value + 1):
+            k = (r - 1) % len(modes)
+            for m in modes[k:] + modes[:k]:
+                results[m].append(built[m][0].run_round(r))
     finally:
-        driver.close()
-    if _GANTT_DIR.value:
-        os.makedirs(_GANTT_DIR.value, exist_ok=True)
-        stem = os.path.join(_GANTT_DIR.value, mode.replace("+", "_"))
-        driver.timeline.write_chrome_trace(stem + ".json")
-        driver.timeline.write_gantt_png(stem + ".png", title=f"{mode}: warm-up + timed rounds")
-    per_round = {k: [r.metrics[k] for r in results] for k in METRICS}
-    return dict(
-        **{k: float(np.mean(v)) for k, v in per_round.items()},
-        per_round=per_round,
-        warmup_s=warmup_s,
-        digests=[check_round(r) for r in results],
-        reward_mean=float(np.mean([r.metrics["reward_mean"] for r in results])),
-        loss=float(np.mean([r.metrics["loss"] for r in results])),
-        first_batch_indices=[
-            sorted(g.request.index for g in r.groups[: _PER_UPDATE.value]) for r in results
-        ],
-        compile_counts=compiles,
-        new_compiles_while_timed=sum(compiles.values()) - sum(compiles_warm.values()),
-    )
+        for driver, _ in built.values():
+            driver.close()
+    out = {}
+    for m, (driver, engine) in built.items():
+        if _GANTT_DIR.value:
+            os.makedirs(_GANTT_DIR.value, exist_ok=True)
+            stem = os.path.join(_GANTT_DIR.value, m.replace("+", "_"))
+            driver.timeline.write_chrome_trace(stem + ".json")
+            driver.timeline.write_gantt_png(stem + ".png", title=f"{m}: warm-up + timed rounds")
+        per_round = {k: [r.metrics[k] for r in results[m]] for k in METRICS}
+        compiles = compile_counts(driver, engine)
+        out[m] = dict(
+            **{k: float(np.mean(v)) for k, v in per_round.items()},
+            per_round=per_round,
+            warmup_s=warmup_s[m],
+            digests=[check_round(r) for r in results[m]],
+            reward_mean=float(np.mean([r.metrics["reward_mean"] for r in results[m]])),
+            loss=float(np.mean([r.metrics["loss"] for r in results[m]])),
+            first_batch_indices=[
+                sorted(g.request.index for g in r.groups[: _PER_UPDATE.value]) for r in results[m]
+            ],
+            compile_counts=compiles,
+            new_compiles_while_timed=sum(compiles.values()) - sum(compiles_warm[m].values()),
+        )
+    return out
 
 
 def main(argv: list[str]) -> None:
@@ -319,10 +340,7 @@ def main(argv: list[str]) -> None:
     max_length = max_prefill + _MAX_NEW.value
 
     total_start = time.perf_counter()
-    out = {}
-    for m in modes:
-        out[m] = run_mode(m, max_length, max_prefill)
-        print(f"{m}: warm-up {out[m]['warmup_s']:.1f} s, timed rounds done", flush=True)
+    out = run_modes(modes, max_length, max_prefill)
     total_s = time.perf_counter() - total_start
 
     base = out["sync"]
