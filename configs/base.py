@@ -64,7 +64,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # logical axis -> mesh axes; one table serves the learner (fsdp, tp) and sampler (data, tp) meshes
     config.sharding_rules = [list(rule) for rule in DEFAULT_RULES]
 
-    config.rounds = 100  # RL rounds to run
+    config.rounds = 100  # RL rounds to run (in total, counting rounds before a resume)
+    config.checkpoint_every = 10  # rounds between checkpoints in workdir/ckpt; 0: never
+    config.resume = True  # continue from the newest checkpoint in workdir/ckpt if there is one
     config.task = ml_collections.ConfigDict()
     config.task.name = "addition"  # the synthetic task (rl/tasks)
     config.task.digits = 3  # operands of up to this many digits
@@ -124,3 +126,5 @@ def shrink_for_smoke(config: ml_collections.ConfigDict) -> None:
     config.engine.max_prefill_length = 16
     config.engine.steps_per_call = 4
     config.sampler_dtype = ""
+    config.checkpoint_every = 0  # smoke runs are throwaway: no checkpoints, no resume
+    config.resume = False

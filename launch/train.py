@@ -48,6 +48,12 @@ def main(argv: list[str]) -> None:
         summary = train(config)
     except (ValueError, FileNotFoundError) as e:  # bad config or input: the message says what
         sys.exit(f"launch.train: {e}")
+    if not summary["rounds"]:
+        print(
+            f"nothing to run: the checkpoint in {config.workdir} is at round "
+            f"{summary['first_round']} and config.rounds is {config.rounds}"
+        )
+        return
     last = summary["rounds"][-1]
     print(
         f"{summary['mode']}: {len(summary['rounds'])} rounds in {summary['wall_s']:.1f} s; last round: "

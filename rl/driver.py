@@ -113,6 +113,9 @@ class Driver:
         self.timeline = Timeline() if timeline is None else timeline
         self.clock = clock
         self.version = version
+        self.on_group: Callable[[Group], None] | None = (
+            None  # called as each complete group arrives
+        )
         self.num_slots = engine.max_concurrent_decodes
         self.queue = GroupQueue(cfg.queue_size)
         published = self._publish(version, round=-1)
@@ -138,7 +141,10 @@ class Driver:
     def _next_group(self) -> Group:
         while True:
             try:
-                return self.queue.get(timeout=self.cfg.poll_s)
+                group = self.queue.get(timeout=self.cfg.poll_s)
+                if self.on_group is not None:
+                    self.on_group(group)
+                return group
             except TimeoutError:
                 if self.sampler.error is not None:
                     raise self.sampler.error from None

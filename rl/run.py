@@ -25,8 +25,10 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     """Runs `config.rounds` rounds of the configured pipeline; writes metrics and the timeline.
 
     Returns:
-      A summary: per-round metrics, wall time, and the paths written under config.workdir.
+      A summary: per-round metrics of the rounds run here, the first round run (> 0 after a resume),
+      the final TrainState, wall time, and the paths written under config.workdir.
     """
+    from learner.checkpoint import Checkpointer
     from learner.config import learner_config_from
     from learner.learner import Learner
     from learner.mesh import MeshConfig, make_meshes
@@ -54,31 +56,59 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     sampling = SamplingParams(**config.sampling, stop_token_ids=(tokenizer.eos_id,))
     driver_cfg = DriverConfig(**config.driver, sampling=sampling)
     task = AdditionTask(digits=config.task.digits, seed=config.seed)
+    prompts = task.prompts(tokenizer)
+    os.makedirs(config.workdir, exist_ok=True)
+    ckpt = Checkpointer(os.path.join(config.workdir, "ckpt"))
+    first_round, version = 0, 0
+    if config.resume and ckpt.latest_step() is not None:
+        learner.state, meta = ckpt.restore(
+            abstract_state=learner.state, shardings=learner.shardings
+        )
+        first_round, version = meta["round"], meta["version"]
+        for _ in range(meta["prompts"]):  # the task stream is seeded: skip what was consumed
+            next(prompts)
     driver = Driver(
         driver_cfg,
         engine=engine,
         learner=learner,
         weight_sync=sync,
-        prompts=task.prompts(tokenizer),
+        prompts=prompts,
         reward_fn=make_reward(tokenizer),
+        version=version,
     )
-    os.makedirs(config.workdir, exist_ok=True)
     writer = MetricsWriter(config.workdir, stdout=stdout)
     rounds = []
     try:
-        for r in range(config.rounds):
-            result = driver.run_round(r)
+        for r in range(first_round, config.rounds):
+            bar = writer.progress(driver_cfg.groups_per_round, desc=f"round {r} groups")
+            driver.on_group = lambda group, bar=bar: bar.update(1)
+            try:
+                result = driver.run_round(r)
+            finally:
+                bar.close()
             writer.write(r, {"round": float(r), **result.metrics}, prefix="train")
             rounds.append(result.metrics)
+            if config.checkpoint_every and (
+                (r + 1) % config.checkpoint_every == 0 or r + 1 == config.rounds
+            ):
+                meta = {
+                    "round": r + 1,
+                    "version": driver.version,
+                    "prompts": (r + 1) * driver_cfg.groups_per_round,
+                }
+                ckpt.save(r + 1, learner.state, meta)
     finally:
         driver.close()
         writer.close()
+        ckpt.close()
     trace = os.path.join(config.workdir, "timeline.json")
     gantt = os.path.join(config.workdir, "timeline.png")
     driver.timeline.write_chrome_trace(trace)
     driver.timeline.write_gantt_png(gantt, title=f"{driver_cfg.name}: {config.rounds} rounds")
     return {
         "rounds": rounds,
+        "first_round": first_round,
+        "state": learner.state,
         "mode": driver_cfg.name,
         "wall_s": time.perf_counter() - start,
         "timeline": trace,
