@@ -195,6 +195,24 @@ def _clipped_objective(
     return loss_BxT, active_BxT & (adv_BxT < 0), active_BxT & (adv_BxT > 0)
 
 
+def _clipped_outputs(
+    loss_BxT: jax.Array,
+    ratio_BxT: jax.Array,
+    low_BxT: jax.Array,
+    high_BxT: jax.Array,
+    valid_BxT: jax.Array,
+) -> tuple[jax.Array, Metrics]:
+    """Masked loss and the clip metrics shared by the clipped-ratio losses (0 where masked)."""
+    zero = jnp.zeros_like(loss_BxT)
+    metrics = {
+        "ratio": jnp.where(valid_BxT, ratio_BxT, zero),
+        "clip_frac": jnp.where(valid_BxT & (low_BxT | high_BxT), 1.0, zero),
+        "clip_frac_low": jnp.where(valid_BxT & low_BxT, 1.0, zero),
+        "clip_frac_high": jnp.where(valid_BxT & high_BxT, 1.0, zero),
+    }
+    return jnp.where(valid_BxT, loss_BxT, zero), metrics
+
+
 @register_policy_loss("ppo_clip")
 def ppo_clip_loss(
     logp_BxT: jax.Array,
@@ -228,14 +246,7 @@ def ppo_clip_loss(
     loss_BxT, low_BxT, high_BxT = _clipped_objective(
         ratio_BxT, adv_BxT, cfg.clip_low, cfg.clip_high
     )
-    zero = jnp.zeros_like(loss_BxT)
-    metrics = {
-        "ratio": jnp.where(valid_BxT, ratio_BxT, zero),
-        "clip_frac": jnp.where(valid_BxT & (low_BxT | high_BxT), 1.0, zero),
-        "clip_frac_low": jnp.where(valid_BxT & low_BxT, 1.0, zero),
-        "clip_frac_high": jnp.where(valid_BxT & high_BxT, 1.0, zero),
-    }
-    return jnp.where(valid_BxT, loss_BxT, zero), metrics
+    return _clipped_outputs(loss_BxT, ratio_BxT, low_BxT, high_BxT, valid_BxT)
 
 
 @register_policy_loss("gspo")
@@ -278,14 +289,8 @@ def gspo_loss(
     loss_BxT, low_BxT, high_BxT = _clipped_objective(
         token_ratio_BxT, adv_BxT, cfg.gspo_clip_low, cfg.gspo_clip_high
     )
-    zero = jnp.zeros_like(loss_BxT)
-    metrics = {
-        "ratio": jnp.where(valid_BxT, jax.lax.stop_gradient(token_ratio_BxT), zero),
-        "clip_frac": jnp.where(valid_BxT & (low_BxT | high_BxT), 1.0, zero),
-        "clip_frac_low": jnp.where(valid_BxT & low_BxT, 1.0, zero),
-        "clip_frac_high": jnp.where(valid_BxT & high_BxT, 1.0, zero),
-    }
-    return jnp.where(valid_BxT, loss_BxT, zero), metrics
+    ratio_BxT = jax.lax.stop_gradient(token_ratio_BxT)
+    return _clipped_outputs(loss_BxT, ratio_BxT, low_BxT, high_BxT, valid_BxT)
 
 
 @register_policy_loss("tis_reinforce")
