@@ -1,0 +1,180 @@
+"""Local JSONL loaders for GSM8K- and MATH-style datasets, offline.
+
+Each loader reads one JSON object per line and returns `LoadedRecords`, a list of records
+`{"id", "question", "answer", "solution", ...}` with ids 0..n-1 in file order. Blank lines are
+ignored. A malformed row (not UTF-8, not JSON, not an object, a missing or non-string field, no
+final answer) raises ValueError naming `file:line` with `on_error="raise"`; with `on_error="skip"`
+it is dropped, counted in `.skipped`, its (line, reason) kept in `.errors` (the first
+`MAX_REPORTED`), and one absl warning names the file and the count.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from absl import logging
+
+OnError = Literal["skip", "raise"]
+MAX_REPORTED = 5  # (line, reason) pairs kept in LoadedRecords.errors
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_BOXED = ("\\boxed{", "\\fbox{")
+
+
+class LoadedRecords(list):
+    """The records of a file (a plain list of dicts) plus what was skipped.
+
+    Attributes:
+        path: The file read.
+        skipped: How many malformed rows were skipped.
+        errors: (1-based line number, reason) of the first `MAX_REPORTED` skipped rows.
+    """
+
+    def __init__(self, records: list[dict[str, Any]], *, path: str, skipped: int, errors: list):
+        super().__init__(records)
+        self.path = path
+        self.skipped = skipped
+        self.errors: list[tuple[int, str]] = errors
+
+
+def _field(row: Mapping[str, Any], key: str) -> str:
+    value = row.get(key)
+    if not isinstance(value, str):
+        got = "missing" if key not in row else f"of type {type(value).__name__}"
+        raise ValueError(f"field {key!r} is {got}; expected a string (row keys: {sorted(row)})")
+    return value
+
+
+def gsm8k_answer(solution: str) -> str:
+    """The number after the last "####" of a GSM8K solution, commas removed.
+
+    Args:
+        solution: The full answer text, e.g. "...\\n#### 1,200".
+
+    Returns:
+        The number as text, e.g. "1200".
+    """
+    if "####" not in solution:
+        raise ValueError(f"no '####' in the answer (ends with {solution[-40:]!r})")
+    tail = solution.rpartition("####")[2].strip()
+    number = tail.replace(",", "").removeprefix("$")
+    if not _NUMBER.fullmatch(number):
+        raise ValueError(f"expected a number after '####'; found {tail!r}")
+    return number
+
+
+def extract_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} (or \\fbox{...}) in `text`, nested braces allowed.
+
+    Args:
+        text: A solution, e.g. "so $x = \\boxed{\\frac{1}{2}}$."
+
+    Returns:
+        The content, e.g. "\\frac{1}{2}"; None if there is no complete boxed group.
+    """
+    start = max(text.rfind(tag) for tag in _BOXED)
+    if start < 0:
+        return None
+    begin = text.index("{", start) + 1
+    depth = 1
+    for k in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[k], 0)
+        if depth == 0:
+            return text[begin:k]
+    return None
+
+
+def _parse_gsm8k(row: Mapping[str, Any]) -> dict[str, Any]:
+    question, solution = _field(row, "question"), _field(row, "answer")
+    return {"question": question, "answer": gsm8k_answer(solution), "solution": solution}
+
+
+def _parse_math(row: Mapping[str, Any]) -> dict[str, Any]:
+    question, solution = _field(row, "problem"), _field(row, "solution")
+    answer = extract_boxed(solution)
+    if answer is None:
+        raise ValueError(f"no complete \\boxed{{...}} in the solution (ends {solution[-40:]!r})")
+    extra = {k: row[k] for k in ("level", "type", "subject") if isinstance(row.get(k), str | int)}
+    return {"question": question, "answer": answer, "solution": solution, **extra}
+
+
+def _load(
+    path: str | pathlib.Path,
+    parse: Callable[[Mapping[str, Any]], dict[str, Any]],
+    on_error: OnError,
+    what: str,
+) -> LoadedRecords:
+    """Reads `path` line by line, parsing each non-blank line's JSON object with `parse`."""
+    if on_error not in ("skip", "raise"):
+        raise ValueError(f"on_error must be 'skip' or 'raise'; received {on_error!r}.")
+    file = pathlib.Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"{what} file {str(file)!r} not found; expected a JSONL file.")
+    records: list[dict[str, Any]] = []
+    errors: list[tuple[int, str]] = []
+    skipped = 0
+    with file.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+                if not text.strip():
+                    continue
+                try:
+                    row = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"not valid JSON ({e})") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"a JSON {type(row).__name__}; expected an object")
+                record = parse(row)
+            except ValueError as e:  # UnicodeDecodeError included
+                reason = f"not UTF-8 ({e})" if isinstance(e, UnicodeDecodeError) else str(e)
+                if on_error == "raise":
+                    raise ValueError(
+                        f"{what} row at {file}:{line_no} is malformed: {reason}."
+                    ) from None
+                skipped += 1
+                if len(errors) < MAX_REPORTED:
+                    errors.append((line_no, reason))
+                continue
+            records.append({"id": len(records), **record})
+    if skipped:
+        logging.warning(
+            "%s file %s: skipped %d malformed rows (kept %d); first (line, reason): %s",
+            what,
+            file,
+            skipped,
+            len(records),
+            errors,
+        )
+    return LoadedRecords(records, path=str(file), skipped=skipped, errors=errors)
+
+
+def load_gsm8k(path: str | pathlib.Path, *, on_error: OnError = "skip") -> LoadedRecords:
+    """Loads GSM8K-style rows {"question", "answer": "...#### <n>"}.
+
+    Args:
+        path: The JSONL file.
+        on_error: "skip" (count and log malformed rows) or "raise" (ValueError at the first).
+
+    Returns:
+        Records {"id", "question", "answer": the number after "####" (commas removed),
+        "solution": the full answer text}, with `.skipped` and `.errors`.
+    """
+    return _load(path, _parse_gsm8k, on_error, "GSM8K")
+
+
+def load_math(path: str | pathlib.Path, *, on_error: OnError = "skip") -> LoadedRecords:
+    """Loads MATH-style rows {"problem", "solution": "... \\boxed{<answer>} ..."}.
+
+    Args:
+        path: The JSONL file.
+        on_error: "skip" (count and log malformed rows) or "raise" (ValueError at the first).
+
+    Returns:
+        Records {"id", "question": the problem, "answer": the last boxed content, "solution",
+        and "level", "type", "subject" when the row has them}, with `.skipped` and `.errors`.
+    """
+    return _load(path, _parse_math, on_error, "MATH")
