@@ -68,8 +68,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.checkpoint_every = 10  # rounds between checkpoints in workdir/ckpt; 0: never
     config.resume = True  # continue from the newest checkpoint in workdir/ckpt if there is one
     config.task = ml_collections.ConfigDict()
-    config.task.name = "addition"  # the synthetic task (rl/tasks)
-    config.task.digits = 3  # operands of up to this many digits
+    config.task.name = "addition"  # addition | countdown (rl/tasks/synthetic.py)
+    config.task.digits = 3  # addition: operands of up to this many digits
+    config.task.train_size = 20000  # training problems (the held-out split never overlaps them)
+    config.task.reward = "exact"  # a name in rl.rewards.REWARDS: exact | math | gsm8k | countdown
+    config.task.reward_timeout_s = 5.0  # a reward call past this scores 0 and is counted
 
     config.driver = ml_collections.ConfigDict()
     config.driver.mode = "cgp"  # sync (rollout all, then train) | cgp (complete-group pipelining)
@@ -126,5 +129,6 @@ def shrink_for_smoke(config: ml_collections.ConfigDict) -> None:
     config.engine.max_prefill_length = 16
     config.engine.steps_per_call = 4
     config.sampler_dtype = ""
+    config.task.train_size = 1000
     config.checkpoint_every = 0  # smoke runs are throwaway: no checkpoints, no resume
     config.resume = False

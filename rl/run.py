@@ -15,10 +15,18 @@ from rl.metrics import MetricsWriter
 from rl.models.build import build_model
 from rl.models.sharding import normalize_rules
 from rl.models.summary import tokenizer_from
-from rl.tasks.addition import AdditionTask, make_reward
+from rl.rewards import RewardRunner, get_reward
+from rl.tasks.pipeline import prompt_dataset
+from rl.tasks.synthetic import addition_records, countdown_records
 from rl.types import SamplingParams
 
-TASKS = ("addition",)
+TASKS = ("addition", "countdown")
+
+
+def _records(task: Any, seed: int) -> list[dict[str, Any]]:
+    if task.name == "addition":
+        return addition_records(task.train_size, digits=task.digits, seed=seed, split="train")
+    return countdown_records(task.train_size, seed=seed, split="train")
 
 
 def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
@@ -55,8 +63,12 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     sync = DevicePutSync(learner.params, sampler_mesh, dtype=config.sampler_dtype, rules=rules)
     sampling = SamplingParams(**config.sampling, stop_token_ids=(tokenizer.eos_id,))
     driver_cfg = DriverConfig(**config.driver, sampling=sampling)
-    task = AdditionTask(digits=config.task.digits, seed=config.seed)
-    prompts = task.prompts(tokenizer)
+    prompts = iter(prompt_dataset(_records(config.task, config.seed), tokenizer, seed=config.seed))
+    reward = RewardRunner(
+        get_reward(config.task.reward),
+        decode=tokenizer.decode,
+        timeout_s=config.task.reward_timeout_s,
+    )
     os.makedirs(config.workdir, exist_ok=True)
     ckpt = Checkpointer(os.path.join(config.workdir, "ckpt"))
     first_round, version = 0, 0
@@ -65,15 +77,14 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
             abstract_state=learner.state, shardings=learner.shardings
         )
         first_round, version = meta["round"], meta["version"]
-        for _ in range(meta["prompts"]):  # the task stream is seeded: skip what was consumed
-            next(prompts)
+        prompts.set_state(meta["data"])
     driver = Driver(
         driver_cfg,
         engine=engine,
         learner=learner,
         weight_sync=sync,
         prompts=prompts,
-        reward_fn=make_reward(tokenizer),
+        reward_fn=reward,
         version=version,
     )
     writer = MetricsWriter(config.workdir, stdout=stdout)
@@ -91,16 +102,13 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
             if config.checkpoint_every and (
                 (r + 1) % config.checkpoint_every == 0 or r + 1 == config.rounds
             ):
-                meta = {
-                    "round": r + 1,
-                    "version": driver.version,
-                    "prompts": (r + 1) * driver_cfg.groups_per_round,
-                }
+                meta = {"round": r + 1, "version": driver.version, "data": prompts.get_state()}
                 ckpt.save(r + 1, learner.state, meta)
     finally:
         driver.close()
         writer.close()
         ckpt.close()
+        reward.close()
     trace = os.path.join(config.workdir, "timeline.json")
     gantt = os.path.join(config.workdir, "timeline.png")
     driver.timeline.write_chrome_trace(trace)

@@ -52,15 +52,18 @@ def test_resumed_run_continues_the_exact_trajectory(tmp_path, monkeypatch):
     import jax
     import numpy as np
 
-    import rl.run
+    from rl.rewards import REWARDS, register_reward
     from rl.run import train
 
-    # An untrained model never gets an addition right: reward parity instead, so updates move.
-    monkeypatch.setattr(rl.run, "make_reward", lambda tok: lambda req, c: float(c.tokens[0] % 2))
+    # An untrained model never gets an addition right: a registered reward with variance instead,
+    # so the updates move the parameters.
+    monkeypatch.delitem(REWARDS, "test_parity", raising=False)
+    register_reward("test_parity")(lambda request, text: float(len(text) % 2))
 
     def config(workdir, rounds):
         c = smoke.get_config()
         c.workdir, c.rounds, c.checkpoint_every, c.resume = str(workdir), rounds, 1, True
+        c.task.reward = "test_parity"
         return c
 
     straight = train(config(tmp_path / "straight", 2), stdout=False)
