@@ -74,6 +74,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.task.reward = "exact"  # a name in rl.rewards.REWARDS: exact | math | gsm8k | countdown
     config.task.reward_timeout_s = 5.0  # a reward call past this scores 0 and is counted
 
+    config.sft = ml_collections.ConfigDict()
+    config.sft.max_steps = 0  # supervised warm-start steps before RL; 0: none
+    config.sft.batch_size = 64  # sequences per SFT step
+    config.sft.lr = 1e-3  # SFT learning rate (Adam)
+    config.sft.eval_every = 100  # SFT steps between held-out evaluations
+    config.sft.target_accuracy = 0.25  # stop SFT once held-out greedy accuracy reaches this
+
+    config.eval = ml_collections.ConfigDict()
+    config.eval.heldout_size = 200  # held-out problems (never in the training split)
+    config.eval.every_rounds = 10  # RL rounds between held-out evaluations; 0: start and end only
+
     config.driver = ml_collections.ConfigDict()
     config.driver.mode = "cgp"  # sync (rollout all, then train) | cgp (complete-group pipelining)
     config.driver.admission = "frontier"  # fcfs | frontier
@@ -130,5 +141,10 @@ def shrink_for_smoke(config: ml_collections.ConfigDict) -> None:
     config.engine.steps_per_call = 4
     config.sampler_dtype = ""
     config.task.train_size = 1000
+    config.sft.max_steps = 20
+    config.sft.batch_size = 16
+    config.sft.eval_every = 10
+    config.eval.heldout_size = 8
+    config.eval.every_rounds = 1
     config.checkpoint_every = 0  # smoke runs are throwaway: no checkpoints, no resume
     config.resume = False

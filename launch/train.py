@@ -55,12 +55,34 @@ def main(argv: list[str]) -> None:
         )
         return
     last = summary["rounds"][-1]
+    rows = [
+        ("pipeline", summary["mode"]),
+        ("held-out accuracy before RL", f"{summary['heldout_acc_before']:.1%}"),
+        ("held-out accuracy after RL", f"{summary['heldout_acc_after']:.1%}"),
+        ("SFT warm-start steps", f"{summary['sft_steps']}"),
+        (
+            "wall time",
+            f"{summary['wall_s']:.1f} s (setup {summary['setup_s']:.1f}, SFT "
+            f"{summary['sft_s']:.1f}, RL {summary['rl_s']:.1f}, eval {summary['eval_s']:.1f})",
+        ),
+        (
+            "tokens/s",
+            f"sampler {summary['sampler_tokens_per_s']:.0f}, learner "
+            f"{summary['learner_tokens_per_s']:.0f}",
+        ),
+        (
+            "last round",
+            f"reward {last['reward_mean']:.3f}, rollout-to-train-end "
+            f"{last['rollout_to_train_end_s']:.2f} s, first dispatch "
+            f"{last['first_dispatch_s']:.2f} s, trainer wait {last['trainer_wait_ratio']:.2f}",
+        ),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
     print(
-        f"{summary['mode']}: {len(summary['rounds'])} rounds in {summary['wall_s']:.1f} s; last round: "
-        f"reward {last['reward_mean']:.3f}, rollout-to-train-end {last['rollout_to_train_end_s']:.2f} s, "
-        f"first dispatch {last['first_dispatch_s']:.2f} s, trainer wait {last['trainer_wait_ratio']:.2f}"
+        f"wrote {config.workdir}/summary.json, {summary['metrics']}, {summary['timeline']} "
+        f"(Perfetto), {summary['gantt']}"
     )
-    print(f"wrote {summary['metrics']}, {summary['timeline']} (Perfetto), {summary['gantt']}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ arrived, and their gradients are accumulated at once; `update` folds in the rema
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from collections.abc import Iterable, Iterator
@@ -111,6 +112,15 @@ class Learner:
     @property
     def step(self) -> int:
         return int(self.state.step)
+
+    def set_params(self, params: Any) -> None:
+        """Replaces the parameters (e.g. after an SFT warm start); the KL reference follows them."""
+        if self._pending or self._acc is not None:
+            raise RuntimeError("set_params called with groups accumulated but not applied.")
+        params = self._copy(params)
+        self.state = dataclasses.replace(self.state, params=params)
+        if self.ref_params is not None:
+            self.ref_params = self._copy(params)
 
     def begin_round(self, updates: int) -> None:
         """Starts a round of `updates` optimizer updates from the current (= published) params.

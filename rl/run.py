@@ -6,11 +6,15 @@ summary = rl.run.train(smoke.get_config())   # also from a Colab cell
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
 
+import numpy as np
+
 from rl.driver import Driver, DriverConfig
+from rl.evaluate import evaluate
 from rl.metrics import MetricsWriter
 from rl.models.build import build_model
 from rl.models.sharding import normalize_rules
@@ -23,10 +27,45 @@ from rl.types import SamplingParams
 TASKS = ("addition", "countdown")
 
 
-def _records(task: Any, seed: int) -> list[dict[str, Any]]:
+def _records(task: Any, seed: int, *, split: str = "train", n: int = 0) -> list[dict[str, Any]]:
+    n = n or task.train_size
     if task.name == "addition":
-        return addition_records(task.train_size, digits=task.digits, seed=seed, split="train")
-    return countdown_records(task.train_size, seed=seed, split="train")
+        return addition_records(n, digits=task.digits, seed=seed, split=split)
+    return countdown_records(n, seed=seed, split=split)
+
+
+def _sft(
+    config: Any, learner: Any, tokenizer: Any, heldout_accuracy: Any, writer: MetricsWriter
+) -> int:
+    """Supervised warm start until held-out accuracy reaches config.sft.target_accuracy."""
+    from learner.config import OptimizerConfig
+    from learner.sft import make_sft_step, sft_batches
+    from learner.state import create_train_state, make_optimizer
+
+    tx = make_optimizer(OptimizerConfig(lr=config.sft.lr))
+    state, shardings = create_train_state(
+        learner.params, tx, seed=config.seed, mesh=learner.mesh, rules=learner.rules
+    )
+    step = make_sft_step(learner.graphdef, tx, shardings)
+    batches = sft_batches(
+        _records(config.task, config.seed),
+        tokenizer,
+        batch_size=config.sft.batch_size,
+        seed=config.seed,
+    )
+    done = 0
+    bar = writer.progress(config.sft.max_steps, desc="sft steps")
+    for done in range(1, config.sft.max_steps + 1):
+        state, metrics = step(state, next(batches))
+        bar.update(1)
+        if done % config.sft.eval_every == 0 or done == config.sft.max_steps:
+            acc = heldout_accuracy(state.params)
+            writer.write(done, {"loss": float(metrics["loss"]), "heldout_acc": acc}, prefix="sft")
+            if acc >= config.sft.target_accuracy:
+                break
+    bar.close()
+    learner.set_params(state.params)
+    return done
 
 
 def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
@@ -78,6 +117,30 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
         )
         first_round, version = meta["round"], meta["version"]
         prompts.set_state(meta["data"])
+    writer = MetricsWriter(config.workdir, stdout=stdout)
+    heldout = _records(config.task, config.seed, split="heldout", n=config.eval.heldout_size)
+    phases = {"setup_s": time.perf_counter() - start, "sft_s": 0.0, "eval_s": 0.0, "rl_s": 0.0}
+
+    def heldout_accuracy(params: Any) -> float:
+        t = time.perf_counter()
+        published = sync.publish(params, version=-1).params
+        acc = evaluate(
+            engine,
+            published,
+            heldout,
+            tokenizer,
+            reward,
+            max_new_tokens=config.sampling.max_new_tokens,
+        )["accuracy"]
+        phases["eval_s"] += time.perf_counter() - t
+        return acc
+
+    sft_steps = 0
+    if config.sft.max_steps and first_round == 0:
+        t = time.perf_counter()
+        sft_steps = _sft(config, learner, tokenizer, heldout_accuracy, writer)
+        phases["sft_s"] = time.perf_counter() - t - phases["eval_s"]
+    acc_before = heldout_accuracy(learner.params)
     driver = Driver(
         driver_cfg,
         engine=engine,
@@ -87,8 +150,8 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
         reward_fn=reward,
         version=version,
     )
-    writer = MetricsWriter(config.workdir, stdout=stdout)
     rounds = []
+    t_rl = time.perf_counter()
     try:
         for r in range(first_round, config.rounds):
             bar = writer.progress(driver_cfg.groups_per_round, desc=f"round {r} groups")
@@ -97,7 +160,10 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
                 result = driver.run_round(r)
             finally:
                 bar.close()
-            writer.write(r, {"round": float(r), **result.metrics}, prefix="train")
+            metrics = {"round": float(r), **result.metrics}
+            if config.eval.every_rounds and (r + 1) % config.eval.every_rounds == 0:
+                metrics["heldout_acc"] = heldout_accuracy(learner.params)
+            writer.write(r, metrics, prefix="train")
             rounds.append(result.metrics)
             if config.checkpoint_every and (
                 (r + 1) % config.checkpoint_every == 0 or r + 1 == config.rounds
@@ -106,19 +172,37 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
                 ckpt.save(r + 1, learner.state, meta)
     finally:
         driver.close()
-        writer.close()
         ckpt.close()
-        reward.close()
+    eval_in_rl = phases["eval_s"]
+    acc_after = heldout_accuracy(learner.params)
+    reward.close()
+    writer.close()
+    phases["rl_s"] = time.perf_counter() - t_rl - (phases["eval_s"] - eval_in_rl)
     trace = os.path.join(config.workdir, "timeline.json")
     gantt = os.path.join(config.workdir, "timeline.png")
     driver.timeline.write_chrome_trace(trace)
     driver.timeline.write_gantt_png(gantt, title=f"{driver_cfg.name}: {config.rounds} rounds")
+    summary = {
+        "heldout_acc_before": acc_before,
+        "heldout_acc_after": acc_after,
+        "sft_steps": sft_steps,
+        "wall_s": time.perf_counter() - start,
+        **phases,
+        "sampler_tokens_per_s": float(np.mean([m["sampler_tokens_per_s"] for m in rounds]))
+        if rounds
+        else 0.0,
+        "learner_tokens_per_s": float(np.mean([m["learner_tokens_per_s"] for m in rounds]))
+        if rounds
+        else 0.0,
+    }
+    with open(os.path.join(config.workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
     return {
+        **summary,
         "rounds": rounds,
         "first_round": first_round,
         "state": learner.state,
         "mode": driver_cfg.name,
-        "wall_s": time.perf_counter() - start,
         "timeline": trace,
         "gantt": gantt,
         "metrics": os.path.join(config.workdir, "metrics.jsonl"),

@@ -41,8 +41,13 @@ def test_default_run_trains_pipelined_rounds_and_writes_its_files(tmp_path):
     for r in summary["rounds"]:
         assert 0 < r["first_dispatch_s"] <= r["rollout_to_train_end_s"]
         assert r["updates"] == config.driver.groups_per_round // config.driver.groups_per_update
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == list(range(config.rounds))
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["prefix"] == "train"] == list(range(config.rounds))
+    assert [x["step"] for x in lines if x["prefix"] == "sft"] == [10, 20]
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("heldout_acc_before", "heldout_acc_after"):
+        assert 0.0 <= saved[key] <= 1.0
+    assert saved["wall_s"] >= saved["sft_s"] + saved["rl_s"] > 0
     assert json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
     assert list((tmp_path / "tb").iterdir())
