@@ -22,6 +22,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model.dtype = "bfloat16"  # activation compute dtype: float32 | bfloat16
     config.model.remat = "full"  # per-layer rematerialisation: none | full | dots
     config.model.logits_chunk = 512  # sequence chunk for log-prob computation
+    # Shape overrides on top of the preset (0: the preset's value); ignored with hf_path.
+    config.model.d_model = 0
+    config.model.n_layers = 0
+    config.model.n_heads = 0
+    config.model.n_kv_heads = 0
+    config.model.head_dim = 0
+    config.model.mlp_dim = 0
 
     config.mesh = ml_collections.ConfigDict()
     config.mesh.learner_devices = 0  # 0: half of the devices (all when colocated)

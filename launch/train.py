@@ -17,7 +17,7 @@ from rl.run import train
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
-    os.path.join(os.path.dirname(configs.__file__), "smoke.py"),
+    os.path.join(os.path.dirname(configs.__file__), "default.py"),
     "Experiment config file.",
     lock_config=True,
 )

@@ -117,6 +117,10 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
         )
         first_round, version = meta["round"], meta["version"]
         prompts.set_state(meta["data"])
+    if first_round == 0:  # a fresh run starts its own metrics log
+        for name in ("metrics.jsonl", "summary.json"):
+            if os.path.exists(os.path.join(config.workdir, name)):
+                os.remove(os.path.join(config.workdir, name))
     writer = MetricsWriter(config.workdir, stdout=stdout)
     heldout = _records(config.task, config.seed, split="heldout", n=config.eval.heldout_size)
     phases = {"setup_s": time.perf_counter() - start, "sft_s": 0.0, "eval_s": 0.0, "rl_s": 0.0}

@@ -50,7 +50,8 @@ def model_config_from(model_cfg: Mapping[str, Any]) -> ModelConfig:
         from rl.models.hf_io import hf_config
 
         return hf_config(model_cfg["hf_path"], **overrides)
-    return get_preset(model_cfg["preset"], **overrides)
+    shape = {k: model_cfg[k] for k in _SHAPE_FIELDS if model_cfg.get(k)}
+    return get_preset(model_cfg["preset"], **overrides, **shape)
 
 
 def build_model(
@@ -71,3 +72,5 @@ def build_model(
 
 # ConfigDict fields applied on top of a preset or checkpoint config.
 _OVERRIDABLE = ("param_dtype", "dtype", "remat", "logits_chunk")
+# Shape fields a preset may be changed in (0 or absent: keep the preset's).
+_SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim")
