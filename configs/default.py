@@ -24,6 +24,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model.head_dim = 32
     config.model.mlp_dim = 384
     config.mesh.colocated = True  # one CPU device (or one GPU) shared by sampler and learner
+    config.mesh.learner_devices = 1
+    config.mesh.sampler_devices = 1
     config.checkpoint_every = 0
     config.resume = False
 
