@@ -59,7 +59,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.learner.micro_batch_rows = 64
     config.learner.min_length_bucket = 16
     config.learner.optimizer.lr = 1e-4
-    config.learner.loss.clip_high = 0.28
     if arg == "smoke":
         config.workdir = "runs/default_smoke"
         config.sft.max_steps = 20

@@ -38,7 +38,7 @@ class DevicePutSync:
 
     def __init__(
         self,
-        abstract_params: Any,
+        params_like: Any,
         sampler_mesh: Mesh,
         *,
         dtype: str = "",
@@ -50,7 +50,7 @@ class DevicePutSync:
             )
         self.dtype = DTYPES[dtype] if dtype else None
         self.shardings = tree_shardings(
-            abstract_params, sampler_mesh, current_rules() if rules is None else rules
+            params_like, sampler_mesh, current_rules() if rules is None else rules
         )
 
     def publish(self, params: Any, version: int) -> Published:

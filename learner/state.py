@@ -8,7 +8,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from learner.config import OptimizerConfig
@@ -124,9 +123,3 @@ def create_train_state(
 
     state = jax.jit(init, out_shardings=shardings)(params)
     return state, shardings
-
-
-def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, Any]:
-    """(graphdef, params State): the learner keeps parameters only."""
-    graphdef, params = nnx.split(model)
-    return graphdef, params
