@@ -9,6 +9,16 @@ Weights are published after the round's S = R/U updates, and the next round samp
 update sees data of exactly the policy it should. `sync` trains in logical order, so `cgp` with
 `ordered` batches performs the same updates on the same data: same tokens, same parameters.
 
+Rounds come from a `rl.rounds.RoundPlanner`: plain rounds, or with tail batching (`tail.enabled`,
+RollPacker) short rounds that launch ceil(eta * R) prompts and train the first R groups to complete
+(the sampler aborts the rest at once; their prompts wait in the long-prompt queue) and long rounds of
+R queued prompts. A short round's trained set is defined by completion order, so its cgp batches are
+formed in completion order (`fifo`) whatever `batching` says; `sync` trains them in logical order.
+
+Stream trainer (RollPacker): with `fifo` batches each arriving group is handed to the learner at once,
+which accumulates gradients of every full micro-batch while the rollout goes on; the update is
+applied when U groups are in. With U = R (S = 1) that is one deferred update per round.
+
 The sampler loop runs in its own thread; this driver's thread is the learner loop. An error on
 either side stops both (the queue fails, the sampler thread stops) and re-raises the original error;
 a round's result lists only groups whose update completed.
@@ -24,9 +34,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rl.admission import make_policy
-from rl.formation import make_former
+from rl.formation import FifoBatches, OrderedBatches, make_former
 from rl.metrics import round_metrics
 from rl.queue import GroupQueue
+from rl.rounds import RoundCut, RoundPlan, RoundPlanner, TailConfig
 from rl.timeline import Timeline
 from rl.types import Group, Prompt, Request, SamplingParams
 
@@ -52,6 +63,8 @@ class DriverConfig:
         0  # complete groups waiting for the learner before the sampler blocks; 0: no bound
     )
     poll_s: float = 0.2  # how often a waiting learner checks the sampler thread for an error
+    tail: TailConfig = TailConfig()  # tail batching (rl.rounds); off: plain rounds
+    epoch_size: int = 0  # prompts per epoch of the source (tail.epoch_end="flush"); 0: no epochs
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -63,6 +76,8 @@ class DriverConfig:
                 f"groups_per_round ({self.groups_per_round}) must be a positive multiple of "
                 f"groups_per_update ({self.groups_per_update})."
             )
+        if self.epoch_size < 0:
+            raise ValueError(f"epoch_size must be >= 0 (0: no epochs); received {self.epoch_size}.")
         if self.group_size < 1 or self.queue_size < 0:
             raise ValueError(
                 f"group_size must be >= 1 and queue_size >= 0; received {self.group_size}, {self.queue_size}."
@@ -74,12 +89,14 @@ class DriverConfig:
 
     @property
     def name(self) -> str:
-        return "sync" if self.mode == "sync" else f"cgp+{self.admission}+{self.batching}"
+        name = "sync" if self.mode == "sync" else f"cgp+{self.admission}+{self.batching}"
+        return name + ("+tail" if self.tail.enabled else "")
 
 
 @dataclasses.dataclass
 class RoundResult:
     round: int
+    kind: str  # plain | short | long | flush (rl.rounds)
     version: int  # the policy version that sampled this round
     groups: list[Group]  # trained groups, in training order
     updates: list[dict[str, float]]  # the learner's metrics per update
@@ -109,7 +126,12 @@ class Driver:
         self.cfg = cfg
         self.learner = learner
         self.weight_sync = weight_sync
-        self.prompts = prompts
+        self.planner = RoundPlanner(
+            cfg.tail,
+            groups_per_round=cfg.groups_per_round,
+            prompts=prompts,
+            epoch_size=cfg.epoch_size or None,
+        )
         self.timeline = Timeline() if timeline is None else timeline
         self.clock = clock
         self.version = version
@@ -149,53 +171,34 @@ class Driver:
                 if self.sampler.error is not None:
                     raise self.sampler.error from None
 
-    def _requests(self, round: int) -> list[Request]:
-        out = []
-        for i in range(self.cfg.groups_per_round):
-            try:
-                p = next(self.prompts)
-            except StopIteration:
-                raise ValueError(
-                    f"The prompt source ran out after {i} prompts of round {round}; it must yield "
-                    f"{self.cfg.groups_per_round} per round."
-                ) from None
-            out.append(
-                Request(
-                    uid=p.uid,
-                    round=round,
-                    index=i,
-                    prompt=p.tokens,
-                    group_size=self.cfg.group_size,
-                    params=self.cfg.sampling,
-                    meta=p.meta,
-                )
-            )
-        return out
+    def _requests(self, plan: RoundPlan) -> list[Request]:
+        return plan.requests(group_size=self.cfg.group_size, params=self.cfg.sampling)
 
-    def _train(
-        self,
-        batch: tuple[Group, ...],
-        round: int,
-        updates: list[dict[str, float]],
-        trained: list[Group],
-    ) -> None:
+    def _add(self, groups: tuple[Group, ...], round: int) -> None:
         t0 = self.clock()
-        self.learner.add_groups(batch)
-        t1 = self.clock()
-        tokens = sum(len(c.tokens) for g in batch for c in g.completions)
-        self.timeline.span("learner", "micro_step", t0, t1, round=round, tokens=tokens)
-        m = self.learner.update()
+        self.learner.add_groups(groups)
+        tokens = sum(len(c.tokens) for g in groups for c in g.completions)
         self.timeline.span(
             "learner",
-            "update",
-            t1,
+            "micro_step",
+            t0,
             self.clock(),
             round=round,
             tokens=tokens,
             step=self.learner.step,
         )
+
+    def _update(
+        self, batch: tuple[Group, ...], round: int, updates: list[dict[str, float]]
+    ) -> None:
+        t0 = self.clock()
+        step = self.learner.step
+        m = self.learner.update()
+        tokens = sum(len(c.tokens) for g in batch for c in g.completions)
+        self.timeline.span(
+            "learner", "update", t0, self.clock(), round=round, tokens=tokens, step=step
+        )
         updates.append(m)
-        trained.extend(batch)
 
     def run_round(self, round: int) -> RoundResult:
         """Samples, trains and publishes one round; on any error both sides stop and it re-raises."""
@@ -208,44 +211,87 @@ class Driver:
             raise
 
     def _run_round(self, round: int) -> RoundResult:
-        cfg = self.cfg
-        requests = self._requests(round)
-        self.learner.begin_round(updates=cfg.updates_per_round)
+        cfg, u = self.cfg, self.cfg.groups_per_update
+        try:
+            plan = self.planner.plan(round)
+        except StopIteration:
+            raise ValueError(
+                f"Round {round}: the prompt source is exhausted and the long-prompt queue is empty."
+            ) from None
+        requests = self._requests(plan)
+        n_updates = -(-plan.target // u)
+        self.learner.begin_round(updates=n_updates)
         updates: list[dict[str, float]] = []
         trained: list[Group] = []
+        stats0 = dataclasses.replace(self.sampler.stats)
         start = self.clock()
-        self.sampler.submit(requests)
-        former = make_former(
-            "ordered" if cfg.mode == "sync" else cfg.batching,
-            cfg.groups_per_update,
-            cfg.groups_per_round,
-        )
-        if cfg.mode == "sync":
-            done = [self._next_group() for _ in range(cfg.groups_per_round)]
-            for g in done:
-                for batch in former.add(g):
-                    self._train(batch, round, updates, trained)
+        cut = RoundCut(plan.target) if plan.aborted else None
+        self.sampler.submit(requests, cut=cut)
+        if cfg.mode == "sync":  # rollout all, then train in logical order
+            done = sorted((self._next_group() for _ in range(plan.target)), key=_index)
+            for k in range(0, len(done), u):
+                batch = tuple(done[k : k + u])
+                self._add(batch, round)
+                self._update(batch, round, updates)
+                trained.extend(batch)
+        elif cut is not None or cfg.batching == "fifo":  # stream trainer
+            former = FifoBatches(u, plan.target)
+            for _ in range(plan.target):
+                group = self._next_group()
+                self._add((group,), round)
+                for batch in former.add(group):
+                    self._update(batch, round, updates)
+                    trained.extend(batch)
         else:
-            for _ in range(cfg.groups_per_round):
+            former = OrderedBatches(u, plan.target)
+            for _ in range(plan.target):
                 for batch in former.add(self._next_group()):
-                    self._train(batch, round, updates, trained)
-        if former.flush() is not None or len(updates) != cfg.updates_per_round:
-            raise RuntimeError(
-                f"Round {round} ran {len(updates)} updates; expected {cfg.updates_per_round}."
-            )
+                    self._add(batch, round)
+                    self._update(batch, round, updates)
+                    trained.extend(batch)
+        if len(updates) != n_updates:
+            raise RuntimeError(f"Round {round} ran {len(updates)} updates; expected {n_updates}.")
+        self.planner.finish(plan, [g.request.uid for g in trained])
         sampled_version = self.version
         self.version += 1
         self.sampler.set_params(self._publish(self.version, round), self.version)
-        rewards = np.asarray([g.rewards for g in trained], np.float32)
         metrics = round_metrics(
             self.timeline, round=round, rollout_start=start, num_slots=self.num_slots
         )
-        metrics.update(reward_mean=float(rewards.mean()), version=float(self.version))
+        metrics.update(self._round_stats(plan, trained, stats0))
         for key in ("loss", "grad_norm", "clip_frac", "entropy", "kl"):
-            metrics[key] = float(np.mean([u[key] for u in updates]))
+            metrics[key] = float(np.mean([m[key] for m in updates]))
         return RoundResult(
-            round=round, version=sampled_version, groups=trained, updates=updates, metrics=metrics
+            round=round,
+            kind=plan.kind,
+            version=sampled_version,
+            groups=trained,
+            updates=updates,
+            metrics=metrics,
         )
+
+    def _round_stats(self, plan: RoundPlan, trained: list[Group], stats0: Any) -> dict[str, float]:
+        lengths = np.asarray([len(c.tokens) for g in trained for c in g.completions], np.float64)
+        rewards = np.asarray([g.rewards for g in trained], np.float32)
+        stats = self.sampler.stats
+        out = {
+            "reward_mean": float(rewards.mean()),
+            "version": float(self.version),
+            "long_round": float(plan.kind in ("long", "flush")),
+            "groups_trained": float(len(trained)),
+            "aborted_prompts": float(plan.aborted),
+            "long_queue": float(len(self.planner.long_queue)),
+            "response_len_max": float(lengths.max()),
+            "response_len_p99": float(np.percentile(lengths, 99)),
+            "response_len_mean": float(lengths.mean()),
+        }
+        cut = stats.samples_cut - stats0.samples_cut
+        if plan.response_eta > 1 and cut:  # the bias response over-provisioning introduces
+            out["kept_response_len_mean"] = out["response_len_mean"]
+            out["cut_response_len_min_mean"] = (
+                stats.cut_sample_tokens - stats0.cut_sample_tokens
+            ) / cut
+        return out
 
     def close(self, error: BaseException | None = None) -> None:
         """Stops the sampler thread; with `error`, fails the queue so a blocked side wakes up."""
@@ -261,3 +307,7 @@ class Driver:
         else:
             self.queue.close()
             self.sampler.close()
+
+
+def _index(group: Group) -> int:
+    return group.request.index

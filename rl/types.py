@@ -55,7 +55,8 @@ class Request:
     round: int = 0
     index: int = 0  # position in the round's logical order: training batch k = indices kU..kU+U-1
     prompt: tuple[int, ...]
-    group_size: int = 1
+    group_size: int = 1  # samples launched
+    keep: int = 0  # > 0: the group is the first `keep` samples to finish (the rest are cut); 0: all
     params: SamplingParams = SamplingParams()
     meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # e.g. the reference answer
 
@@ -71,6 +72,16 @@ class Request:
             raise ValueError(
                 f"Request uid={self.uid}: group_size must be >= 1; received {self.group_size}."
             )
+        if not 0 <= self.keep <= self.group_size:
+            raise ValueError(
+                f"Request uid={self.uid}: keep must be in [0, group_size={self.group_size}]; "
+                f"received {self.keep}."
+            )
+
+    @property
+    def kept(self) -> int:
+        """Samples in the request's group: `keep` if set, else all `group_size`."""
+        return self.keep or self.group_size
 
     @property
     def key(self) -> tuple[int, int]:
@@ -100,11 +111,16 @@ class Group:
     completions: tuple[Completion, ...]  # ordered by sample index
 
     def __post_init__(self):
-        g = self.request.group_size
-        if len(self.completions) != g or [c.sample for c in self.completions] != list(range(g)):
+        g, k = self.request.group_size, self.request.kept
+        samples = [c.sample for c in self.completions]
+        if (
+            len(samples) != k
+            or samples != sorted(set(samples))
+            or not all(0 <= s < g for s in samples)
+        ):
             raise ValueError(
-                f"Group uid={self.request.uid}: expected completions for samples 0..{g - 1} in "
-                f"order; received {[c.sample for c in self.completions]}."
+                f"Group uid={self.request.uid}: expected {k} completions with distinct sample "
+                f"indices in [0, {g}) in increasing order; received {samples}."
             )
         if any(c.reward is None for c in self.completions):
             raise ValueError(f"Group uid={self.request.uid}: every completion must be rewarded.")

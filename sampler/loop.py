@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from rl.admission import AdmissionPolicy
+from rl.rounds import RoundCut
 from rl.types import Completion, Group, Request
 from sampler.engine import Engine
 
@@ -44,7 +45,7 @@ class _Run:
     slots: list[int]
     samples: list[_Sample]
     done: dict[int, Completion] = dataclasses.field(default_factory=dict)
-    aborted: bool = False
+    aborted: bool = False  # aborted, or its group is already emitted
 
 
 @dataclasses.dataclass
@@ -52,7 +53,10 @@ class SamplerStats:
     prefills: int = 0
     groups_admitted: int = 0
     groups_emitted: int = 0
-    groups_aborted: int = 0
+    groups_aborted: int = 0  # by abort() or by a round's cut
+    groups_cut: int = 0  # complete groups refused by a full round cut
+    samples_cut: int = 0  # unfinished samples dropped once their group kept `keep` finished ones
+    cut_sample_tokens: int = 0  # tokens those samples had produced (a lower bound on their length)
     tokens: int = 0  # response tokens produced
     generate_calls: int = 0
     slot_steps: int = 0  # slots x decode steps run (occupancy = tokens / slot_steps)
@@ -92,6 +96,8 @@ class SamplerLoop:
         self._slot_run: list[_Run | None] = [None] * engine.max_concurrent_decodes
         self._runs: dict[tuple[int, int], _Run] = {}
         self._to_free: list[int] = []
+        # round -> (its cut, its request keys): which of the round's complete groups are emitted
+        self._cuts: dict[int, tuple[RoundCut, list[tuple[int, int]]]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._idle = threading.Event()
@@ -111,39 +117,59 @@ class SamplerLoop:
     def version(self) -> int:
         return self._version
 
-    def submit(self, requests: Iterable[Request]) -> None:
-        """Queues requests for admission; each is validated against the engine first."""
+    def submit(self, requests: Iterable[Request], cut: RoundCut | None = None) -> None:
+        """Queues requests for admission; each is validated against the engine first.
+
+        With `cut` (one round's requests only), only the complete groups the cut accepts are
+        emitted; once it is full the round's other requests are aborted at once, slots freed.
+        """
         requests = list(requests)
         for r in requests:
             self.engine.validate(r)
+        rounds = {r.round for r in requests}
+        if cut is not None and len(rounds) != 1:
+            raise ValueError(f"submit(cut=...) needs the requests of one round; received {rounds}.")
         with self._lock:
             self._raise_if_failed()
             for r in requests:
                 if r.key in self._runs:
                     raise ValueError(f"Request (round, uid)={r.key} is already running.")
+            if cut is not None and (round := rounds.pop()) in self._cuts:
+                raise ValueError(f"Round {round} already has a cut.")
             self.admission.submit(requests)
+            if cut is not None:
+                self._cuts[round] = (cut, [r.key for r in requests])
             self._idle.clear()
             self._wake.notify_all()
 
     def abort(self, keys: Iterable[tuple[int, int]]) -> list[Request]:
         """Aborts requests by (round, uid), waiting or running; their slots are freed before the
         next decode step and none of their groups is emitted. Returns the aborted requests."""
-        out = []
         with self._lock:
-            for key in keys:
-                r = self.admission.remove(key)
-                if r is None and key in self._runs:
-                    run = self._runs.pop(key)
-                    run.aborted = True
-                    self._to_free.extend(run.slots)
-                    for s in run.slots:
-                        self._slot_run[s] = None
-                    r = run.request
-                if r is not None:
-                    out.append(r)
-                    self.stats.groups_aborted += 1
+            out = self._abort_locked(keys)
             self._wake.notify_all()
         return out
+
+    def _abort_locked(self, keys: Iterable[tuple[int, int]]) -> list[Request]:
+        out = []
+        for key in keys:
+            r = self.admission.remove(key)
+            if r is None and key in self._runs:
+                run = self._runs.pop(key)
+                run.aborted = True
+                self._release_slots(run)
+                r = run.request
+            if r is not None:
+                out.append(r)
+                self.stats.groups_aborted += 1
+        return out
+
+    def _release_slots(self, run: _Run) -> None:
+        """Frees the slots `run` still holds (before the next decode step)."""
+        for s in run.slots:
+            if self._slot_run[s] is run:
+                self._slot_run[s] = None
+                self._to_free.append(s)
 
     def set_params(self, params: Any, version: int) -> None:
         """New weights, taken between decode steps; tokens record the version that made them."""
@@ -182,6 +208,7 @@ class SamplerLoop:
         result = jax.device_get(result)
         finished = self._record(result, version)
         groups = [g for g in (self._reward(run, s) for run, s in finished) if g is not None]
+        groups = self._apply_cuts(groups)
         for g in groups:
             if self.timeline is not None:
                 self.timeline.instant(
@@ -273,6 +300,26 @@ class SamplerLoop:
                         break
         return finished
 
+    def _apply_cuts(self, groups: list[Group]) -> list[Group]:
+        """Drops groups their round's cut refuses; a cut that fills aborts the round's rest."""
+        out = []
+        with self._lock:
+            for g in groups:
+                entry = self._cuts.get(g.request.round)
+                if entry is None:
+                    out.append(g)
+                    continue
+                cut, keys = entry
+                if not cut.offer(g.request.key):
+                    self.stats.groups_cut += 1
+                    continue
+                out.append(g)
+                if cut.full:  # kept and already-finished groups are neither waiting nor running
+                    self._abort_locked(keys)
+            for round in [r for r, (cut, _) in self._cuts.items() if cut.full]:
+                del self._cuts[round]
+        return out
+
     def _reward(self, run: _Run, i: int) -> Group | None:
         r, sample = run.request, run.samples[i]
         stop = bool(sample.tokens) and sample.tokens[-1] in r.params.stop_token_ids
@@ -291,10 +338,17 @@ class SamplerLoop:
             if run.aborted:
                 return None
             run.done[i] = dataclasses.replace(completion, reward=reward)
-            if len(run.done) < r.group_size:
+            if len(run.done) < r.kept:
                 return None
+            run.aborted = True  # emitted: later finishers of this run are dropped
             del self._runs[r.key]
-        return Group(request=r, completions=tuple(run.done[j] for j in range(r.group_size)))
+            if r.kept < r.group_size:  # response over-provisioning: cut the unfinished samples
+                for j, s in enumerate(run.slots):
+                    if j not in run.done and self._slot_run[s] is run:
+                        self.stats.samples_cut += 1
+                        self.stats.cut_sample_tokens += len(run.samples[j].tokens)
+                self._release_slots(run)
+        return Group(request=r, completions=tuple(run.done[j] for j in sorted(run.done)))
 
     # ------------------------------------------------------------------------------------ threaded
 

@@ -1,5 +1,6 @@
 """The driver: pipelining changes timing, never the math; no group lost; errors stop both sides."""
 
+import dataclasses
 import itertools
 import json
 import time
@@ -14,6 +15,7 @@ from learner.mesh import MeshConfig, make_meshes
 from learner.publish import DevicePutSync
 from rl.driver import Driver, DriverConfig
 from rl.models import create_model, get_preset
+from rl.rounds import TailConfig
 from rl.types import Prompt, SamplingParams
 from sampler.engine import Engine, EngineConfig
 
@@ -43,6 +45,9 @@ def build(
     reward_fn=parity_reward,
     learner_cls=Learner,
     seed=0,
+    tail=None,
+    epoch_size=0,
+    max_new_tokens=6,
 ):
     lm, sm = make_meshes(MeshConfig(learner_devices=1, sampler_devices=1))
     model = create_model(get_preset("tiny", init_std=0.3), seed=seed)
@@ -61,8 +66,10 @@ def build(
         groups_per_round=R,
         groups_per_update=U,
         group_size=G,
-        sampling=SAMPLING,
+        sampling=dataclasses.replace(SAMPLING, max_new_tokens=max_new_tokens),
         queue_size=queue_size,
+        tail=tail or TailConfig(),
+        epoch_size=epoch_size,
     )
     return Driver(
         cfg,
@@ -177,3 +184,36 @@ def test_timeline_written_with_sampler_and_learner_lanes(tmp_path):
     }
     assert any(n.startswith("sampler/slot") for n in names) and "learner" in names
     assert (tmp_path / "gantt.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    "mode,batching,U", [("sync", "ordered", 2), ("cgp", "ordered", 2), ("cgp", "fifo", 4)]
+)
+def test_tail_batching_trains_every_prompt_of_the_epoch_exactly_once(mode, batching, U):
+    """Short rounds launch 6 prompts and train the first 4 complete; the 2 cut ones wait in the
+    long queue; long rounds run 4 of them; the epoch of 14 prompts ends with a flush round."""
+    tail = TailConfig(enabled=True, eta=1.5, long_max_new_tokens=10)
+    driver = build(mode, batching, R=4, U=U, G=2, tail=tail, epoch_size=14)
+    results = []
+    try:
+        for r in range(20):
+            results.append(driver.run_round(r))
+            if driver.planner.epoch_complete:
+                break
+    finally:
+        driver.close()
+    assert driver.planner.epoch_complete
+    trained = [g.request.uid for res in results for g in res.groups]
+    assert sorted(trained) == list(range(14))
+    kinds = [res.kind for res in results]
+    assert kinds[0] == "short" and "long" in kinds and kinds[-1] == "flush", kinds
+    for res in results:
+        n = len(res.groups)
+        assert n == 4 or res.kind == "flush"
+        assert len(res.updates) == -(-n // U)  # U = R: the stream trainer's one deferred update
+        assert res.metrics["groups_trained"] == n
+        caps = {g.request.params.max_new_tokens for g in res.groups}
+        assert caps == ({10} if res.kind in ("long", "flush") else {6})
+        if res.kind == "short":
+            assert res.metrics["aborted_prompts"] == 2
+    assert driver.sampler.pending() == 0 and driver.sampler.busy_slots() == 0

@@ -1,5 +1,6 @@
 """The sampler loop: complete groups only, abort, weight swaps, static batching, errors, threads."""
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -8,6 +9,7 @@ from flax import nnx
 
 from rl.admission import FCFS
 from rl.models import create_model, get_preset
+from rl.rounds import RoundCut
 from rl.types import Request, SamplingParams
 from sampler.engine import Engine, EngineConfig
 from sampler.loop import SamplerLoop
@@ -189,3 +191,55 @@ def test_params_on_the_loop_are_not_donated(engine, model):
     loop.submit([_req(1)])
     loop.run_until_idle(max_steps=50)
     assert not any(x.is_deleted() for x in __import__("jax").tree.leaves(nnx.state(params)))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_round_cut_emits_the_first_target_groups_and_frees_the_rest(engine, model, seed):
+    """Random lengths: exactly `target` groups of the round come out, the first to complete; the
+    others are aborted at once (waiting or running), their slots free for the next round."""
+    rng = np.random.default_rng(seed)
+    rec = Recorder()
+    loop = SamplerLoop(
+        engine, engine.load_params(model), admission=FCFS(), reward_fn=rec.reward, emit=rec.emit
+    )
+    lengths = [int(x) for x in rng.integers(1, 30, size=6)]
+    requests = [
+        dataclasses.replace(_req(uid, n_new=n), round=3, index=uid) for uid, n in enumerate(lengths)
+    ]
+    cut = RoundCut(3)
+    loop.submit(requests, cut=cut)
+    loop.run_until_idle(max_steps=500)
+    assert [g.request.uid for g in rec.groups] == [k[1] for k in cut.kept] and len(rec.groups) == 3
+    assert loop.pending() == 0 and loop.busy_slots() == 0
+    s = loop.stats
+    assert s.groups_emitted == 3 and s.groups_aborted + s.groups_cut == 3
+    # the freed slots serve the next round in full
+    loop.submit([dataclasses.replace(_req(10, n_new=2, group=4), round=4)])
+    loop.run_until_idle(max_steps=50)
+    assert rec.groups[-1].request.uid == 10 and loop.busy_slots() == 0
+
+
+def test_response_overprovisioning_keeps_the_first_g_to_finish(model):
+    engine = Engine(
+        model,
+        EngineConfig(
+            max_slots=4, max_length=48, max_prefill_length=16, steps_per_call=2, max_stop_tokens=64
+        ),
+    )
+    rec = Recorder()
+    loop = SamplerLoop(
+        engine, engine.load_params(model), admission=FCFS(), reward_fn=rec.reward, emit=rec.emit
+    )
+    stops = tuple(range(0, 256, 4))  # samples stop at random lengths
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=stops)
+    request = dataclasses.replace(_req(0, group=4), keep=2, params=params)
+    loop.submit([request])
+    loop.run_until_idle(max_steps=100)
+    (group,) = rec.groups
+    samples = [c.sample for c in group.completions]
+    assert len(samples) == 2 and samples == sorted(samples) and set(samples) <= {0, 1, 2, 3}
+    assert loop.busy_slots() == 0 and loop.pending() == 0
+    s = loop.stats
+    longest_kept = max(len(c.tokens) for c in group.completions)
+    assert s.samples_cut >= 1  # this seed: one sample still running (one more finished late)
+    assert s.cut_sample_tokens >= s.samples_cut * (longest_kept - 2)  # ran at least as long
