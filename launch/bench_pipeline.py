@@ -6,23 +6,31 @@ One process, the "tiny" preset (init_std 0.3, float32), a learner mesh and a sam
 CPU device each (disjoint; the process asks XLA for 2 host devices, and JAX_PLATFORMS defaults to
 cpu). Every mode runs the same workload through rl.driver.Driver, built fresh from the same seeds:
 R groups per round of G samples, U groups per update (S = R / U updates per round), a long tail of
-response lengths drawn once from --seed and the same every round (so the warm-up round compiles all
-the timed rounds run): most groups short (uniform in [--short_min, --short_max]), a
---long_fraction of them (at least one) at the cap --max_new_tokens, at random positions of the
-round's logical order (printed: an ordered batch waits for a long group in it). The Driver takes
-one SamplingParams for all requests, so a Driver subclass sets each request's max_new_tokens from
-the draw; there are no stop tokens, so every response has exactly its drawn length (checked).
-Reward: parity of the first response token.
+response lengths that belongs to the prompt (RollPacker's premise: a prompt that runs long runs long
+again): each prompt's length is drawn from (--seed, its uid): at the cap --max_new_tokens with
+probability --long_fraction, else uniform in [--short_min, --short_max]. Every mode trains the same
+epoch of R * (--rounds + 1) prompts; the first round compiles (reported, not timed). The Driver
+takes one SamplingParams for all requests, so a Driver subclass sets each request's max_new_tokens
+from its prompt's draw; there are no stop tokens, so every response has exactly its drawn length
+(checked). Reward: parity of the first response token.
 Modes:
   sync                   rollout all R groups, then S updates in logical order (the baseline);
   cgp+{fcfs,frontier}+{fifo,ordered}
                          each complete group goes on the queue at once; an update starts as soon as
                          U groups form a batch (fifo: the next U to complete; ordered: the logical
                          batch k), while the rest of the round still decodes.
-Per mode: one warm-up round (compiles; reported, not timed), then --rounds timed rounds, interleaved
-across the modes (round r of every mode in turn, the order rotated each round). The table gives
-per-mode means of rl.metrics.round_metrics (rollout_to_train_end_s, first_dispatch_s,
-trainer_wait_ratio, rollout_s, slot_occupancy) and ratios against sync measured in the same run.
+  sync+tail, cgp+frontier+tail
+                         tail batching (rl/rounds.py): short rounds launch ceil(--eta * R) prompts
+                         and train the first R to complete, the rest wait in the long-prompt queue
+                         until R of them make a long round; the epoch ends with a flush round.
+                         cgp+frontier+tail forms batches in completion order (stream trainer).
+Per mode: one warm-up round (compiles; reported, not timed), then the rest of the epoch (--rounds
+rounds for the plain modes; as many as the tail modes' planner makes), interleaved across the modes
+(round r of every mode in turn, the order rotated each round). The table gives per-mode means of
+rl.metrics.round_metrics (rollout_to_train_end_s, first_dispatch_s, trainer_wait_ratio, rollout_s,
+slot_occupancy) and ratios against sync measured in the same run; a second table compares time per
+trained group (the timed rounds' summed rollout_to_train_end_s / the groups they trained):
+tail_speedup_vs_sync = sync's / the mode's, and the longest trained response of short rounds.
 XLA's persistent compilation cache (--compilation_cache) turns the later modes' recompiles of the
 same programs into lookups. Expect cgp+*+fifo's first_dispatch_s at most half of sync's (the first
 U groups to finish are short), an ordered batch's only when no long group sits in logical batch 0,
@@ -65,6 +73,7 @@ from learner.mesh import MeshConfig, make_meshes  # noqa: E402
 from learner.publish import DevicePutSync  # noqa: E402
 from rl.driver import Driver, DriverConfig, RoundResult  # noqa: E402
 from rl.models import create_model, get_preset  # noqa: E402
+from rl.rounds import RoundPlan, TailConfig  # noqa: E402
 from rl.types import Completion, Prompt, Request, SamplingParams  # noqa: E402
 from sampler.engine import Engine, EngineConfig  # noqa: E402
 
@@ -74,6 +83,8 @@ MODES = (
     "cgp+fcfs+ordered",
     "cgp+frontier+fifo",
     "cgp+frontier+ordered",
+    "sync+tail",
+    "cgp+frontier+tail",
 )
 METRICS = (
     "rollout_to_train_end_s",
@@ -88,7 +99,10 @@ METRICS = (
 
 _JSON = flags.DEFINE_string("json", "", "Write the results here as JSON; empty: don't.")
 _MODES = flags.DEFINE_list("modes", list(MODES), f"Modes to run, from {MODES}; sync is required.")
-_ROUNDS = flags.DEFINE_integer("rounds", 2, "Timed rounds per mode (after one warm-up round).")
+_ROUNDS = flags.DEFINE_integer(
+    "rounds", 6, "Timed rounds of the plain modes (after one warm-up round); epoch = R*(rounds+1)."
+)
+_ETA = flags.DEFINE_float("eta", 1.25, "Tail modes: short rounds launch ceil(eta * R) prompts.")
 _GROUPS = flags.DEFINE_integer("groups", 16, "Groups (prompts) per round (R).")
 _GROUP_SIZE = flags.DEFINE_integer("group_size", 8, "Samples per group (G).")
 _PER_UPDATE = flags.DEFINE_integer("groups_per_update", 2, "Groups per optimizer update (U).")
@@ -131,23 +145,21 @@ _ALL_FLAGS = (
     _LR,
     _SEED,
     _CACHE,
+    _ETA,
 )
 
 
 @functools.cache
-def response_lengths() -> tuple[int, ...]:
-    """Response length per logical index, the same every round: short, a few at the cap.
+def response_length(uid: int) -> int:
+    """The response length of prompt `uid`: the cap with probability --long_fraction, else short."""
+    rng = np.random.default_rng([_SEED.value, 1, uid])
+    if rng.random() < _LONG_FRACTION.value:
+        return _MAX_NEW.value
+    return int(rng.integers(_SHORT_MIN.value, _SHORT_MAX.value + 1))
 
-    One draw for all rounds, so the warm-up round runs every program the timed rounds run: the
-    learner compiles one per (length bucket, first update of a round or not), and which bucket the
-    first update meets depends on where the long groups sit.
-    """
-    rng = np.random.default_rng([_SEED.value, 1])
-    n = _GROUPS.value
-    lengths = rng.integers(_SHORT_MIN.value, _SHORT_MAX.value + 1, n)
-    n_long = max(1, round_half_up(_LONG_FRACTION.value * n))
-    lengths[rng.choice(n, size=min(n_long, n), replace=False)] = _MAX_NEW.value
-    return tuple(int(x) for x in lengths)
+
+def epoch_size() -> int:
+    return _GROUPS.value * (_ROUNDS.value + 1)
 
 
 def round_half_up(x: float) -> int:
@@ -166,27 +178,33 @@ def parity_reward(request: Request, completion: Completion) -> float:
 
 
 class LongTailDriver(Driver):
-    """A Driver whose requests take their max_new_tokens from response_lengths()."""
+    """A Driver whose requests take their max_new_tokens from their prompt's response_length."""
 
-    def _requests(self, round: int) -> list[Request]:
-        lengths = response_lengths()
+    def _requests(self, plan: RoundPlan) -> list[Request]:
         return [
             dataclasses.replace(
-                r, params=dataclasses.replace(r.params, max_new_tokens=int(lengths[r.index]))
+                r,
+                params=dataclasses.replace(
+                    r.params, max_new_tokens=min(response_length(r.uid), r.params.max_new_tokens)
+                ),
             )
-            for r in super()._requests(round)
+            for r in super()._requests(plan)
         ]
 
 
 def driver_config(mode: str) -> DriverConfig:
-    """DriverConfig of a mode name: "sync" or "cgp+<admission>+<batching>"."""
-    if mode == "sync":
+    """DriverConfig of a mode name: "sync", "cgp+<admission>+<batching>", "sync+tail" or
+    "cgp+<admission>+tail" (tail batching; cgp batches in completion order)."""
+    parts = mode.split("+")
+    tail = parts[-1] == "tail"
+    if tail:
+        parts = parts[:-1] + ["fifo"] if parts[0] == "cgp" else parts[:-1]
+    if parts == ["sync"]:
         kind, admission, batching = "sync", "fcfs", "ordered"
-    else:
-        parts = mode.split("+")
-        if len(parts) != 3 or parts[0] != "cgp":
-            raise app.UsageError(f"Mode {mode!r}; expected one of {MODES}.")
+    elif len(parts) == 3 and parts[0] == "cgp":
         kind, admission, batching = parts
+    else:
+        raise app.UsageError(f"Mode {mode!r}; expected one of {MODES}.")
     cfg = DriverConfig(
         mode=kind,
         admission=admission,
@@ -195,8 +213,10 @@ def driver_config(mode: str) -> DriverConfig:
         groups_per_update=_PER_UPDATE.value,
         group_size=_GROUP_SIZE.value,
         sampling=SamplingParams(temperature=1.0, max_new_tokens=_MAX_NEW.value),
+        tail=TailConfig(enabled=tail, eta=_ETA.value),
+        epoch_size=epoch_size(),
     )
-    if cfg.name != mode:
+    if cfg.name.replace("+fifo+tail", "+tail") != mode:
         raise app.UsageError(f"Mode {mode!r} builds a driver named {cfg.name!r}.")
     return cfg
 
@@ -246,21 +266,25 @@ def compile_counts(driver: Driver, engine: Engine) -> dict[str, int]:
     return counts
 
 
-def check_round(result: RoundResult) -> str:
-    """Checks every group was trained with its drawn lengths; returns a digest of the tokens."""
-    lengths = response_lengths()
-    if sorted(g.request.index for g in result.groups) != list(range(_GROUPS.value)):
+def check_round(result: RoundResult, tail: bool) -> str:
+    """Checks each group has its prompt's drawn length (plain rounds: every index once); returns
+    a digest of the tokens."""
+    n = len(result.groups)
+    if not tail and sorted(g.request.index for g in result.groups) != list(range(_GROUPS.value)):
         raise RuntimeError(
             f"Round {result.round} trained indices {[g.request.index for g in result.groups]}; "
             f"expected each of 0..{_GROUPS.value - 1} once."
         )
+    if n != _GROUPS.value and result.kind != "flush":
+        raise RuntimeError(f"Round {result.round} ({result.kind}) trained {n} groups.")
     digest = hashlib.sha256()
     for g in sorted(result.groups, key=lambda g: g.request.index):
+        want = response_length(g.request.uid)
         got = {len(c.tokens) for c in g.completions}
-        if got != {int(lengths[g.request.index])}:
+        if got != {want}:
             raise RuntimeError(
-                f"Round {result.round} index {g.request.index}: response lengths {sorted(got)}; "
-                f"expected {int(lengths[g.request.index])} (no stop tokens)."
+                f"Round {result.round} uid {g.request.uid}: response lengths {sorted(got)}; "
+                f"expected {want} (no stop tokens)."
             )
         for c in g.completions:
             digest.update(np.asarray(c.tokens, np.int64).tobytes())
@@ -268,25 +292,38 @@ def check_round(result: RoundResult) -> str:
 
 
 def run_modes(modes: list[str], max_length: int, max_prefill: int) -> dict[str, dict[str, Any]]:
-    """Fresh objects per mode, one warm-up round each, then the timed rounds interleaved.
+    """Fresh objects per mode, one warm-up round each, then the rest of the epoch interleaved.
 
-    Timed round r runs every mode in turn, the order rotated by one each round, so a drift in the
-    machine's speed (others' load, clocks) spreads over the modes instead of favouring the last.
+    Timed round r runs every mode still in its epoch in turn, the order rotated by one each round,
+    so a drift in the machine's speed (others' load, clocks) spreads over the modes.
     """
     built: dict[str, tuple[LongTailDriver, Engine]] = {}
     warmup_s, compiles_warm, results = {}, {}, {m: [] for m in modes}
+    tail = {m: m.endswith("+tail") for m in modes}
+
+    def active(m: str, r: int) -> bool:
+        if tail[m]:
+            return not built[m][0].planner.epoch_complete and r <= 4 * (_ROUNDS.value + 1)
+        return r <= _ROUNDS.value
+
     try:
         for m in modes:
             start = time.perf_counter()
             built[m] = driver, engine = build(m, max_length, max_prefill)
-            check_round(driver.run_round(0))
+            check_round(driver.run_round(0), tail[m])
             warmup_s[m] = time.perf_counter() - start
             compiles_warm[m] = compile_counts(driver, engine)
             print(f"{m}: built and warmed up in {warmup_s[m]:.1f} s", flush=True)
-        for r in range(1, _ROUNDS.value + 1):
+        for r in itertools.count(1):
             k = (r - 1) % len(modes)
-            for m in modes[k:] + modes[:k]:
+            running = [m for m in modes[k:] + modes[:k] if active(m, r)]
+            if not running:
+                break
+            for m in running:
                 results[m].append(built[m][0].run_round(r))
+        for m in modes:
+            if tail[m] and not built[m][0].planner.epoch_complete:
+                raise RuntimeError(f"{m}: the epoch did not end within {r} rounds.")
     finally:
         for driver, _ in built.values():
             driver.close()
@@ -297,17 +334,25 @@ def run_modes(modes: list[str], max_length: int, max_prefill: int) -> dict[str, 
             stem = os.path.join(_GANTT_DIR.value, m.replace("+", "_"))
             driver.timeline.write_chrome_trace(stem + ".json")
             driver.timeline.write_gantt_png(stem + ".png", title=f"{m}: warm-up + timed rounds")
-        per_round = {k: [r.metrics[k] for r in results[m]] for k in METRICS}
+        rs = results[m]
+        per_round = {k: [r.metrics[k] for r in rs] for k in METRICS}
         compiles = compile_counts(driver, engine)
+        groups = sum(len(r.groups) for r in rs)
+        short = [r.metrics["response_len_max"] for r in rs if r.kind in ("short", "plain")]
         out[m] = dict(
             **{k: float(np.mean(v)) for k, v in per_round.items()},
             per_round=per_round,
+            kinds=[r.kind for r in rs],
+            groups_trained=groups,
+            time_per_group_s=float(np.sum(per_round["rollout_to_train_end_s"])) / groups,
+            short_round_response_len_max=float(np.mean(short)) if short else math.nan,
+            aborted_prompts=int(sum(r.metrics["aborted_prompts"] for r in rs)),
             warmup_s=warmup_s[m],
-            digests=[check_round(r) for r in results[m]],
-            reward_mean=float(np.mean([r.metrics["reward_mean"] for r in results[m]])),
-            loss=float(np.mean([r.metrics["loss"] for r in results[m]])),
+            digests=[check_round(r, tail[m]) for r in rs],
+            reward_mean=float(np.mean([r.metrics["reward_mean"] for r in rs])),
+            loss=float(np.mean([r.metrics["loss"] for r in rs])),
             first_batch_indices=[
-                sorted(g.request.index for g in r.groups[: _PER_UPDATE.value]) for r in results[m]
+                sorted(g.request.index for g in r.groups[: _PER_UPDATE.value]) for r in rs
             ],
             compile_counts=compiles,
             new_compiles_while_timed=sum(compiles.values()) - sum(compiles_warm[m].values()),
@@ -344,40 +389,56 @@ def main(argv: list[str]) -> None:
     total_s = time.perf_counter() - total_start
 
     base = out["sync"]
-    for r in out.values():
+    for m, r in out.items():
         r["rollout_to_train_end_reduction"] = 1.0 - (
             r["rollout_to_train_end_s"] / base["rollout_to_train_end_s"]
         )
         r["speedup_vs_sync"] = base["rollout_to_train_end_s"] / r["rollout_to_train_end_s"]
         r["first_dispatch_ratio"] = r["first_dispatch_s"] / base["first_dispatch_s"]
-        r["same_tokens_as_sync"] = r["digests"] == base["digests"]
+        r["same_tokens_as_sync"] = None if "+tail" in m else r["digests"] == base["digests"]
+        r["tail_speedup_vs_sync"] = base["time_per_group_s"] / r["time_per_group_s"]
 
-    all_lengths = np.asarray(response_lengths())
-    long_at = [int(i) for i in np.flatnonzero(all_lengths == _MAX_NEW.value)]
+    lengths = np.asarray([response_length(u) for u in range(epoch_size())])
     print(
         f"workload: {_GROUPS.value} groups x {_GROUP_SIZE.value} samples per round, U = "
         f"{_PER_UPDATE.value} ({_GROUPS.value // _PER_UPDATE.value} updates), {_SLOTS.value} "
-        f"slots, {_STEPS.value} steps per call; response lengths median "
-        f"{np.median(all_lengths):.0f}, mean {all_lengths.mean():.1f}, cap {_MAX_NEW.value} at "
-        f"logical indices {long_at}; {_ROUNDS.value} timed round(s) per mode; "
-        f"backend {jax.default_backend()}, {os.cpu_count()} CPU cores"
+        f"slots, {_STEPS.value} steps per call; an epoch of {epoch_size()} prompts, response "
+        f"lengths median {np.median(lengths):.0f}, mean {lengths.mean():.1f}, "
+        f"{int(np.sum(lengths == _MAX_NEW.value))} at the cap {_MAX_NEW.value}; backend "
+        f"{jax.default_backend()}, {os.cpu_count()} CPU cores"
     )
     print(
-        f"{'mode':<22}{'r2t_end s':>10}{'vs sync':>9}{'1st disp s':>11}{'ratio':>7}"
+        f"{'mode':<22}{'rounds':>7}{'r2t_end s':>10}{'vs sync':>9}{'1st disp s':>11}{'ratio':>7}"
         f"{'wait':>7}{'rollout s':>10}{'train s':>9}{'slot occ':>9}{'warm-up s':>10}"
     )
     for m, r in out.items():
         print(
-            f"{m:<22}{r['rollout_to_train_end_s']:>10.3f}"
+            f"{m:<22}{len(r['kinds']):>7}{r['rollout_to_train_end_s']:>10.3f}"
             f"{-r['rollout_to_train_end_reduction']:>+9.1%}{r['first_dispatch_s']:>11.3f}"
             f"{r['first_dispatch_ratio']:>7.2f}{r['trainer_wait_ratio']:>7.2f}"
             f"{r['rollout_s']:>10.3f}{r['trainer_compute_s']:>9.3f}{r['slot_occupancy']:>9.2f}"
             f"{r['warmup_s']:>10.1f}"
         )
     print(
-        "r2t_end: rollout start -> last update's end (round mean); vs sync: its change; 1st disp: "
-        "rollout start -> first learner span; ratio: vs sync; wait: trainer_wait_ratio; train s: "
-        "learner busy time in the window"
+        "rounds: timed rounds; r2t_end: rollout start -> last update's end (round mean); vs sync: "
+        "its change; 1st disp: rollout start -> first learner span; ratio: vs sync; wait: "
+        "trainer_wait_ratio; train s: learner busy time in the window"
+    )
+    print(
+        f"{'mode':<22}{'groups':>7}{'s/group':>9}{'tail_speedup':>13}{'aborted':>8}"
+        f"{'short-round max len':>20}  round kinds"
+    )
+    for m, r in out.items():
+        kinds = "".join(k[0] for k in r["kinds"])
+        print(
+            f"{m:<22}{r['groups_trained']:>7}{r['time_per_group_s']:>9.4f}"
+            f"{r['tail_speedup_vs_sync']:>12.2f}x{r['aborted_prompts']:>8}"
+            f"{r['short_round_response_len_max']:>20.1f}  {kinds}"
+        )
+    print(
+        "s/group: the timed rounds' summed r2t_end / groups they trained; tail_speedup: sync's "
+        "s/group / the mode's; short-round max len: mean over plain/short rounds of the longest "
+        "trained response; kinds: p(lain) s(hort) l(ong) f(lush)"
     )
     for m, r in out.items():
         print(
@@ -402,8 +463,7 @@ def main(argv: list[str]) -> None:
                 backend=jax.default_backend(),
                 devices=jax.device_count(),
                 cpu_count=os.cpu_count(),
-                lengths=list(response_lengths()),
-                long_at=long_at,
+                lengths=[int(x) for x in lengths],
                 total_s=total_s,
             ),
         )

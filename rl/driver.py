@@ -93,6 +93,17 @@ class DriverConfig:
         return name + ("+tail" if self.tail.enabled else "")
 
 
+def driver_config_from(
+    driver: Any, *, sampling: SamplingParams, epoch_size: int = 0
+) -> DriverConfig:
+    """DriverConfig from a config's `driver` ConfigDict (or mapping); `tail` becomes TailConfig."""
+    fields = dict(driver)
+    tail = fields.pop("tail", {})
+    return DriverConfig(
+        **fields, tail=TailConfig(**dict(tail)), sampling=sampling, epoch_size=epoch_size
+    )
+
+
 @dataclasses.dataclass
 class RoundResult:
     round: int

@@ -29,8 +29,13 @@ class Registry(dict[str, F], Generic[F]):
 
         return decorator
 
-    def get(self, name: str) -> F:  # type: ignore[override]
-        """The function registered under `name`; a ValueError lists the registered names."""
+    def get(self, name: str, *default: F) -> F:  # type: ignore[override]
+        """The function registered under `name`; a ValueError lists the registered names.
+
+        With a default, plain `dict.get` semantics (what code that treats it as a dict expects).
+        """
+        if default:
+            return super().get(name, *default)
         if name not in self:
             raise ValueError(f"Unknown {self.kind} {name!r}; expected one of {sorted(self)}.")
         return self[name]
