@@ -48,11 +48,17 @@ def build(
     tail=None,
     epoch_size=0,
     max_new_tokens=6,
+    micro_batch_rows=0,
+    driver_cls=Driver,
 ):
     lm, sm = make_meshes(MeshConfig(learner_devices=1, sampler_devices=1))
     model = create_model(get_preset("tiny", init_std=0.3), seed=seed)
     learner = learner_cls(
-        model, LearnerConfig(optimizer=OptimizerConfig(lr=1e-2), micro_batch_rows=U * G), mesh=lm
+        model,
+        LearnerConfig(
+            optimizer=OptimizerConfig(lr=1e-2), micro_batch_rows=micro_batch_rows or U * G
+        ),
+        mesh=lm,
     )
     engine = Engine(
         model,
@@ -71,7 +77,7 @@ def build(
         tail=tail or TailConfig(),
         epoch_size=epoch_size,
     )
-    return Driver(
+    return driver_cls(
         cfg,
         engine=engine,
         learner=learner,
@@ -217,3 +223,32 @@ def test_tail_batching_trains_every_prompt_of_the_epoch_exactly_once(mode, batch
         if res.kind == "short":
             assert res.metrics["aborted_prompts"] == 2
     assert driver.sampler.pending() == 0 and driver.sampler.busy_slots() == 0
+
+
+class OneLongGroup(Driver):
+    """Index 0 of every round answers with 24 tokens, the others with 2."""
+
+    def _requests(self, plan):
+        return [
+            dataclasses.replace(
+                r, params=dataclasses.replace(r.params, max_new_tokens=24 if r.index == 0 else 2)
+            )
+            for r in super()._requests(plan)
+        ]
+
+
+def test_stream_trainer_accumulates_during_rollout_and_updates_once():
+    """S = 1 (U = R) with fifo batches: each group's gradients are accumulated as it arrives (one
+    micro-batch per group here), while the long group still decodes; one update after the round."""
+    driver = build(
+        "cgp", "fifo", R=4, U=4, G=2, micro_batch_rows=2, max_new_tokens=24, driver_cls=OneLongGroup
+    )
+    (result,) = run(driver, rounds=1)
+    assert len(result.updates) == 1 and len(result.groups) == 4
+    spans = driver.timeline.spans()
+    micro = sorted(s.start for s in spans if s.name == "micro_step" and s.args.get("round") == 0)
+    slot_ends = [
+        s.end for s in spans if s.lane.startswith("sampler/slot") and s.args.get("round") == 0
+    ]
+    assert len(micro) == 4  # one accumulation per arriving group
+    assert micro[0] < max(slot_ends)  # training began before the rollout ended
