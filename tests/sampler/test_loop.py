@@ -6,8 +6,10 @@ import threading
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from rl.admission import FCFS
+from rl.admission import FCFS, Frontier
 from rl.models import create_model, get_preset
 from rl.rounds import RoundCut
 from rl.types import Request, SamplingParams
@@ -193,26 +195,37 @@ def test_params_on_the_loop_are_not_donated(engine, model):
     assert not any(x.is_deleted() for x in __import__("jax").tree.leaves(nnx.state(params)))
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_round_cut_emits_the_first_target_groups_and_frees_the_rest(engine, model, seed):
+@settings(max_examples=12, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 30), min_size=2, max_size=7),
+    target=st.integers(1, 6),
+    admission=st.sampled_from([FCFS, Frontier]),
+)
+def test_round_cut_emits_the_first_target_groups_and_frees_the_rest(
+    engine, model, lengths, target, admission
+):
     """Random lengths: exactly `target` groups of the round come out, the first to complete; the
     others are aborted at once (waiting or running), their slots free for the next round."""
-    rng = np.random.default_rng(seed)
+    target = min(target, len(lengths))
     rec = Recorder()
     loop = SamplerLoop(
-        engine, engine.load_params(model), admission=FCFS(), reward_fn=rec.reward, emit=rec.emit
+        engine,
+        engine.load_params(model),
+        admission=admission(),
+        reward_fn=rec.reward,
+        emit=rec.emit,
     )
-    lengths = [int(x) for x in rng.integers(1, 30, size=6)]
     requests = [
         dataclasses.replace(_req(uid, n_new=n), round=3, index=uid) for uid, n in enumerate(lengths)
     ]
-    cut = RoundCut(3)
+    cut = RoundCut(target)
     loop.submit(requests, cut=cut)
     loop.run_until_idle(max_steps=500)
-    assert [g.request.uid for g in rec.groups] == [k[1] for k in cut.kept] and len(rec.groups) == 3
+    assert [g.request.uid for g in rec.groups] == [k[1] for k in cut.kept]
+    assert len(rec.groups) == target
     assert loop.pending() == 0 and loop.busy_slots() == 0
     s = loop.stats
-    assert s.groups_emitted == 3 and s.groups_aborted + s.groups_cut == 3
+    assert s.groups_emitted == target and s.groups_aborted + s.groups_cut == len(lengths) - target
     # the freed slots serve the next round in full
     loop.submit([dataclasses.replace(_req(10, n_new=2, group=4), round=4)])
     loop.run_until_idle(max_steps=50)
