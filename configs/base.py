@@ -3,6 +3,9 @@
 Launch:  python -m launch.train --config=configs/base.py
          python -m launch.train --config=configs/base.py:smoke   (shrunk to run on CPU in seconds)
 Expect:  the model summary (parameter count, layout) and one forward pass over a prompt.
+
+A real model is a local Hugging Face directory: --config.model.hf_path=/models/Qwen2.5-1.5B-Instruct
+(weights, shapes and, with config.tokenizer "", the tokenizer); configs/gsm8k_qwen.py is a recipe.
 """
 
 import ml_collections
@@ -17,7 +20,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     config.model = ml_collections.ConfigDict()
     config.model.preset = "qwen3-0.6b"  # rl.models.PRESETS name; shapes only
-    config.model.hf_path = ""  # local Hugging Face directory; when set it replaces the preset
+    # Local Hugging Face directory (config.json, *.safetensors, tokenizer.json): its weights replace
+    # the preset, and with config.tokenizer "" its tokenizer is used. Nothing is downloaded.
+    config.model.hf_path = ""
     config.model.param_dtype = "bfloat16"  # parameter storage dtype: float32 | bfloat16
     config.model.dtype = "bfloat16"  # activation compute dtype: float32 | bfloat16
     config.model.remat = "full"  # per-layer rematerialisation: none | full | dots
@@ -75,11 +80,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.checkpoint_every = 10  # rounds between checkpoints in workdir/ckpt; 0: never
     config.resume = True  # continue from the newest checkpoint in workdir/ckpt if there is one
     config.task = ml_collections.ConfigDict()
-    config.task.name = "addition"  # addition | countdown (rl/tasks/synthetic.py)
+    config.task.name = "addition"  # addition | countdown (synthetic) | gsm8k | math (local JSONL)
     config.task.digits = 3  # addition: operands of up to this many digits
-    config.task.train_size = 20000  # training problems (the held-out split never overlaps them)
+    config.task.train_size = 20000  # synthetic training problems (never in the held-out split)
     config.task.reward = "exact"  # a name in rl.rewards.REWARDS: exact | math | gsm8k | countdown
     config.task.reward_timeout_s = 5.0  # a reward call past this scores 0 and is counted
+
+    # Local data for the JSONL tasks, and the prompt format of every task (rl/tasks/data.py).
+    config.data = ml_collections.ConfigDict()
+    config.data.train_path = ""  # gsm8k | math: the training JSONL file (required for them)
+    config.data.heldout_path = ""  # held-out JSONL file; "": hold out a seeded slice of train_path
+    config.data.on_error = "skip"  # malformed rows: skip (counted, file:line logged) | raise
+    config.data.numeric_answers_only = False  # drop rows whose answer is not one number
+    config.data.template = "plain"  # prompt template: plain | chat (the tokenizer's chat template)
+    config.data.system = ""  # chat template's system message; "": no system turn
+    config.data.instruction = ""  # text put before each question
 
     config.sft = ml_collections.ConfigDict()
     config.sft.max_steps = 0  # supervised warm-start steps before RL; 0: none
@@ -89,7 +104,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.sft.target_accuracy = 0.25  # stop SFT once held-out greedy accuracy reaches this
 
     config.eval = ml_collections.ConfigDict()
-    config.eval.heldout_size = 200  # held-out problems (never in the training split)
+    # Held-out problems, never in the training split; JSONL: the first N rows of
+    # data.heldout_path (0: all) or N seeded rows of data.train_path, removed from training.
+    config.eval.heldout_size = 200
     config.eval.every_rounds = 10  # RL rounds between held-out evaluations; 0: start and end only
 
     config.driver = ml_collections.ConfigDict()
@@ -100,6 +117,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.driver.groups_per_update = 8  # U groups per optimizer update (S = R / U)
     config.driver.group_size = 8  # G samples per prompt
     config.driver.queue_size = 0  # complete groups buffered before the sampler blocks; 0: unbounded
+    config.driver.tail = ml_collections.ConfigDict()  # tail batching (RollPacker), rl/rounds.py
+    config.driver.tail.enabled = (
+        False  # short rounds over-provision; long prompts wait for long rounds
+    )
+    config.driver.tail.eta = (
+        1.25  # short rounds launch ceil(eta * R) prompts, train the first R done
+    )
+    config.driver.tail.long_max_new_tokens = 0  # long rounds' response cap; 0: sampling's
+    config.driver.tail.epoch_end = "flush"  # flush (train the long queue) | carry (keep it)
+    config.driver.tail.response_eta = 1.0  # > 1: ceil(eta_r * G) samples, keep the first G (biased)
 
     config.sampling = ml_collections.ConfigDict()
     config.sampling.temperature = 1.0  # must equal learner.temperature

@@ -106,7 +106,12 @@ _ETA = flags.DEFINE_float("eta", 1.25, "Tail modes: short rounds launch ceil(eta
 _GROUPS = flags.DEFINE_integer("groups", 16, "Groups (prompts) per round (R).")
 _GROUP_SIZE = flags.DEFINE_integer("group_size", 8, "Samples per group (G).")
 _PER_UPDATE = flags.DEFINE_integer("groups_per_update", 2, "Groups per optimizer update (U).")
-_SLOTS = flags.DEFINE_integer("slots", 32, "Engine slots (max concurrent sequences).")
+_SLOTS = flags.DEFINE_integer(
+    "slots",
+    160,
+    "Engine slots (max concurrent sequences); 160 holds a whole short round (ceil(1.25*16)*8), as "
+    "a GPU engine would; fewer make rounds slot-bound (see the README).",
+)
 _STEPS = flags.DEFINE_integer("steps_per_call", 4, "Decode steps fused into one generate call.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 96, "Length cap: the long tail's length.")
 _LONG_FRACTION = flags.DEFINE_float(

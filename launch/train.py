@@ -54,7 +54,7 @@ def main(argv: list[str]) -> None:
             f"{summary['first_round']} and config.rounds is {config.rounds}"
         )
         return
-    last = summary["rounds"][-1]
+    last, data = summary["rounds"][-1], summary["data"]
     rows = [
         ("pipeline", summary["mode"]),
         ("held-out accuracy before RL", f"{summary['heldout_acc_before']:.1%}"),
@@ -69,6 +69,16 @@ def main(argv: list[str]) -> None:
             "tokens/s",
             f"sampler {summary['sampler_tokens_per_s']:.0f}, learner "
             f"{summary['learner_tokens_per_s']:.0f}",
+        ),
+        (
+            "reward calls scored 0",
+            f"{summary['reward_errors']} errors, {summary['reward_timeouts']} timeouts (rollouts)",
+        ),
+        (
+            "data rows",
+            f"{data['train_rows']} train, {data['heldout_rows']} held-out; dropped "
+            f"{data['skipped_malformed']} malformed, {data['too_long']} too long, "
+            f"{data['non_numeric']} non-numeric",
         ),
         (
             "last round",

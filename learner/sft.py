@@ -24,16 +24,23 @@ from rl.tasks.templates import render_prompt
 
 
 def sft_batch(
-    records: Sequence[Mapping[str, Any]], tokenizer: Tokenizer, *, min_length_bucket: int = 32
+    records: Sequence[Mapping[str, Any]],
+    tokenizer: Tokenizer,
+    *,
+    min_length_bucket: int = 32,
+    **prompt_kwargs: Any,
 ) -> Batch:
-    """One row per record: prompt + answer + eos; the loss mask covers the answer and the eos."""
+    """One row per record: prompt + answer + eos; the loss mask covers the answer and the eos.
+
+    `prompt_kwargs` (template, system, instruction) go to rl.tasks.templates.render_prompt.
+    """
     if not records:
         raise ValueError("sft_batch received no records; expected at least one.")
     seqs = []
     for r in records:
         if "answer" not in r:
             raise ValueError(f"SFT record id={r.get('id')} has no 'answer'; keys: {sorted(r)}.")
-        prompt = render_prompt(r, tokenizer)
+        prompt = render_prompt(r, tokenizer, **prompt_kwargs)
         seqs.append((prompt, tuple(tokenizer.encode(str(r["answer"]))) + (tokenizer.eos_id,)))
     b, t = len(seqs), length_bucket(max(len(p) + len(a) - 1 for p, a in seqs), min_length_bucket)
     out = Batch(
@@ -74,14 +81,20 @@ def sft_step(
 
 
 def sft_batches(
-    records: Sequence[Mapping[str, Any]], tokenizer: Tokenizer, *, batch_size: int, seed: int = 0
+    records: Sequence[Mapping[str, Any]],
+    tokenizer: Tokenizer,
+    *,
+    batch_size: int,
+    seed: int = 0,
+    **prompt_kwargs: Any,
 ) -> Iterator[Batch]:
-    """Endless shuffled batches (one shuffle per epoch, seeded)."""
+    """Endless shuffled batches (one shuffle per epoch, seeded); prompt_kwargs as sft_batch."""
     rng = np.random.default_rng(seed)
     while True:
         order = rng.permutation(len(records))
         for i in range(0, len(order) - batch_size + 1, batch_size):
-            yield sft_batch([records[j] for j in order[i : i + batch_size]], tokenizer)
+            batch = [records[j] for j in order[i : i + batch_size]]
+            yield sft_batch(batch, tokenizer, **prompt_kwargs)
 
 
 def make_sft_step(

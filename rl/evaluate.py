@@ -9,7 +9,7 @@ import numpy as np
 
 from rl.admission import FCFS
 from rl.models.tokenizer import Tokenizer
-from rl.tasks.templates import render_prompt
+from rl.tasks.templates import Template, render_prompt
 from rl.types import Group, Request, SamplingParams
 
 if TYPE_CHECKING:
@@ -29,10 +29,14 @@ def evaluate(
     max_new_tokens: int,
     k: int = 1,
     temperature: float = 1.0,
+    template: Template = "plain",
+    system: str | None = None,
+    instruction: str = "",
 ) -> dict[str, float]:
     """Greedy accuracy over `records`, and pass@k with k samples at `temperature` when k > 1.
 
-    A response is correct when `reward_fn` gives it a reward >= 1.
+    A response is correct when `reward_fn` gives it a reward >= 1. Prompts are rendered with
+    `template`, `system` and `instruction` as in training (rl.tasks.templates.render_prompt).
 
     Returns:
       {"accuracy": fraction correct greedily, "pass@k": fraction with >= 1 of k correct (k > 1)}.
@@ -53,7 +57,9 @@ def evaluate(
                 uid=i,
                 round=EVAL_ROUND,
                 index=i,
-                prompt=render_prompt(r, tokenizer),
+                prompt=render_prompt(
+                    r, tokenizer, template=template, system=system, instruction=instruction
+                ),
                 group_size=group_size,
                 params=sampling,
                 meta={k_: r[k_] for k_ in ("answer", "numbers", "target") if k_ in r},

@@ -13,45 +13,56 @@ from typing import Any
 
 import numpy as np
 
-from rl.driver import Driver, DriverConfig
+from rl.driver import Driver, driver_config_from
 from rl.evaluate import evaluate
 from rl.metrics import MetricsWriter
 from rl.models.build import build_model
 from rl.models.sharding import normalize_rules
 from rl.models.summary import tokenizer_from
 from rl.rewards import RewardRunner, get_reward
+from rl.tasks.data import DataConfig, data_config_from, load_task
 from rl.tasks.pipeline import prompt_dataset
-from rl.tasks.synthetic import addition_records, countdown_records
 from rl.types import SamplingParams
 
-TASKS = ("addition", "countdown")
 
-
-def _records(task: Any, seed: int, *, split: str = "train", n: int = 0) -> list[dict[str, Any]]:
-    n = n or task.train_size
-    if task.name == "addition":
-        return addition_records(n, digits=task.digits, seed=seed, split=split)
-    return countdown_records(n, seed=seed, split=split)
+def _reward_counts(runner: RewardRunner, seen: dict[str, int]) -> dict[str, float]:
+    """Reward errors and timeouts since the last call (`seen` holds the totals then)."""
+    stats = runner.stats()
+    out = {f"reward_{k}": float(stats[k] - seen.get(k, 0)) for k in ("errors", "timeouts")}
+    seen.update(stats)
+    return out
 
 
 def _sft(
-    config: Any, learner: Any, tokenizer: Any, heldout_accuracy: Any, writer: MetricsWriter
+    config: Any,
+    learner: Any,
+    tokenizer: Any,
+    heldout_accuracy: Any,
+    writer: MetricsWriter,
+    records: list[dict[str, Any]],
+    data: DataConfig,
 ) -> int:
     """Supervised warm start until held-out accuracy reaches config.sft.target_accuracy."""
     from learner.config import OptimizerConfig
     from learner.sft import make_sft_step, sft_batches
     from learner.state import create_train_state, make_optimizer
 
+    if len(records) < config.sft.batch_size:
+        raise ValueError(
+            f"config.sft.batch_size={config.sft.batch_size} exceeds the {len(records)} training "
+            "records; expected a smaller batch or config.sft.max_steps=0."
+        )
     tx = make_optimizer(OptimizerConfig(lr=config.sft.lr))
     state, shardings = create_train_state(
         learner.params, tx, seed=config.seed, mesh=learner.mesh, rules=learner.rules
     )
     step = make_sft_step(learner.graphdef, tx, shardings)
     batches = sft_batches(
-        _records(config.task, config.seed),
+        records,
         tokenizer,
         batch_size=config.sft.batch_size,
         seed=config.seed,
+        **data.prompt_kwargs,
     )
     done = 0
     bar = writer.progress(config.sft.max_steps, desc="sft steps")
@@ -83,12 +94,24 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     from sampler.engine import Engine, EngineConfig
 
     start = time.perf_counter()
-    if config.task.name not in TASKS:
-        raise ValueError(f"config.task.name={config.task.name!r}; expected one of {TASKS}.")
+    data_cfg = data_config_from(config)  # checks the task and data fields before any work
     rules = normalize_rules(config.sharding_rules)
     learner_mesh, sampler_mesh = make_meshes(MeshConfig(**config.mesh))
     tokenizer = tokenizer_from(config)
-    model = build_model(config.model, seed=config.seed)
+    # Prompts the engine could not take (prefill limit, or no room for the response) are dropped.
+    max_prompt = config.engine.max_length - config.sampling.max_new_tokens
+    data = load_task(
+        data_cfg,
+        tokenizer,
+        max_prompt_tokens=max(1, min(config.engine.max_prefill_length, max_prompt)),
+    )
+    # Local HF weights (config.model.hf_path) or a fresh init, placed directly on the learner mesh.
+    model = build_model(config.model, seed=config.seed, mesh=learner_mesh, rules=rules)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(
+            f"The tokenizer's vocabulary ({tokenizer.vocab_size}) is larger than the model's "
+            f"vocab_size ({model.config.vocab_size}); expected a tokenizer of the same model."
+        )
     learner_cfg = learner_config_from(config.learner)
     if learner_cfg.temperature != config.sampling.temperature and config.sampling.temperature > 0:
         raise ValueError(
@@ -101,28 +124,36 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     )
     sync = DevicePutSync(learner.params, sampler_mesh, dtype=config.sampler_dtype, rules=rules)
     sampling = SamplingParams(**config.sampling, stop_token_ids=(tokenizer.eos_id,))
-    driver_cfg = DriverConfig(**config.driver, sampling=sampling)
-    prompts = iter(prompt_dataset(_records(config.task, config.seed), tokenizer, seed=config.seed))
-    reward = RewardRunner(
-        get_reward(config.task.reward),
-        decode=tokenizer.decode,
-        timeout_s=config.task.reward_timeout_s,
+    driver_cfg = driver_config_from(config.driver, sampling=sampling, epoch_size=len(data.train))
+    prompts = iter(
+        prompt_dataset(data.train, tokenizer, seed=config.seed, **data_cfg.prompt_kwargs)
     )
+    # Rollouts and evaluation get their own runners, so each counts its own errors and timeouts.
+    reward, eval_reward = (
+        RewardRunner(
+            get_reward(config.task.reward),
+            decode=tokenizer.decode,
+            timeout_s=config.task.reward_timeout_s,
+        )
+        for _ in range(2)
+    )
+    reward_seen: dict[str, int] = {}
     os.makedirs(config.workdir, exist_ok=True)
     ckpt = Checkpointer(os.path.join(config.workdir, "ckpt"))
-    first_round, version = 0, 0
+    first_round, version, planner_state = 0, 0, None
     if config.resume and ckpt.latest_step() is not None:
         learner.state, meta = ckpt.restore(
             abstract_state=learner.state, shardings=learner.shardings
         )
         first_round, version = meta["round"], meta["version"]
         prompts.set_state(meta["data"])
+        planner_state = meta["planner"]
     if first_round == 0:  # a fresh run starts its own metrics log
         for name in ("metrics.jsonl", "summary.json"):
             if os.path.exists(os.path.join(config.workdir, name)):
                 os.remove(os.path.join(config.workdir, name))
     writer = MetricsWriter(config.workdir, stdout=stdout)
-    heldout = _records(config.task, config.seed, split="heldout", n=config.eval.heldout_size)
+    heldout = data.heldout
     phases = {"setup_s": time.perf_counter() - start, "sft_s": 0.0, "eval_s": 0.0, "rl_s": 0.0}
 
     def heldout_accuracy(params: Any) -> float:
@@ -133,8 +164,9 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
             published,
             heldout,
             tokenizer,
-            reward,
+            eval_reward,
             max_new_tokens=config.sampling.max_new_tokens,
+            **data_cfg.prompt_kwargs,
         )["accuracy"]
         phases["eval_s"] += time.perf_counter() - t
         return acc
@@ -142,7 +174,7 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     sft_steps = 0
     if config.sft.max_steps and first_round == 0:
         t = time.perf_counter()
-        sft_steps = _sft(config, learner, tokenizer, heldout_accuracy, writer)
+        sft_steps = _sft(config, learner, tokenizer, heldout_accuracy, writer, data.train, data_cfg)
         phases["sft_s"] = time.perf_counter() - t - phases["eval_s"]
     acc_before = heldout_accuracy(learner.params)
     driver = Driver(
@@ -154,6 +186,8 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
         reward_fn=reward,
         version=version,
     )
+    if planner_state is not None:
+        driver.planner.load_state_dict(planner_state)
     rounds = []
     t_rl = time.perf_counter()
     try:
@@ -164,7 +198,7 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
                 result = driver.run_round(r)
             finally:
                 bar.close()
-            metrics = {"round": float(r), **result.metrics}
+            metrics = {"round": float(r), **result.metrics, **_reward_counts(reward, reward_seen)}
             if config.eval.every_rounds and (r + 1) % config.eval.every_rounds == 0:
                 metrics["heldout_acc"] = heldout_accuracy(learner.params)
             writer.write(r, metrics, prefix="train")
@@ -172,7 +206,12 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
             if config.checkpoint_every and (
                 (r + 1) % config.checkpoint_every == 0 or r + 1 == config.rounds
             ):
-                meta = {"round": r + 1, "version": driver.version, "data": prompts.get_state()}
+                meta = {
+                    "round": r + 1,
+                    "version": driver.version,
+                    "data": prompts.get_state(),
+                    "planner": driver.planner.state_dict(),  # the long-prompt queue
+                }
                 ckpt.save(r + 1, learner.state, meta)
     finally:
         driver.close()
@@ -180,6 +219,7 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     eval_in_rl = phases["eval_s"]
     acc_after = heldout_accuracy(learner.params)
     reward.close()
+    eval_reward.close()
     writer.close()
     phases["rl_s"] = time.perf_counter() - t_rl - (phases["eval_s"] - eval_in_rl)
     trace = os.path.join(config.workdir, "timeline.json")
@@ -198,6 +238,11 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
         "learner_tokens_per_s": float(np.mean([m["learner_tokens_per_s"] for m in rounds]))
         if rounds
         else 0.0,
+        # Rollout reward calls that raised (or returned no finite number) or timed out: scored 0.
+        "reward_errors": reward.errors,
+        "reward_timeouts": reward.timeouts,
+        "reward_stats": {"rollout": reward.stats(), "eval": eval_reward.stats()},
+        "data": data.counts,  # rows used and dropped (malformed, prompt too long, non-numeric)
     }
     with open(os.path.join(config.workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

@@ -31,13 +31,23 @@ class LoadedRecords(list):
         path: The file read.
         skipped: How many malformed rows were skipped.
         errors: (1-based line number, reason) of the first `MAX_REPORTED` skipped rows.
+        lines: The 1-based line number of each record, in order (for reporting `file:line`).
     """
 
-    def __init__(self, records: list[dict[str, Any]], *, path: str, skipped: int, errors: list):
+    def __init__(
+        self,
+        records: list[dict[str, Any]],
+        *,
+        path: str,
+        skipped: int,
+        errors: list,
+        lines: list[int] | None = None,
+    ):
         super().__init__(records)
         self.path = path
         self.skipped = skipped
         self.errors: list[tuple[int, str]] = errors
+        self.lines: list[int] = list(lines) if lines is not None else []
 
 
 def _field(row: Mapping[str, Any], key: str) -> str:
@@ -114,6 +124,7 @@ def _load(
     if not file.is_file():
         raise FileNotFoundError(f"{what} file {str(file)!r} not found; expected a JSONL file.")
     records: list[dict[str, Any]] = []
+    lines: list[int] = []
     errors: list[tuple[int, str]] = []
     skipped = 0
     with file.open("rb") as f:
@@ -140,6 +151,7 @@ def _load(
                     errors.append((line_no, reason))
                 continue
             records.append({"id": len(records), **record})
+            lines.append(line_no)
     if skipped:
         logging.warning(
             "%s file %s: skipped %d malformed rows (kept %d); first (line, reason): %s",
@@ -149,7 +161,7 @@ def _load(
             len(records),
             errors,
         )
-    return LoadedRecords(records, path=str(file), skipped=skipped, errors=errors)
+    return LoadedRecords(records, path=str(file), skipped=skipped, errors=errors, lines=lines)
 
 
 def load_gsm8k(path: str | pathlib.Path, *, on_error: OnError = "skip") -> LoadedRecords:

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from configs import smoke
 from rl.models.summary import summarize
 
@@ -53,7 +55,8 @@ def test_default_run_trains_pipelined_rounds_and_writes_its_files(tmp_path):
     assert list((tmp_path / "tb").iterdir())
 
 
-def test_resumed_run_continues_the_exact_trajectory(tmp_path, monkeypatch):
+@pytest.mark.parametrize("tail", [False, True], ids=["plain", "tail"])
+def test_resumed_run_continues_the_exact_trajectory(tmp_path, monkeypatch, tail):
     import jax
     import numpy as np
 
@@ -69,6 +72,9 @@ def test_resumed_run_continues_the_exact_trajectory(tmp_path, monkeypatch):
         c = smoke.get_config()
         c.workdir, c.rounds, c.checkpoint_every, c.resume = str(workdir), rounds, 1, True
         c.task.reward = "test_parity"
+        # eta 2: round 0 trains 4 of 8 prompts, the other 4 make round 1 a long round, which a
+        # resumed run must plan from the checkpointed long-prompt queue
+        c.driver.tail.enabled, c.driver.tail.eta = tail, 2.0
         return c
 
     straight = train(config(tmp_path / "straight", 2), stdout=False)
@@ -84,3 +90,6 @@ def test_resumed_run_continues_the_exact_trajectory(tmp_path, monkeypatch):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert straight["rounds"][1]["reward_mean"] == second["rounds"][0]["reward_mean"]
     assert straight["rounds"][1]["grad_norm"] > 0  # the parameters did move
+    kinds = [r["long_round"] for r in straight["rounds"]]
+    assert kinds == ([0.0, 1.0] if tail else [0.0, 0.0])
+    assert second["rounds"][0]["long_round"] == kinds[1]

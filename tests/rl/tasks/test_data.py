@@ -1,0 +1,122 @@
+"""Tests for rl/tasks/data.py: a config's train and held-out records, synthetic or local JSONL."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from configs import base
+from rl.models.tokenizer import ByteTokenizer
+from rl.tasks.data import DataConfig, data_config_from, load_task
+from rl.tasks.synthetic import addition_records
+from rl.tasks.templates import render_prompt
+
+TOK = ByteTokenizer()
+GSM8K = [{"question": f"What is {a} + 2?", "answer": f"{a} + 2 = {a + 2}\n#### {a + 2}"} for a in range(10)]  # fmt: skip
+MATH = [
+    {"problem": "Half of 1?", "solution": "$\\boxed{\\frac{1}{2}}$"},
+    {"problem": "Root of 2?", "solution": "$\\boxed{\\sqrt{2}}$"},
+    {"problem": "Pair?", "solution": "$\\boxed{(1, 2)}$"},
+    {"problem": "Seven?", "solution": "$\\boxed{7}$"},
+]
+
+
+def write(path, rows, bad_at: int | None = None) -> str:
+    lines = [json.dumps(r) for r in rows]
+    if bad_at is not None:
+        lines.insert(bad_at - 1, "{not json")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def test_synthetic_task_is_the_generators_records():
+    data = load_task(DataConfig(task="addition", digits=2, train_size=50, heldout_size=7), TOK)
+    assert data.train == addition_records(50, digits=2, seed=0, split="train")
+    assert data.heldout == addition_records(7, digits=2, seed=0, split="heldout")
+    assert data.counts["train_rows"] == 50 and data.counts["heldout_rows"] == 7
+
+
+def test_base_config_maps_to_the_data_config():
+    cfg = data_config_from(base.get_config())
+    assert (cfg.task, cfg.train_size, cfg.heldout_size, cfg.template) == (
+        "addition",
+        20000,
+        200,
+        "plain",
+    )
+    assert cfg.prompt_kwargs == {"template": "plain", "system": None, "instruction": ""}
+
+
+def test_jsonl_heldout_slice_is_seeded_disjoint_and_renumbered(tmp_path):
+    path = write(tmp_path / "train.jsonl", GSM8K, bad_at=4)
+    cfg = DataConfig(task="gsm8k", train_path=path, heldout_size=3, seed=1)
+    a, b = load_task(cfg, TOK), load_task(cfg, TOK)
+    assert a == b  # the same seed holds out the same rows
+    assert [r["id"] for r in a.train] == list(range(7)) and [r["id"] for r in a.heldout] == [
+        0,
+        1,
+        2,
+    ]
+    questions = {r["question"] for r in a.train}
+    assert not questions & {r["question"] for r in a.heldout}
+    assert len(questions | {r["question"] for r in a.heldout}) == 10
+    other = load_task(DataConfig(task="gsm8k", train_path=path, heldout_size=3, seed=2), TOK)
+    assert other.heldout != a.heldout
+    assert a.counts == {"train_rows": 7, "heldout_rows": 3, "skipped_malformed": 1,
+                        "too_long": 0, "non_numeric": 0}  # fmt: skip
+
+
+def test_jsonl_heldout_file_first_rows_or_all(tmp_path):
+    train = write(tmp_path / "train.jsonl", GSM8K[:6])
+    test = write(tmp_path / "test.jsonl", GSM8K[6:])
+    cfg = DataConfig(task="gsm8k", train_path=train, heldout_path=test, heldout_size=2)
+    data = load_task(cfg, TOK)
+    assert len(data.train) == 6 and [r["answer"] for r in data.heldout] == ["8", "9"]
+    cfg = DataConfig(task="gsm8k", train_path=train, heldout_path=test, heldout_size=0)
+    assert len(load_task(cfg, TOK).heldout) == 4
+
+
+def test_jsonl_drops_long_prompts_and_non_numeric_answers(tmp_path):
+    path = write(tmp_path / "math.jsonl", MATH)
+    cfg = DataConfig(
+        task="math",
+        train_path=path,
+        heldout_path=path,
+        numeric_answers_only=True,
+        template="chat",
+        instruction="Box it. ",
+    )
+    limit = len(render_prompt(MATH[0] | {"question": "Half of 1?"}, TOK, **cfg.prompt_kwargs))
+    data = load_task(cfg, TOK, max_prompt_tokens=limit)  # "Seven?" fits, "Half of 1?" just fits
+    assert [r["answer"] for r in data.train] == ["\\frac{1}{2}", "7"]
+    assert data.counts["non_numeric"] == 4 and data.counts["too_long"] == 0  # both files
+    data = load_task(cfg, TOK, max_prompt_tokens=limit - 1)
+    assert [r["answer"] for r in data.train] == ["7"] and data.counts["too_long"] == 2
+
+
+def test_jsonl_errors_name_the_file_and_line(tmp_path):
+    path = write(tmp_path / "train.jsonl", GSM8K, bad_at=4)
+    with pytest.raises(ValueError, match=f"{tmp_path / 'train.jsonl'}:4 is malformed"):
+        load_task(DataConfig(task="gsm8k", train_path=path, on_error="raise"), TOK)
+    with pytest.raises(ValueError, match="no usable rows"):
+        load_task(DataConfig(task="gsm8k", train_path=path), TOK, max_prompt_tokens=3)
+    with pytest.raises(ValueError, match="would hold out all 10 usable rows"):
+        load_task(DataConfig(task="gsm8k", train_path=path, heldout_size=10), TOK)
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        load_task(DataConfig(task="gsm8k", train_path=str(tmp_path / "missing.jsonl")), TOK)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="config.data.train_path is empty"):
+        DataConfig(task="gsm8k")
+    with pytest.raises(ValueError, match=r"config.task.name='mmlu'; expected one of"):
+        DataConfig(task="mmlu")
+    with pytest.raises(ValueError, match="heldout_size=0"):
+        DataConfig(task="gsm8k", train_path="x.jsonl", heldout_size=0)
+    with pytest.raises(ValueError, match="needs template='chat'"):
+        DataConfig(system="Be brief.")
+    config = base.get_config()
+    config.data.train_file = "x.jsonl"
+    with pytest.raises(ValueError, match=r"Unknown config.data fields \['train_file'\]"):
+        data_config_from(config)
