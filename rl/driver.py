@@ -11,12 +11,13 @@ update sees data of exactly the policy it should. `sync` trains in logical order
 
 Rounds come from a `rl.rounds.RoundPlanner`: plain rounds, or with tail batching (`tail.enabled`,
 RollPacker) short rounds that launch ceil(eta * R) prompts and train the first R groups to complete
-(the sampler aborts the rest at once; their prompts wait in the long-prompt queue) and long rounds of
-R queued prompts. A short round's trained set is defined by completion order, so its cgp batches are
-formed in completion order (`fifo`) whatever `batching` says; `sync` trains them in logical order.
+(the sampler aborts the rest at once; their prompts wait in the long-prompt queue) and long rounds
+of R queued prompts. A short round's trained set is defined by completion order, so its cgp batches
+are formed in completion order (`fifo`) whatever `batching` says; `sync` trains them in logical
+order.
 
-Stream trainer (RollPacker): with `fifo` batches each arriving group is handed to the learner at once,
-which accumulates gradients of every full micro-batch while the rollout goes on; the update is
+Stream trainer (RollPacker): with `fifo` batches each arriving group is handed to the learner at
+once, which accumulates gradients of every full micro-batch while the rollout goes on; the update is
 applied when U groups are in. With U = R (S = 1) that is one deferred update per round.
 
 The sampler loop runs in its own thread; this driver's thread is the learner loop. An error on
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rl.admission import make_policy
-from rl.formation import FifoBatches, OrderedBatches, make_former
+from rl.formation import FifoBatches, OrderedBatches, logical_batches, make_former
 from rl.metrics import round_metrics
 from rl.queue import GroupQueue
 from rl.rounds import RoundCut, RoundPlan, RoundPlanner, TailConfig
@@ -239,9 +240,8 @@ class Driver:
         cut = RoundCut(plan.target) if plan.aborted else None
         self.sampler.submit(requests, cut=cut)
         if cfg.mode == "sync":  # rollout all, then train in logical order
-            done = sorted((self._next_group() for _ in range(plan.target)), key=_index)
-            for k in range(0, len(done), u):
-                batch = tuple(done[k : k + u])
+            done = [self._next_group() for _ in range(plan.target)]
+            for batch in logical_batches(done, u):
                 self._add(batch, round)
                 self._update(batch, round, updates)
                 trained.extend(batch)
@@ -318,7 +318,3 @@ class Driver:
         else:
             self.queue.close()
             self.sampler.close()
-
-
-def _index(group: Group) -> int:
-    return group.request.index

@@ -165,6 +165,14 @@ class OrderedBatches:
         return batch
 
 
+def logical_batches(groups: list[Group], size: int) -> list[tuple[Group, ...]]:
+    """The synchronous baseline's batches: a whole round's groups in logical order (by
+    `request.index`), `size` at a time (the last one smaller if `size` does not divide them)."""
+    _check(size, None)
+    done = sorted(groups, key=lambda g: g.request.index)
+    return [tuple(done[k : k + size]) for k in range(0, len(done), size)]
+
+
 FORMERS = {"fifo": FifoBatches, "ordered": OrderedBatches}
 
 

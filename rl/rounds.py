@@ -13,10 +13,10 @@ prompt is sampled again from scratch in its long round by the then-current polic
 
 Epochs (`epoch_size` prompts of the source): with `epoch_end="flush"` a short round never draws
 across an epoch boundary; at the end of an epoch the fresh remainder joins the queue, which is
-drained by long rounds and a final `flush` round of the last (< P0) prompts, the one round allowed to
-train fewer than P0 groups. Every prompt of an epoch is then trained exactly once within the epoch.
-With `"carry"` epochs are not boundaries: the queue carries over and short rounds draw on. A finite
-source that runs out is flushed the same way in either mode.
+drained by long rounds and a final `flush` round of the last (< P0) prompts, the one round allowed
+to train fewer than P0 groups. Every prompt of an epoch is then trained exactly once within the
+epoch. With `"carry"` epochs are not boundaries: the queue carries over and short rounds draw on. A
+finite source that runs out is flushed the same way in either mode.
 
     planner = RoundPlanner(TailConfig(enabled=True), groups_per_round=32, prompts=iter(prompts))
     plan = planner.plan(round)                                   # what to launch

@@ -1,0 +1,340 @@
+"""Profile the real engine, learner and weight transfer here; fit the simulator's stage-time models.
+
+    python -m launch.profile --json /tmp/profile.json [--slots 32 --steps_per_call 4 ...]
+
+The defaults are launch.bench_pipeline's: the "tiny" preset (init_std 0.3, float32), a learner
+mesh and a sampler mesh of one CPU device each, 160 slots, 4 decode steps per call, G = 8, U = 2,
+prompts of 4-12 tokens, responses up to 96. Measured, after a compile pass of each:
+  decode     every generate call of a SamplerLoop (host bookkeeping, rewards and emit included)
+             over groups of staggered lengths, so the active slots and the context vary; at
+             steps_per_call k and at 1, which separates the per-call cost from the per-step one;
+  prefill    engine.prefill + bulk_insert of one prompt, prompt lengths across the range;
+  learner    Learner.add_groups of U groups (one micro-batch, its compute awaited) and
+             Learner.update, for responses in each length bucket;
+  publish    cross-mesh jax.device_put of arrays of 0.4-16 MB (the per-byte cost), and
+             DevicePutSync of the model (the fixed cost: its per-leaf dispatch);
+  contention the decode calls again while a learner thread trains, and learner updates while a
+             sampler thread decodes: each side's slowdown, averaged (the two share the cores).
+Fits every StageModel term by least squares (rl/sim/calibrate.py) and writes {"model": ...,
+"fit": ..., "config": ...}: `launch.simulate --profile PATH` loads it. Takes 1-2 minutes on 2 shared
+cores.
+"""
+
+from __future__ import annotations
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    ).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import json  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from learner.config import LearnerConfig, OptimizerConfig  # noqa: E402
+from learner.learner import Learner  # noqa: E402
+from learner.mesh import MeshConfig, make_meshes  # noqa: E402
+from learner.publish import DevicePutSync  # noqa: E402
+from rl.admission import FCFS  # noqa: E402
+from rl.models import create_model, get_preset  # noqa: E402
+from rl.sim.calibrate import Measurements, fit_stage_model  # noqa: E402
+from rl.types import Completion, Group, Request, SamplingParams  # noqa: E402
+from sampler.engine import Engine, EngineConfig  # noqa: E402
+from sampler.loop import SamplerLoop  # noqa: E402
+
+_JSON = flags.DEFINE_string("json", "", "Write the fitted model and the fit report here.")
+_SLOTS = flags.DEFINE_integer("slots", 160, "Engine slots (launch.bench_pipeline's default).")
+_STEPS = flags.DEFINE_integer("steps_per_call", 4, "Decode steps fused into one generate call.")
+_GROUP_SIZE = flags.DEFINE_integer("group_size", 8, "Samples per group (G).")
+_PER_UPDATE = flags.DEFINE_integer("groups_per_update", 2, "Groups per update (U).")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 96, "Longest response.")
+_PROMPT_MAX = flags.DEFINE_integer("prompt_max", 12, "Longest prompt.")
+_REPEATS = flags.DEFINE_integer("repeats", 2, "Timed passes over each measurement.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seeds the model and the workload.")
+_CACHE = flags.DEFINE_string(
+    "compilation_cache",
+    os.environ.get(
+        "ROLLOUTPIPE_JAX_CACHE", os.path.join(tempfile.gettempdir(), "rolloutpipe-jax-cache")
+    ),
+    "XLA persistent compilation cache directory; empty: off.",
+)
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - start
+
+
+def prompt(rng: np.random.Generator, n: int) -> tuple[int, ...]:
+    return tuple(int(t) for t in rng.integers(0, 256, n))
+
+
+def decode_trials(
+    engine: Engine, params: Any, rng: np.random.Generator, limit: int | None = None
+) -> list[list[tuple]]:
+    """Timed generate calls (k, active, context, seconds) of staggered-length groups, per trial."""
+    g, k, cap = _GROUP_SIZE.value, engine.config.steps_per_call, _MAX_NEW.value
+    per_round = engine.max_concurrent_decodes // g
+    staggered = [max(1, cap * (i + 1) // per_round) for i in range(per_round)]
+    trials = [[cap], [cap, cap // 2], staggered, [cap] * per_round]
+    out = []
+    for lengths in trials[:limit]:
+        requests = [
+            Request(
+                uid=i,
+                prompt=prompt(rng, int(rng.integers(4, _PROMPT_MAX.value + 1))),
+                group_size=g,
+                params=SamplingParams(max_new_tokens=n),
+            )
+            for i, n in enumerate(lengths)
+        ]
+        loop = SamplerLoop(
+            engine,
+            params,
+            admission=FCFS(),
+            reward_fn=lambda r, c: float(c.tokens[0] % 2),
+            emit=lambda group: None,
+        )
+        loop.submit(requests)
+        loop.step()  # admission (prefills) + the first call: not a pure decode call
+        calls, j = [], 1
+        while True:
+            active = [(len(r.prompt), r.params.max_new_tokens) for r in requests for _ in range(g)]
+            active = [(p, n) for p, n in active if n > k * j]
+            if not active:
+                break
+            context = sum(p + k * j for p, _ in active)
+            start = time.perf_counter()
+            loop.step()
+            calls.append((k, len(active), float(context), time.perf_counter() - start))
+            j += 1
+        if loop.step():
+            raise RuntimeError("The sampler still had work after every response's length.")
+        out.append(calls)
+    return out
+
+
+def make_groups(rng: np.random.Generator, lengths: list[int]) -> list[Group]:
+    groups = []
+    for uid, n in enumerate(lengths):
+        request = Request(
+            uid=uid,
+            prompt=prompt(rng, _PROMPT_MAX.value),
+            group_size=_GROUP_SIZE.value,
+            params=SamplingParams(max_new_tokens=_MAX_NEW.value),
+        )
+        completions = tuple(
+            Completion(
+                uid=uid,
+                round=0,
+                sample=s,
+                prompt=request.prompt,
+                tokens=prompt(rng, n),
+                logprobs=(-5.5,) * n,
+                versions=(0,) * n,
+                finish_reason="length",
+                reward=float(rng.integers(0, 2)),
+            )
+            for s in range(_GROUP_SIZE.value)
+        )
+        groups.append(Group(request=request, completions=completions))
+    return groups
+
+
+def learner_trial(learner: Learner, batch: list[Group]) -> tuple[int, float, float]:
+    """(padded tokens, add_groups seconds with its compute awaited, update seconds)."""
+    learner.begin_round(updates=1)
+    micro = timed(lambda: (learner.add_groups(batch), learner._acc)[1])
+    update = timed(learner.update)
+    longest = max(len(c.prompt) + len(c.tokens) - 1 for g in batch for c in g.completions)
+    bucket = learner.cfg.min_length_bucket
+    while bucket < longest:
+        bucket *= 2
+    return learner.cfg.micro_batch_rows * bucket, micro, update
+
+
+def in_background(work: Callable[[], Any]) -> tuple[threading.Event, threading.Thread]:
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            work()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    return stop, thread
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    if _SLOTS.value < _GROUP_SIZE.value:
+        raise app.UsageError(f"--slots ({_SLOTS.value}) must be >= --group_size.")
+    if _CACHE.value:
+        jax.config.update("jax_compilation_cache_dir", _CACHE.value)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    rng = np.random.default_rng(_SEED.value)
+    learner_mesh, sampler_mesh = make_meshes(MeshConfig(learner_devices=1, sampler_devices=1))
+    model = create_model(get_preset("tiny", init_std=0.3), seed=_SEED.value)
+    max_prefill = max(16, _PROMPT_MAX.value)
+    engines = {
+        k: Engine(
+            model,
+            EngineConfig(
+                max_slots=_SLOTS.value,
+                max_length=max_prefill + _MAX_NEW.value,
+                max_prefill_length=max_prefill,
+                steps_per_call=k,
+                seed=_SEED.value,
+            ),
+            mesh=sampler_mesh,
+        )
+        for k in sorted({1, _STEPS.value})
+    }
+    rows = _PER_UPDATE.value * _GROUP_SIZE.value
+    learner = Learner(
+        model,
+        LearnerConfig(optimizer=OptimizerConfig(lr=1e-3), micro_batch_rows=rows),
+        mesh=learner_mesh,
+        seed=_SEED.value,
+    )
+    sync = DevicePutSync(learner.params, sampler_mesh)
+    params = sync.publish(learner.params, 0).params
+    u = _PER_UPDATE.value
+    lengths = [[8] * u, [16] * u, [40] * u, [_MAX_NEW.value] * u, [_MAX_NEW.value] + [12] * (u - 1)]
+    batches = [make_groups(rng, ls) for ls in lengths]
+    sizes = [100_000, 1_000_000, 4_000_000]  # float32 elements: 0.4, 4, 16 MB
+    arrays = [jax.device_put(np.ones(n, np.float32), learner_mesh.devices.flat[0]) for n in sizes]
+    target = sampler_mesh.devices.flat[0]
+
+    start = time.perf_counter()
+    for engine in engines.values():  # compile pass
+        decode_trials(engine, params, rng, limit=1)
+        for n in range(1, max_prefill + 1):
+            engine.prefill(params, prompt(rng, n))
+    for b in batches:
+        learner_trial(learner, b)
+    for a in arrays:
+        timed(lambda a=a: jax.device_put(a, target, may_alias=False))
+    compile_s = time.perf_counter() - start
+
+    decode, prefill, micro, update, publish = [], [], [], [], []
+    for _ in range(_REPEATS.value):
+        for engine in engines.values():
+            decode += [c for trial in decode_trials(engine, params, rng) for c in trial]
+        engine = engines[_STEPS.value]
+        for n in range(1, max_prefill + 1):
+            state = engine.init_decode_state()
+            r = Request(
+                uid=0,
+                prompt=prompt(rng, n),
+                group_size=_GROUP_SIZE.value,
+                params=SamplingParams(max_new_tokens=_MAX_NEW.value),
+            )
+            slots = list(range(_GROUP_SIZE.value))
+            insert = lambda r=r, s=state, e=engine, slots=slots: e.bulk_insert(  # noqa: E731
+                e.prefill(params, r.prompt), s, slots, r
+            )
+            prefill.append((n, timed(insert)))
+        for b in batches:
+            tokens, m, up = learner_trial(learner, b)
+            micro.append((tokens, m))
+            update.append(up)
+        for n, a in zip(sizes, arrays, strict=True):
+            publish.append((4 * n, timed(lambda a=a: jax.device_put(a, target, may_alias=False))))
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(learner.params))
+    model_publish = [sync.publish(learner.params, 1).seconds for _ in range(5)]
+
+    # Contention: each side timed again while the other runs in a thread.
+    engine = engines[_STEPS.value]
+    alone = [c[3] for trial in decode_trials(engine, params, rng) for c in trial]
+    stop, thread = in_background(lambda: learner_trial(learner, batches[3]))
+    shared = [c[3] for trial in decode_trials(engine, params, rng) for c in trial]
+    stop.set()
+    thread.join()
+    learner_alone = [sum(learner_trial(learner, batches[3])[1:]) for _ in range(6)]
+    stop, thread = in_background(lambda: decode_trials(engine, params, rng))
+    learner_shared = [sum(learner_trial(learner, batches[3])[1:]) for _ in range(6)]
+    stop.set()
+    thread.join()
+    slow_sampler = float(np.median(shared) / np.median(alone))
+    slow_learner = float(np.median(learner_shared) / np.median(learner_alone))
+
+    meas = Measurements(
+        decode=decode,
+        prefill=prefill,
+        micro=micro,
+        update=update,
+        publish=publish,
+        contention=(slow_sampler + slow_learner) / 2 - 1,
+    )
+    fitted, report = fit_stage_model(
+        meas,
+        steps_per_call=_STEPS.value,
+        micro_batch_rows=rows,
+        pad_rows=True,
+        min_length_bucket=learner.cfg.min_length_bucket,
+        param_bytes=param_bytes,
+        source=f"launch.profile on {jax.default_backend()}, {os.cpu_count()} cores",
+    )
+    # The per-byte cost comes from single arrays; the model's publish moves a tree of many leaves,
+    # whose per-leaf dispatch is the fixed cost: taken from the model's own measured publish.
+    fitted = fitted.replace(
+        publish_fixed=max(
+            0.0, float(np.median(model_publish)) - fitted.publish_per_byte * param_bytes
+        )
+    )
+    report.update(
+        slowdown_sampler=slow_sampler,
+        slowdown_learner=slow_learner,
+        model_publish_s=float(np.median(model_publish)),
+        model_publish_predicted_s=fitted.publish_s(),
+        compile_s=compile_s,
+    )
+    print(f"compile pass {compile_s:.1f} s; fitted stage model ({fitted.source}):")
+    for stage in ("decode", "prefill", "micro_step", "publish"):
+        r = report[stage]
+        coef = ", ".join(f"{k} {v:.3g}" for k, v in r["coef"].items())
+        print(f"  {stage:<10} {coef}  ({r['n']} points, rel. RMS error {r['rel_rms']:.1%})")
+    print(f"  update     {fitted.update_s * 1e3:.2f} ms (median of {len(update)})")
+    print(
+        f"  contention sampler x{slow_sampler:.2f}, learner x{slow_learner:.2f} while both run "
+        f"-> contention {fitted.contention:.2f}"
+    )
+    print(
+        f"  publish of the model ({param_bytes} B): {report['model_publish_s'] * 1e3:.2f} ms "
+        f"measured, {fitted.publish_s() * 1e3:.2f} ms predicted"
+    )
+    if _JSON.value:
+        config = {
+            f: flags.FLAGS[f].value
+            for f in (
+                "slots",
+                "steps_per_call",
+                "group_size",
+                "groups_per_update",
+                "max_new_tokens",
+                "prompt_max",
+                "repeats",
+                "seed",
+            )
+        }
+        with open(_JSON.value, "w") as f:
+            json.dump(dict(model=fitted.to_dict(), fit=report, config=config), f, indent=2)
+        print(f"wrote {_JSON.value}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,239 @@
+"""Scheduling simulator: sync vs cgp vs tail batching at paper scale, a device-split planner, and a
+validation of the simulator against a real run.
+
+    python -m launch.simulate --json /tmp/sim.json [--gpu h100 --sampler_gpus 4 --learner_gpus 4]
+    python -m launch.simulate --profile /tmp/profile.json --validate /tmp/bench_pipeline.json
+    python -m launch.simulate --plan_budgets 8,16,32
+
+Comparison table (default): for each RolloutPipe setup (G = 8, U = 2, R in --setups) the modes
+sync (slime-like: rollout all, then train), cgp+fcfs / cgp+frontier (complete-group pipelining,
+batches in completion order as RolloutPipe), cgp+shuffled (requests reach the engine in a random
+order, as slime's asynchronous submission; frontier is immune to it), sync+tail and
+cgp+frontier+tail (RollPacker tail batching, eta --eta), simulated with rl/sim on the stage-time
+model of --preset on --gpu (rl/sim/presets.py; or --profile's fitted model) and a long-tailed
+workload (rl/sim/workload.py). Every mode runs --rounds rounds of the same prompt stream; the
+figures are means over rounds. A second block ("paper balance") scales the learner so that sync's
+trainer waiting ratio is 50%, the balance RolloutPipe reports for slime (47-52%), and compares again.
+The JSON holds, per setup and mode, rollout_to_train_end_s, first_dispatch_s, trainer_wait_ratio,
+reduction_vs_sync (1 - r2t / sync's), time_per_group_s.
+
+--validate PATH reads launch.bench_pipeline's JSON and simulates its workload (the same lengths per
+prompt, the same epoch, R, U, G, slots, steps per call) with --profile's model: per mode the real
+and simulated figures and the error, cgp also without the contention term.
+
+--plan_budgets runs rl/plan.py on each budget: the planner's split beside every split's simulated
+time per round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from absl import app, flags
+
+from rl.plan import Split, compare, format_table
+from rl.rounds import TailConfig
+from rl.sim.compare import balance_learner, run_modes, sim_config, validate
+from rl.sim.presets import gpu_preset
+from rl.sim.simulator import SimResult
+from rl.sim.stage import StageModel
+from rl.sim.workload import Workload, WorkloadConfig
+
+MODES = (
+    "sync",
+    "cgp+fcfs+fifo",
+    "cgp+shuffled+fifo",
+    "cgp+frontier+fifo",
+    "sync+tail",
+    "cgp+frontier+tail",
+)
+
+_JSON = flags.DEFINE_string("json", "", "Write the results here as JSON; empty: don't.")
+_MODES = flags.DEFINE_list("modes", list(MODES), "Modes to compare; the first is the baseline.")
+_SETUPS = flags.DEFINE_list("setups", ["32", "64", "96"], "Groups per round (R) of each setup.")
+_ROUNDS = flags.DEFINE_integer("rounds", 10, "Simulated rounds per mode and setup.")
+_PRESET = flags.DEFINE_string("preset", "qwen3-1.7b", "Model (rl.models preset) of the GPU preset.")
+_GPU = flags.DEFINE_string("gpu", "h100", "GPU of the preset: h100 | h200.")
+_SAMPLER_GPUS = flags.DEFINE_integer("sampler_gpus", 4, "Sampler GPUs.")
+_SAMPLER_TP = flags.DEFINE_integer("sampler_tp", 1, "GPUs per sampler replica.")
+_LEARNER_GPUS = flags.DEFINE_integer("learner_gpus", 4, "Learner GPUs.")
+_PROFILE = flags.DEFINE_string("profile", "", "A launch.profile JSON: use its fitted model.")
+_SLOTS = flags.DEFINE_integer("slots", 0, "Slots per replica; 0: the preset's (--profile: its).")
+_GROUP_SIZE = flags.DEFINE_integer("group_size", 8, "Samples per group (G).")
+_PER_UPDATE = flags.DEFINE_integer("groups_per_update", 2, "Groups per update (U).")
+_ETA = flags.DEFINE_float("eta", 1.25, "Tail batching: short rounds launch ceil(eta * R) prompts.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 8192, "Response cap.")
+_MEDIAN = flags.DEFINE_float("median_tokens", 1500, "Median response length of a median prompt.")
+_PROMPT_SIGMA = flags.DEFINE_float("prompt_sigma", 0.8, "Lognormal spread across prompts.")
+_SAMPLE_SIGMA = flags.DEFINE_float("sample_sigma", 0.35, "Lognormal spread within a prompt.")
+_RUNAWAY = flags.DEFINE_float(
+    "runaway_fraction", 0.05, "Prompts whose samples may loop to the cap."
+)
+_RUNAWAY_P = flags.DEFINE_float("runaway_p", 0.5, "Chance a runaway prompt's sample hits the cap.")
+_SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
+_BALANCE = flags.DEFINE_float(
+    "balance_wait", 0.5, "Paper-balance block: sync's wait ratio; 0: skip."
+)
+_VALIDATE = flags.DEFINE_string("validate", "", "A launch.bench_pipeline JSON to validate against.")
+_PLAN = flags.DEFINE_list("plan_budgets", [], "Device budgets for the split planner.")
+_GANTT_DIR = flags.DEFINE_string("gantt_dir", "", "Write simulated Gantt PNGs of setup R=32 here.")
+
+
+def stage_model() -> tuple[StageModel, int]:
+    if _PROFILE.value:
+        with open(_PROFILE.value, encoding="utf-8") as f:
+            profiled = json.load(f).get("config", {}).get("slots", 32)
+        return StageModel.load(_PROFILE.value), _SLOTS.value or profiled
+    preset = gpu_preset(
+        _PRESET.value, _GPU.value, sampler_tp=_SAMPLER_TP.value, learner_gpus=_LEARNER_GPUS.value
+    )
+    return preset.model, _SLOTS.value or preset.slots
+
+
+def print_modes(title: str, rows: dict[str, dict[str, float]]) -> None:
+    print(title)
+    print(
+        f"  {'mode':<30}{'r2t_end s':>10}{'vs sync':>9}{'1st disp s':>11}{'wait':>7}"
+        f"{'rollout s':>10}{'train s':>9}{'s/group':>9}{'long rds':>9}"
+    )
+    for m, r in rows.items():
+        print(
+            f"  {m:<30}{r['rollout_to_train_end_s']:>10.2f}{-r['reduction_vs_sync']:>+9.1%}"
+            f"{r['first_dispatch_s']:>11.2f}{r['trainer_wait_ratio']:>7.2f}{r['rollout_s']:>10.2f}"
+            f"{r['trainer_compute_s']:>9.2f}{r['time_per_group_s']:>9.3f}{r['long_rounds']:>9.0f}"
+        )
+
+
+def workload_config() -> WorkloadConfig:
+    return WorkloadConfig(
+        max_new_tokens=_MAX_NEW.value,
+        median_tokens=_MEDIAN.value,
+        prompt_sigma=_PROMPT_SIGMA.value,
+        sample_sigma=_SAMPLE_SIGMA.value,
+        runaway_fraction=_RUNAWAY.value,
+        runaway_p=_RUNAWAY_P.value,
+        seed=_SEED.value,
+    )
+
+
+def comparison(model: StageModel, slots: int, out: dict[str, Any]) -> None:
+    workload = workload_config()
+    replicas = 1 if _PROFILE.value else _SAMPLER_GPUS.value // _SAMPLER_TP.value
+    print(
+        f"stage model: {model.source}; {replicas} replica(s) x {slots} slots; workload "
+        f"{workload}; {_ROUNDS.value} rounds per mode"
+    )
+    out["workload"] = workload.__dict__ | {"fixed_lengths": None}
+    out["stage_model"], out["replicas"], out["slots"] = model.to_dict(), replicas, slots
+    for label, balance in (("setups", 0.0), ("paper_balance", _BALANCE.value)):
+        if label == "paper_balance" and not balance:
+            continue
+        out[label] = {}
+        for r in map(int, _SETUPS.value):
+            fields = dict(
+                groups_per_round=r,
+                groups_per_update=_PER_UPDATE.value,
+                group_size=_GROUP_SIZE.value,
+                max_new_tokens=_MAX_NEW.value,
+                replicas=replicas,
+                slots=slots,
+                tail=TailConfig(eta=_ETA.value),
+            )
+            mdl, scale = model, 1.0
+            if balance:
+                mdl, scale = balance_learner(
+                    model, workload, target_wait=balance, rounds=_ROUNDS.value, **fields
+                )
+
+            def gantt(name: str, result: SimResult, r: int = r, label: str = label) -> None:
+                if _GANTT_DIR.value and r == int(_SETUPS.value[0]) and label == "setups":
+                    os.makedirs(_GANTT_DIR.value, exist_ok=True)
+                    stem = os.path.join(_GANTT_DIR.value, f"sim_R{r}_{name.replace('+', '_')}")
+                    result.timeline.write_gantt_png(stem + ".png", title=f"simulated {name}, R={r}")
+
+            rows = run_modes(
+                _MODES.value, mdl, workload, rounds=_ROUNDS.value, on_result=gantt, **fields
+            )
+            out[label][f"R{r}"] = dict(modes=rows, learner_scale=scale)
+            print_modes(
+                f"{label} R={r} (G={_GROUP_SIZE.value}, U={_PER_UPDATE.value}"
+                + (f", learner x{scale:.1f} for sync wait {balance:.0%}" if balance else "")
+                + ")",
+                rows,
+            )
+
+
+def validation(model: StageModel, out: dict[str, Any]) -> None:
+    with open(_VALIDATE.value, encoding="utf-8") as f:
+        real = json.load(f)
+    rows = validate(real, model)
+    out["validation"] = dict(real=_VALIDATE.value, profile=_PROFILE.value, modes=rows)
+    print(
+        f"validation: {_VALIDATE.value} (real) vs the simulator with {model.source} "
+        f"(contention {model.contention:.2f}); means over the timed rounds"
+    )
+    print(
+        f"  {'mode':<32}{'real r2t':>9}{'sim r2t':>9}{'error':>8}{'real 1st':>9}{'sim 1st':>9}"
+        f"{'real wait':>10}{'sim wait':>9}"
+    )
+    for m, r in rows.items():
+        print(
+            f"  {m:<32}{r['real_rollout_to_train_end_s']:>9.3f}{r['sim_rollout_to_train_end_s']:>9.3f}"
+            f"{r['error_rollout_to_train_end_s']:>+8.1%}{r['real_first_dispatch_s']:>9.3f}"
+            f"{r['sim_first_dispatch_s']:>9.3f}{r['real_trainer_wait_ratio']:>10.2f}"
+            f"{r['sim_trainer_wait_ratio']:>9.2f}"
+        )
+
+
+def planning(out: dict[str, Any]) -> None:
+    workload = workload_config()
+    out["plan"] = {}
+    for budget in map(int, _PLAN.value):
+        cfg = sim_config(
+            "cgp+frontier+fifo",
+            groups_per_round=int(_SETUPS.value[0]),
+            groups_per_update=_PER_UPDATE.value,
+            group_size=_GROUP_SIZE.value,
+            max_new_tokens=_MAX_NEW.value,
+        )
+
+        def make(s: Split) -> Any:
+            return gpu_preset(
+                _PRESET.value, _GPU.value, sampler_tp=s.tp, learner_gpus=s.learner_gpus
+            )
+
+        choice, rows = compare(budget, make, cfg, Workload(workload), rounds=3, tps=(1, 2))
+        print(f"planner, {budget} x {_GPU.value}, {cfg.name}, R={cfg.groups_per_round}:")
+        print(format_table(choice, rows))
+        out["plan"][str(budget)] = dict(
+            choice=str(choice),
+            rows=[
+                dict(split=str(r.split), predicted_s=r.predicted_s, simulated_s=r.simulated_s)
+                for r in rows
+            ],
+        )
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    if _VALIDATE.value and not _PROFILE.value:
+        raise app.UsageError("--validate needs --profile (the fitted model of the same machine).")
+    model, slots = stage_model()
+    out: dict[str, Any] = {}
+    if _VALIDATE.value:
+        validation(model, out)
+    else:
+        comparison(model, slots, out)
+    if _PLAN.value:
+        planning(out)
+    if _JSON.value:
+        with open(_JSON.value, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=2, default=str)
+        print(f"wrote {_JSON.value}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,200 @@
+"""Mode comparisons on the simulator (launch/simulate.py's table) and validation against a real run.
+
+A mode name is what launch.bench_pipeline uses: "sync", "cgp+<admission>+<batching>", "sync+tail",
+"cgp+<admission>+tail" (tail batching; cgp's batches then form in completion order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rl.admission import FCFS, AdmissionPolicy, make_policy
+from rl.rounds import TailConfig
+from rl.sim.simulator import SimConfig, SimResult, Simulator
+from rl.sim.stage import StageModel
+from rl.sim.workload import Workload, WorkloadConfig
+from rl.types import Request
+
+HEADLINE = ("rollout_to_train_end_s", "first_dispatch_s", "trainer_wait_ratio")
+
+
+class ShuffledFCFS(FCFS):
+    """FCFS over requests that arrive in a random order (seeded per submission).
+
+    Models an engine fed by asynchronous submissions (slime posts every request to SGLang at once;
+    their arrival order is not the round's logical order), the situation frontier-group dispatch
+    is for. Frontier orders by (round, index) whatever the arrival order.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self._rng = np.random.default_rng(seed)
+
+    def submit(self, requests: Sequence[Request]) -> None:  # type: ignore[override]
+        requests = list(requests)
+        super().submit([requests[i] for i in self._rng.permutation(len(requests))])
+
+
+def make_admission(name: str) -> AdmissionPolicy:
+    """rl.admission's policies, plus "shuffled" (ShuffledFCFS)."""
+    return ShuffledFCFS() if name == "shuffled" else make_policy(name)
+
+
+def sim_config(mode: str, **fields: Any) -> SimConfig:
+    """The SimConfig of a mode name; `fields` fill the rest (tail fields via `tail`)."""
+    parts = mode.split("+")
+    tail = parts[-1] == "tail"
+    if tail:
+        parts = parts[:-1] + (["fifo"] if parts[0] == "cgp" else [])
+    if parts == ["sync"]:
+        mode_fields = dict(mode="sync", admission="fcfs", batching="ordered")
+    elif len(parts) == 3 and parts[0] == "cgp":
+        mode_fields = dict(mode="cgp", admission=parts[1], batching=parts[2])
+    else:
+        raise ValueError(
+            f"Mode {mode!r}; expected sync, cgp+<admission>+<batching>, sync+tail or "
+            "cgp+<admission>+tail."
+        )
+    tail_cfg = fields.pop("tail", TailConfig())
+    return SimConfig(**mode_fields, tail=dataclasses.replace(tail_cfg, enabled=tail), **fields)
+
+
+def summarize(result: SimResult, skip: int = 0) -> dict[str, Any]:
+    """Means over rounds (the first `skip` left out), time per trained group, r2t per round."""
+    rounds = result.rounds[skip:]
+    out = {
+        k: float(np.mean([float(r[k]) for r in rounds]))
+        for k in (*HEADLINE, "rollout_s", "trainer_compute_s", "slot_occupancy")
+    }
+    groups = sum(float(r["groups_trained"]) for r in rounds)
+    out["time_per_group_s"] = sum(float(r["rollout_to_train_end_s"]) for r in rounds) / groups
+    out["rounds"] = float(len(rounds))
+    out["long_rounds"] = float(sum(r["kind"] in ("long", "flush") for r in rounds))
+    out["per_round_r2t_s"] = [float(r["rollout_to_train_end_s"]) for r in rounds]
+    return out
+
+
+def run_modes(
+    modes: Sequence[str],
+    model: StageModel,
+    workload: WorkloadConfig,
+    *,
+    rounds: int,
+    skip: int = 0,
+    contention_off: bool = False,
+    on_result: Callable[[str, SimResult], None] | None = None,
+    **fields: Any,
+) -> dict[str, dict[str, Any]]:
+    """Simulates every mode on the same workload; adds reductions vs the first mode (sync).
+
+    Args:
+      modes: mode names; the first is the baseline.
+      model: the stage-time model.
+      workload: response and prompt lengths.
+      rounds: rounds per mode (fewer if a finite workload runs out).
+      skip: leading rounds left out of the means (a real run's warm-up round).
+      contention_off: simulate without the model's contention too ("<mode>/no_contention" keys,
+        cgp modes only).
+      on_result: called with each mode's SimResult (e.g. to write its Gantt chart).
+      **fields: SimConfig fields (R, U, G, slots, replicas, tail, epoch_size, ...).
+    """
+    out: dict[str, dict[str, float]] = {}
+    variants = [(m, model) for m in modes]
+    if contention_off and model.contention:
+        variants += [
+            (f"{m}/no_contention", model.replace(contention=0.0))
+            for m in modes
+            if m.startswith("cgp")
+        ]
+    for name, mdl in variants:
+        cfg = sim_config(name.split("/")[0], **dict(fields))
+        result = Simulator(cfg, mdl, Workload(workload), make_admission=make_admission).run(rounds)
+        if on_result is not None:
+            on_result(name, result)
+        out[name] = summarize(result, skip)
+    base = out[modes[0]]
+    for r in out.values():
+        r["reduction_vs_sync"] = 1.0 - r["rollout_to_train_end_s"] / base["rollout_to_train_end_s"]
+        r["speedup_per_group_vs_sync"] = base["time_per_group_s"] / r["time_per_group_s"]
+    return out
+
+
+def balance_learner(
+    model: StageModel, workload: WorkloadConfig, *, target_wait: float, rounds: int, **fields: Any
+) -> tuple[StageModel, float]:
+    """Scales the learner's terms so that simulated sync has trainer_wait_ratio `target_wait`.
+
+    In sync, wait = rollout and compute = training, so the scale is exact up to the learner terms
+    being linear: scale = rollout (1 - w) / (w * train). Returns (scaled model, scale).
+    """
+    if not 0.0 < target_wait < 1.0:
+        raise ValueError(f"target_wait must be in (0, 1); received {target_wait}.")
+    s = summarize(
+        Simulator(sim_config("sync", **dict(fields)), model, Workload(workload)).run(rounds)
+    )
+    wait, train = s["rollout_to_train_end_s"] - s["trainer_compute_s"], s["trainer_compute_s"]
+    scale = wait * (1 - target_wait) / (target_wait * train)
+    scaled = model.replace(
+        learner_fixed=model.learner_fixed * scale,
+        learner_per_token=model.learner_per_token * scale,
+        update_s=model.update_s * scale,
+    )
+    return scaled, scale
+
+
+def validate(
+    real: Mapping[str, Any], model: StageModel, *, modes: Sequence[str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """The simulator on launch.bench_pipeline's workload vs that run's JSON (`real`).
+
+    The real run's first round compiles and is not timed: the simulated means skip it too.
+    Returns per mode the real and simulated headline metrics and the relative error.
+    """
+    c = real["config"]
+    workload = WorkloadConfig(
+        max_new_tokens=c["max_new_tokens"],
+        fixed_lengths=tuple(c["lengths"]),
+        prompt_min=c["prompt_min"],
+        prompt_max=c["prompt_max"],
+        seed=c["seed"],
+    )
+    modes = list(modes or real["modes"])
+    if modes[0] != "sync":
+        raise ValueError(f"validate needs sync first among the modes; received {modes}.")
+    sim = run_modes(
+        modes,
+        model,
+        workload,
+        rounds=10**6,
+        skip=1,
+        contention_off=True,
+        groups_per_round=c["groups"],
+        groups_per_update=c["groups_per_update"],
+        group_size=c["group_size"],
+        max_new_tokens=c["max_new_tokens"],
+        slots=c["slots"],
+        tail=TailConfig(eta=c.get("eta", 1.25)),
+        epoch_size=len(c["lengths"]),
+    )
+    out = {}
+    for name, s in sim.items():
+        r = real["modes"][name.split("/")[0]]
+        row = {}
+        for k in (*HEADLINE, "rollout_s", "trainer_compute_s", "time_per_group_s"):
+            row[f"real_{k}"], row[f"sim_{k}"] = float(r[k]), s[k]
+            row[f"error_{k}"] = s[k] / float(r[k]) - 1 if float(r[k]) else math.nan
+        real_rounds = r.get("per_round", {}).get("rollout_to_train_end_s", [])
+        if len(real_rounds) == len(s["per_round_r2t_s"]):  # the same prompts, round by round
+            errors = [x / y - 1 for x, y in zip(s["per_round_r2t_s"], real_rounds, strict=True)]
+            row["per_round_real_r2t_s"], row["per_round_sim_r2t_s"] = (
+                real_rounds,
+                s["per_round_r2t_s"],
+            )
+            row["median_round_error_r2t"] = float(np.median(errors))
+        out[name] = row
+    return out

@@ -1,0 +1,410 @@
+"""The simulated sampler: replicas of N slots each, driven by the real admission policies.
+
+It does what sampler/loop.py does, on a virtual clock: at each step a replica frees finished and
+aborted slots, asks the admission policy for requests while it has free slots (a request is admitted
+whole: one prefill, G slots), then runs generate calls of k fused decode steps over its active
+slots. A sequence finishes at the end of the call that produced its last token; once `request.kept`
+samples are rewarded the group is complete (over-provisioned samples still running are cut), and a
+round's RoundCut, if it has one, decides whether it is emitted: a full cut aborts the round's other
+requests, as sampler/loop.py does. Spans and instants go to a real rl.timeline.Timeline on the
+runtime's lanes (sampler/slot{i}, sampler/prefill, sampler/groups; slot i of replica r is lane r *
+slots + i). Aborted sequences leave no slot span, as in the real loop.
+
+Speed: between two events nothing changes but the context, so a replica jumps to its next
+finishing call in one event (StageModel.decode_calls_s sums the calls in closed form); an abort or
+a change of contention cuts the jump at the call in flight.
+
+Routing: "shared" (one admission policy; a replica pulls from it whenever it has free slots at a
+call boundary, an idle one at once) or "round_robin" (a policy per replica; submissions dealt in
+turn, so a replica's queue may wait while another idles).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections.abc import Callable, Iterable
+
+from rl.admission import AdmissionPolicy
+from rl.rounds import RoundCut
+from rl.sim.stage import StageModel
+from rl.sim.workload import Workload
+from rl.timeline import Timeline
+from rl.types import Completion, Group, Request
+
+ROUTINGS = ("shared", "round_robin")
+Schedule = Callable[[float, Callable[[float], None]], None]
+
+
+@dataclasses.dataclass
+class _Seq:
+    request: Request
+    sample: int
+    slot: int  # within the replica
+    length: int  # response tokens it will produce
+    admit_call: int  # the replica's call count when it started
+    finish_call: int  # ... when it ends
+    start: float
+
+
+@dataclasses.dataclass
+class _Chunk:
+    start: float  # the first call's start
+    calls: int
+    slots: int  # active at the start
+    context: float  # KV tokens held at the start
+    factor: float  # contention slowdown
+
+
+class _Replica:
+    def __init__(self, index: int, slots: int, admission: AdmissionPolicy):
+        self.index, self.admission = index, admission
+        self.seqs: list[_Seq | None] = [None] * slots
+        self.calls = 0
+        self.heap: list[tuple[int, int, int]] = []  # (finish_call, id(seq), slot)
+        self.prompt_sum = self.admit_sum = self.active = 0
+        self.chunk: _Chunk | None = None
+        self.epoch = 0
+        self.busy = False
+
+    def free_slots(self) -> list[int]:
+        return [i for i, s in enumerate(self.seqs) if s is None]
+
+    def context(self, k: int) -> float:
+        return self.prompt_sum + k * (self.active * self.calls - self.admit_sum)
+
+    def remove(self, seq: _Seq) -> None:
+        self.seqs[seq.slot] = None
+        self.active -= 1
+        self.prompt_sum -= len(seq.request.prompt)
+        self.admit_sum -= seq.admit_call
+
+
+@dataclasses.dataclass
+class _Pending:
+    request: Request
+    replica: int
+    lengths: tuple[int, ...]
+    done: dict[int, Completion] = dataclasses.field(default_factory=dict)
+    seqs: list[_Seq] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class SamplerCounters:
+    prefills: int = 0
+    groups_emitted: int = 0
+    groups_aborted: int = 0
+    groups_cut: int = 0  # complete groups a full round cut refused
+    samples_cut: int = 0  # unfinished over-provisioned samples dropped (Request.keep)
+    tokens: int = 0  # tokens of finished sequences
+    aborted_tokens: int = 0  # tokens decoded by sequences later aborted (wasted work)
+
+
+class SimSampler:
+    """Replicas over a virtual clock; see the module docstring.
+
+    Args:
+      model: stage-time model of one replica.
+      workload: gives each request's sample lengths.
+      admission: one policy per replica for "round_robin", one (shared) for "shared".
+      replicas: engines.
+      slots: slots per replica.
+      routing: "shared" or "round_robin".
+      schedule: schedule(t, fn) runs fn(t) at virtual time t (the simulator's event queue).
+      emit: emit(group, t) when a group completes.
+      on_busy: on_busy(busy, t) when the sampler as a whole turns busy or idle.
+      timeline: where spans go.
+    """
+
+    def __init__(
+        self,
+        model: StageModel,
+        workload: Workload,
+        admission: list[AdmissionPolicy],
+        *,
+        replicas: int,
+        slots: int,
+        routing: str,
+        schedule: Schedule,
+        emit: Callable[[Group, float], None],
+        on_busy: Callable[[bool, float], None],
+        timeline: Timeline,
+    ):
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing={routing!r}; expected one of {ROUTINGS}.")
+        want = 1 if routing == "shared" else replicas
+        if len(admission) != want or replicas < 1:
+            raise ValueError(
+                f"routing {routing!r} with {replicas} replicas takes {want} admission policies; "
+                f"received {len(admission)}."
+            )
+        self.model, self.workload, self.routing = model, workload, routing
+        self.slots = slots
+        self.replicas = [
+            _Replica(i, slots, admission[0 if routing == "shared" else i]) for i in range(replicas)
+        ]
+        self._schedule, self._emit, self._on_busy = schedule, emit, on_busy
+        self.timeline = timeline
+        self.factor = 1.0
+        self.counters = SamplerCounters()
+        self._pending: dict[tuple[int, int], _Pending] = {}  # waiting or running requests
+        self._cuts: dict[int, tuple[RoundCut, list[tuple[int, int]]]] = {}  # round -> cut, keys
+        self._deal = 0
+
+    @property
+    def num_slots(self) -> int:
+        return self.slots * len(self.replicas)
+
+    @property
+    def busy(self) -> bool:
+        return any(r.busy for r in self.replicas)
+
+    # ------------------------------------------------------------------------------ control
+
+    def submit(self, requests: Iterable[Request], now: float, cut: RoundCut | None = None) -> None:
+        """Queues requests for admission; idle replicas start at once.
+
+        With `cut` (one round's requests), only the complete groups the cut accepts are emitted;
+        once it is full the round's other requests are aborted.
+        """
+        requests = list(requests)
+        if cut is not None:
+            rounds = {r.round for r in requests}
+            if len(rounds) != 1:
+                raise ValueError(f"submit(cut=...) needs one round's requests; received {rounds}.")
+            self._cuts[rounds.pop()] = (cut, [r.key for r in requests])
+        for r in requests:
+            if r.group_size > self.slots:
+                raise ValueError(
+                    f"Request (round, uid)={r.key} has group_size {r.group_size}; a replica has "
+                    f"{self.slots} slots, so it could never be admitted."
+                )
+            if r.key in self._pending:
+                raise ValueError(f"Request (round, uid)={r.key} is already waiting or running.")
+        if self.routing == "shared":
+            self.replicas[0].admission.submit(requests)
+            homes = [0] * len(requests)
+        else:
+            homes = [(self._deal + i) % len(self.replicas) for i in range(len(requests))]
+            self._deal += len(requests)
+            for i, rep in enumerate(self.replicas):
+                rep.admission.submit([r for r, h in zip(requests, homes, strict=True) if h == i])
+        for r, h in zip(requests, homes, strict=True):
+            self._pending[r.key] = _Pending(r, h, self.workload.lengths(r))
+        self._admit_idle(now)
+
+    def abort(self, keys: Iterable[tuple[int, int]], now: float) -> list[Request]:
+        """Aborts waiting or running requests; their slots free at the call in flight's end."""
+        out = []
+        for key in keys:
+            p = self._pending.pop(key, None)
+            if p is None:
+                continue
+            rep = self.replicas[p.replica]
+            if rep.admission.remove(key) is None:  # running: free its slots
+                self.counters.aborted_tokens += self._release(rep, p)
+                self._cut(rep, now)
+            self.counters.groups_aborted += 1
+            out.append(p.request)
+        return out
+
+    def _release(self, rep: _Replica, p: _Pending) -> int:
+        """Frees the slots `p` still holds; returns the tokens its unfinished samples made."""
+        made = 0
+        for seq in p.seqs:
+            if rep.seqs[seq.slot] is seq:
+                made += min(seq.length, self.model.steps_per_call * (rep.calls - seq.admit_call))
+                rep.remove(seq)
+        return made
+
+    def set_factor(self, factor: float, now: float) -> None:
+        """Contention slowdown from now on; calls in flight finish at the old speed."""
+        if factor != self.factor:
+            self.factor = factor
+            for rep in self.replicas:
+                self._cut(rep, now)
+
+    # --------------------------------------------------------------------------- the replica
+
+    def _set_busy(self, rep: _Replica, busy: bool, now: float) -> None:
+        before = self.busy
+        rep.busy = busy
+        if self.busy != before:
+            self._on_busy(self.busy, now)
+
+    def _admit_idle(self, now: float) -> None:
+        """Idle replicas admit what waits; "shared": one group at a time to the least loaded."""
+        idle = [r for r in self.replicas if not r.busy]
+        if self.routing == "round_robin":
+            for rep in idle:
+                self._step(rep, now)
+            return
+        t = {rep.index: now for rep in idle}
+        while idle:
+            rep = max(idle, key=lambda r: (len(r.free_slots()), -r.index))
+            request = rep.admission.next(len(rep.free_slots()))
+            if request is None:
+                break
+            t[rep.index] = self._admit(rep, request, t[rep.index])
+        for rep in idle:
+            self._go(rep, t[rep.index])
+
+    def _step(self, rep: _Replica, now: float) -> None:
+        """A step at a call boundary: admit what fits (prefills), then plan the next calls."""
+        t = now
+        while (request := rep.admission.next(len(rep.free_slots()))) is not None:
+            t = self._admit(rep, request, t)
+        self._go(rep, t)
+
+    def _admit(self, rep: _Replica, request: Request, now: float) -> float:
+        """Prefills one request into the replica's free slots; returns when the prefill ends."""
+        p = self._pending[request.key]
+        p.replica = rep.index
+        if not rep.busy:
+            self._set_busy(rep, True, now)
+        t = now + self.factor * self.model.prefill_s(len(request.prompt))
+        self.timeline.span(
+            "sampler/prefill", "prefill", now, t, round=request.round, uid=request.uid
+        )
+        self.counters.prefills += 1
+        k = self.model.steps_per_call
+        for i, (slot, n) in enumerate(zip(rep.free_slots(), p.lengths, strict=False)):
+            seq = _Seq(request, i, slot, n, rep.calls, rep.calls + -(-n // k), t)
+            rep.seqs[slot] = seq
+            p.seqs.append(seq)
+            heapq.heappush(rep.heap, (seq.finish_call, id(seq), slot))
+            rep.active += 1
+            rep.prompt_sum += len(request.prompt)
+            rep.admit_sum += rep.calls
+        return t
+
+    def _go(self, rep: _Replica, now: float) -> None:
+        """Plans the replica's calls up to its next finishing sequence, or idles it."""
+        if not rep.active:
+            if rep.busy:
+                self._set_busy(rep, False, now)
+            return
+        if not rep.busy:
+            self._set_busy(rep, True, now)
+        calls = self._next_finish(rep) - rep.calls
+        rep.chunk = _Chunk(
+            now, calls, rep.active, rep.context(self.model.steps_per_call), self.factor
+        )
+        self._plan(rep)
+
+    def _next_finish(self, rep: _Replica) -> int:
+        while True:
+            fc, sid, slot = rep.heap[0]
+            seq = rep.seqs[slot]
+            if seq is not None and id(seq) == sid:
+                return fc
+            heapq.heappop(rep.heap)
+
+    def _elapsed(self, c: _Chunk, calls: int) -> float:
+        return c.factor * self.model.decode_calls_s(calls, c.slots, c.context)
+
+    def _plan(self, rep: _Replica) -> None:
+        rep.epoch += 1
+        epoch, c = rep.epoch, rep.chunk
+        assert c is not None
+        self._schedule(c.start + self._elapsed(c, c.calls), lambda t: self._end(rep, epoch, t))
+
+    def _cut(self, rep: _Replica, now: float) -> None:
+        """Ends the replica's current jump at the first call boundary at or after `now`."""
+        c = rep.chunk
+        if c is None or c.calls <= 1:
+            return
+        lo, hi = 1, c.calls
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if c.start + self._elapsed(c, mid) >= now:
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo < c.calls:
+            c.calls = lo
+            self._plan(rep)
+
+    def _end(self, rep: _Replica, epoch: int, now: float) -> None:
+        if epoch != rep.epoch or rep.chunk is None:
+            return
+        rep.calls += rep.chunk.calls
+        rep.chunk = None
+        finished: list[_Seq] = []
+        while rep.heap and rep.heap[0][0] <= rep.calls:
+            _, sid, slot = heapq.heappop(rep.heap)
+            seq = rep.seqs[slot]
+            if seq is not None and id(seq) == sid:
+                finished.append(seq)
+                rep.remove(seq)
+        groups = []
+        for seq in finished:
+            r = seq.request
+            self.timeline.span(
+                f"sampler/slot{rep.index * self.slots + seq.slot}",
+                f"{r.uid}/{seq.sample}",
+                seq.start,
+                now,
+                round=r.round,
+                uid=r.uid,
+                sample=seq.sample,
+                tokens=seq.length,
+            )
+            self.counters.tokens += seq.length
+            p = self._pending.get(r.key)
+            if p is None:  # its group completed earlier in this call: dropped, as in the loop
+                continue
+            p.done[seq.sample] = Completion(
+                uid=r.uid,
+                round=r.round,
+                sample=seq.sample,
+                prompt=r.prompt,
+                tokens=(0,) * seq.length,  # placeholders: the simulator times, it does not decode
+                logprobs=(),
+                versions=(),
+                finish_reason="length" if seq.length >= r.params.max_new_tokens else "stop",
+                reward=0.0,
+            )
+            if len(p.done) == r.kept and r.key in self._pending:
+                del self._pending[r.key]
+                if r.kept < r.group_size:  # over-provisioned: cut the samples still running
+                    self.counters.samples_cut += sum(rep.seqs[q.slot] is q for q in p.seqs)
+                    self.counters.aborted_tokens += self._release(rep, p)
+                completions = tuple(p.done[i] for i in sorted(p.done))
+                groups.append(Group(request=r, completions=completions))
+        t = now + self.model.reward_s * len(finished)
+        if t > now:
+            self._schedule(t, lambda t: self._finish_step(rep, groups, t))
+        else:
+            self._finish_step(rep, groups, now)
+
+    def _apply_cuts(self, groups: list[Group], now: float) -> list[Group]:
+        """Drops groups their round's cut refuses; a cut that fills aborts the round's rest."""
+        out = []
+        for g in groups:
+            entry = self._cuts.get(g.request.round)
+            if entry is None:
+                out.append(g)
+                continue
+            cut, keys = entry
+            if not cut.offer(g.request.key):
+                self.counters.groups_cut += 1
+                continue
+            out.append(g)
+            if cut.full:  # kept and already-finished groups are neither waiting nor running
+                self.abort(keys, now)
+        for round in [r for r, (cut, _) in self._cuts.items() if cut.full]:
+            del self._cuts[round]
+        return out
+
+    def _finish_step(self, rep: _Replica, groups: list[Group], now: float) -> None:
+        groups = self._apply_cuts(groups, now)
+        for g in groups:
+            self.timeline.instant(
+                "sampler/groups", "group", now, round=g.request.round, uid=g.request.uid
+            )
+            self.counters.groups_emitted += 1
+        for g in groups:
+            self._emit(g, now)  # may abort (a full round) or change the contention factor
+        if rep.chunk is None:
+            self._step(rep, now)

@@ -1,0 +1,90 @@
+"""launch.simulate writes the comparison JSON; validation against a run reproduces itself."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rl.sim.compare import run_modes, validate
+from rl.sim.stage import StageModel
+from rl.sim.workload import WorkloadConfig
+
+
+def test_simulate_writes_the_documented_keys(tmp_path):
+    out = tmp_path / "sim.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.simulate",
+        f"--json={out}",
+        "--setups=8,16",
+        "--rounds=3",
+        "--max_new_tokens=512",
+        "--median_tokens=100",
+        "--plan_budgets=4",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    for block in ("setups", "paper_balance"):
+        for setup in ("R8", "R16"):
+            modes = result[block][setup]["modes"]
+            assert list(modes)[0] == "sync" and "cgp+frontier+tail" in modes
+            for m in modes.values():
+                for key in (
+                    "rollout_to_train_end_s",
+                    "first_dispatch_s",
+                    "trainer_wait_ratio",
+                    "reduction_vs_sync",
+                ):
+                    assert isinstance(m[key], float)
+    assert result["paper_balance"]["R8"]["modes"]["sync"]["trainer_wait_ratio"] == pytest.approx(
+        0.5, abs=0.02
+    )
+    assert result["plan"]["4"]["choice"] in {r["split"] for r in result["plan"]["4"]["rows"]}
+    assert "<- planner" in proc.stdout
+
+
+def test_validate_against_a_run_of_the_simulator_itself_has_no_error():
+    model = StageModel(
+        decode_a=2e-3,
+        call_overhead=3e-3,
+        steps_per_call=4,
+        prefill_fixed=3e-3,
+        learner_per_token=1e-4,
+        update_s=6e-3,
+        micro_batch_rows=16,
+        pad_rows=True,
+        contention=0.5,
+    )
+    lengths = [96, 12, 14, 9, 16, 10, 96, 8] * 4
+    workload = WorkloadConfig(
+        max_new_tokens=96, fixed_lengths=tuple(lengths), prompt_min=4, prompt_max=12
+    )
+    fields = dict(
+        groups_per_round=8,
+        groups_per_update=2,
+        group_size=8,
+        max_new_tokens=96,
+        slots=32,
+        epoch_size=len(lengths),
+    )
+    rows = run_modes(["sync", "cgp+frontier+fifo"], model, workload, rounds=100, skip=1, **fields)
+    config = dict(
+        max_new_tokens=96,
+        lengths=lengths,
+        prompt_min=4,
+        prompt_max=12,
+        seed=0,
+        groups=8,
+        groups_per_update=2,
+        group_size=8,
+        slots=32,
+        eta=1.25,
+    )
+    real = dict(config=config, modes=rows)
+    out = validate(real, model)
+    assert out["sync"]["error_rollout_to_train_end_s"] == pytest.approx(0.0, abs=1e-12)
+    assert out["cgp+frontier+fifo"]["error_first_dispatch_s"] == pytest.approx(0.0, abs=1e-12)
+    assert out["cgp+frontier+fifo/no_contention"]["error_rollout_to_train_end_s"] < 0
