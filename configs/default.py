@@ -2,9 +2,10 @@
 
 Launch:  python -m launch.train            (this config is launch.train's default)
          python -m launch.train --config=configs/default.py:smoke   (seconds, for tests)
-Expect:  a supervised warm start to ~25% held-out greedy accuracy, then GRPO rounds through the
-         pipelined runtime (cgp + frontier + ordered); the final table and runs/default/summary.json
-         give held-out accuracy before and after RL and the wall time by phase (README: measured).
+Expect:  a supervised warm start to >= 25% held-out greedy accuracy, then 100 GRPO rounds through
+         the pipelined runtime (cgp + frontier + ordered); the final table and
+         runs/default/summary.json give held-out accuracy before and after RL and the wall time by
+         phase. Measured on 2 CPU cores: 33.0% -> 59.5% in 197 s (README).
 """
 
 import ml_collections
@@ -31,18 +32,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     config.task.name = "addition"
     config.task.digits = 3
+    config.task.pad_operands = True  # "007+095=": each digit at a fixed position
+    config.task.reverse_answer = True  # "2010": units digit first, as the carry flows
     config.task.train_size = 20000
 
     config.sft.max_steps = 1500
     config.sft.batch_size = 64
     config.sft.lr = 1e-3
-    config.sft.eval_every = 100
+    config.sft.eval_every = 50
     config.sft.target_accuracy = 0.25
 
     config.eval.heldout_size = 200
     config.eval.every_rounds = 20
 
-    config.rounds = 60
+    config.rounds = 100
     config.driver.mode = "cgp"
     config.driver.admission = "frontier"
     config.driver.batching = "ordered"

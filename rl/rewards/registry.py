@@ -72,3 +72,14 @@ def reward_countdown(request: Request, completion_text: str) -> float:
 def reward_exact(request: Request, completion_text: str) -> float:
     """1.0 iff the stripped text equals `str(meta["answer"])`, stripped."""
     return 1.0 if completion_text.strip() == str(meta_value(request, "answer")).strip() else 0.0
+
+
+@register_reward("digits")
+def reward_digits(request: Request, completion_text: str) -> float:
+    """Partial credit: the share of positions where the stripped text equals `meta["answer"]`,
+    0.0 if the lengths differ. 1.0 iff the answer is exact, so exact-match accuracy (reward >= 1)
+    is unchanged; the per-digit credit is a denser signal for arithmetic."""
+    text, answer = completion_text.strip(), str(meta_value(request, "answer")).strip()
+    if len(text) != len(answer) or not answer:
+        return 0.0
+    return sum(a == b for a, b in zip(text, answer, strict=True)) / len(answer)

@@ -44,6 +44,8 @@ class DataConfig:
     task: str = "addition"  # one of TASKS
     seed: int = 0  # synthetic problems and splits; the held-out slice of a JSONL train file
     digits: int = 3  # addition: operands of up to this many digits
+    pad_operands: bool = False  # addition: zero-padded operands and sum ("007+095=" -> "0102")
+    reverse_answer: bool = False  # addition: the sum written least-significant digit first
     train_size: int = 20000  # synthetic training problems (JSONL: every row of train_path)
     heldout_size: int = 200  # held-out problems (JSONL with heldout_path: the first N rows; 0: all)
     train_path: str = ""  # JSONL tasks: the local training file
@@ -109,6 +111,8 @@ def data_config_from(config: Any) -> DataConfig:
         task=config.task.name,
         seed=config.seed,
         digits=config.task.digits,
+        pad_operands=config.task.pad_operands,
+        reverse_answer=config.task.reverse_answer,
         train_size=config.task.train_size,
         heldout_size=config.eval.heldout_size,
         **data,
@@ -126,7 +130,14 @@ class TaskData:
 
 def _synthetic(cfg: DataConfig, split: str, n: int) -> list[dict[str, Any]]:
     if cfg.task == "addition":
-        return synthetic.addition_records(n, digits=cfg.digits, seed=cfg.seed, split=split)
+        return synthetic.addition_records(
+            n,
+            digits=cfg.digits,
+            seed=cfg.seed,
+            split=split,
+            pad=cfg.pad_operands,
+            reverse=cfg.reverse_answer,
+        )
     return synthetic.countdown_records(n, seed=cfg.seed, split=split)
 
 

@@ -75,6 +75,8 @@ def addition_records(
     seed: int = 0,
     split: Split = "train",
     heldout_fraction: float = 0.1,
+    pad: bool = False,
+    reverse: bool = False,
 ) -> list[dict[str, Any]]:
     """Returns n distinct problems "a+b=" -> "a+b", with a, b uniform in [0, 10**digits).
 
@@ -86,9 +88,16 @@ def addition_records(
         seed: Fixes both the problem order and the split.
         split: "train" or "heldout".
         heldout_fraction: The share of all problems that is held out, in (0, 1).
+        pad: Zero-pad the operands to `digits` and the sum to `digits + 1` digits
+            ("007+095=" -> "0102"): every digit sits at a fixed position.
+        reverse: Write the answer least-significant digit first ("123+459=" -> "285"; padded
+            "0582" -> "2850"), the order in which a left-to-right decoder can compute each digit
+            from the operands and its own previous carry (Lee et al. 2023, "Teaching Arithmetic
+            to Small Transformers"). Neither option changes the problems or the split.
 
     Returns:
-        Records {"id", "question": "a+b=", "answer": str(a + b), "a", "b"}.
+        Records {"id", "question": "a+b=", "answer", "a", "b"}; answer is str(a + b) (padded
+        and reversed as asked): score it with the "exact" or "digits" reward.
     """
     where = "addition_records"
     _check_common(where, n, seed, split, heldout_fraction)
@@ -101,7 +110,10 @@ def addition_records(
         return (_unit_hash("addition", seed, *key) < heldout_fraction) == want_heldout
 
     def record(a: int, b: int) -> tuple[Any, dict[str, Any]]:
-        return (a, b), {"question": f"{a}+{b}=", "answer": str(a + b), "a": a, "b": b}
+        question = f"{a:0{digits}d}+{b:0{digits}d}=" if pad else f"{a}+{b}="
+        answer = f"{a + b:0{digits + 1}d}" if pad else str(a + b)
+        answer = answer[::-1] if reverse else answer
+        return (a, b), {"question": question, "answer": answer, "a": a, "b": b}
 
     def enumerated() -> Iterator[tuple[Any, dict[str, Any]]]:
         for k in np.random.default_rng(seed).permutation(hi * hi):

@@ -200,3 +200,11 @@ def test_register_reward():
         assert rewards.get_reward("test_length")(_request(), "abc") == 3.0
     finally:
         del rewards.REWARDS["test_length"]
+
+
+def test_digits_reward_gives_per_position_credit_and_one_only_when_exact():
+    digits = rewards.get_reward("digits")
+    assert digits(_request(answer="2010"), " 2010\n") == 1.0
+    assert digits(_request(answer="2010"), "2011") == 0.75
+    assert digits(_request(answer="2010"), "201") == 0.0  # a wrong length earns nothing
+    assert digits(_request(answer="2010"), "") == 0.0

@@ -152,3 +152,15 @@ def test_countdown_bad_arguments_and_exhausted_space():
         countdown_records(3, max_target=0)
     with pytest.raises(ValueError, match=r"found only \d+ distinct problems .* expected n=20"):
         countdown_records(20, count=2, max_number=2)  # at most 3 * 4 distinct problems
+
+
+def test_addition_padded_and_reversed_format_keeps_the_problems_and_split():
+    plain = addition_records(300, digits=3, seed=2)
+    fancy = addition_records(300, digits=3, seed=2, pad=True, reverse=True)
+    assert [(r["a"], r["b"]) for r in plain] == [(r["a"], r["b"]) for r in fancy]
+    for r in fancy:
+        a, b = r["a"], r["b"]
+        assert r["question"] == f"{a:03d}+{b:03d}=" and len(r["question"]) == 8
+        assert r["answer"] == f"{a + b:04d}"[::-1] and int(r["answer"][::-1]) == a + b
+    held = addition_records(50, digits=3, seed=2, split="heldout", pad=True)
+    assert {(r["a"], r["b"]) for r in held}.isdisjoint((r["a"], r["b"]) for r in fancy)
