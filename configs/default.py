@@ -1,11 +1,11 @@
-"""The default run: a 0.43M-parameter model learns 3-digit addition, SFT warm start then GRPO.
+"""The default run: a 0.47M-parameter model learns 3-digit addition, SFT warm start then GRPO.
 
 Launch:  python -m launch.train            (this config is launch.train's default)
          python -m launch.train --config=configs/default.py:smoke   (seconds, for tests)
-Expect:  a supervised warm start to >= 25% held-out greedy accuracy, then 100 GRPO rounds through
+Expect:  a supervised warm start to >= 20% held-out greedy accuracy, then 100 GRPO rounds through
          the pipelined runtime (cgp + frontier + ordered); the final table and
          runs/default/summary.json give held-out accuracy before and after RL and the wall time by
-         phase. Measured on 2 CPU cores: 33.0% -> 59.5% in 197 s (README).
+         phase. Measured on 2 CPU cores: 22.5% -> 70.0% in 250-260 s (README).
 """
 
 import ml_collections
@@ -21,9 +21,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model.param_dtype = "float32"
     config.model.dtype = "float32"
     config.model.remat = "none"
-    config.model.d_model = 128  # tiny preset widened to ~0.43M parameters
-    config.model.head_dim = 32
-    config.model.mlp_dim = 384
+    config.model.n_layers = 4  # tiny preset reshaped: 4 layers of width 96, 0.47M parameters
+    config.model.d_model = 96
+    config.model.head_dim = 24
+    config.model.mlp_dim = 288
     config.mesh.colocated = True  # one CPU device (or one GPU) shared by sampler and learner
     config.mesh.learner_devices = 1
     config.mesh.sampler_devices = 1
@@ -40,10 +41,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.sft.batch_size = 64
     config.sft.lr = 1e-3
     config.sft.eval_every = 50
-    config.sft.target_accuracy = 0.25
+    config.sft.target_accuracy = 0.2
 
     config.eval.heldout_size = 200
-    config.eval.every_rounds = 20
+    config.eval.every_rounds = 25
 
     config.rounds = 100
     config.driver.mode = "cgp"
