@@ -31,10 +31,10 @@ import collections
 import dataclasses
 import json
 import math
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Any
 
-from rl.types import Prompt, Request, SamplingParams
+from rl.types import Group, Prompt, Request, SamplingParams
 
 EPOCH_END = ("flush", "carry")
 KINDS = ("plain", "short", "long", "flush")
@@ -120,6 +120,48 @@ class RoundCut:
     @property
     def full(self) -> bool:
         return len(self.kept) >= self.target
+
+
+class RoundCuts:
+    """The cuts of the rounds in flight, as a sampler applies them: which complete groups it
+    emits, and which requests it must abort once a round's cut is full."""
+
+    def __init__(self) -> None:
+        self._cuts: dict[int, tuple[RoundCut, list[tuple[int, int]]]] = {}  # round -> cut, keys
+
+    def add(self, cut: RoundCut, requests: Sequence[Request]) -> None:
+        """Registers `cut` for `requests`, which must be one round's, with no cut yet."""
+        rounds = {r.round for r in requests}
+        if len(rounds) != 1:
+            raise ValueError(f"A round cut needs the requests of one round; received {rounds}.")
+        round = rounds.pop()
+        if round in self._cuts:
+            raise ValueError(f"Round {round} already has a cut.")
+        self._cuts[round] = (cut, [r.key for r in requests])
+
+    def apply(self, groups: Iterable[Group]) -> tuple[list[Group], list[tuple[int, int]], int]:
+        """Offers complete groups to their rounds' cuts.
+
+        Returns:
+          (the groups to emit, the request keys to abort because their round's cut filled, the
+          number of groups refused by a full cut). Aborting a key already done is a no-op.
+        """
+        out, abort, refused = [], [], 0
+        for g in groups:
+            entry = self._cuts.get(g.request.round)
+            if entry is None:
+                out.append(g)
+                continue
+            cut, keys = entry
+            if not cut.offer(g.request.key):
+                refused += 1
+                continue
+            out.append(g)
+            if cut.full:
+                abort.extend(keys)
+        for round in [r for r, (cut, _) in self._cuts.items() if cut.full]:
+            del self._cuts[round]
+        return out, abort, refused
 
 
 class RoundPlanner:

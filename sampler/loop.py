@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from rl.admission import AdmissionPolicy
-from rl.rounds import RoundCut
+from rl.rounds import RoundCut, RoundCuts
 from rl.types import Completion, Group, Request
 from sampler.engine import Engine
 
@@ -96,8 +96,7 @@ class SamplerLoop:
         self._slot_run: list[_Run | None] = [None] * engine.max_concurrent_decodes
         self._runs: dict[tuple[int, int], _Run] = {}
         self._to_free: list[int] = []
-        # round -> (its cut, its request keys): which of the round's complete groups are emitted
-        self._cuts: dict[int, tuple[RoundCut, list[tuple[int, int]]]] = {}
+        self._cuts = RoundCuts()  # which complete groups of a cut round are emitted
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._idle = threading.Event()
@@ -126,19 +125,14 @@ class SamplerLoop:
         requests = list(requests)
         for r in requests:
             self.engine.validate(r)
-        rounds = {r.round for r in requests}
-        if cut is not None and len(rounds) != 1:
-            raise ValueError(f"submit(cut=...) needs the requests of one round; received {rounds}.")
         with self._lock:
             self._raise_if_failed()
             for r in requests:
                 if r.key in self._runs:
                     raise ValueError(f"Request (round, uid)={r.key} is already running.")
-            if cut is not None and (round := rounds.pop()) in self._cuts:
-                raise ValueError(f"Round {round} already has a cut.")
-            self.admission.submit(requests)
             if cut is not None:
-                self._cuts[round] = (cut, [r.key for r in requests])
+                self._cuts.add(cut, requests)
+            self.admission.submit(requests)
             self._idle.clear()
             self._wake.notify_all()
 
@@ -301,24 +295,11 @@ class SamplerLoop:
         return finished
 
     def _apply_cuts(self, groups: list[Group]) -> list[Group]:
-        """Drops groups their round's cut refuses; a cut that fills aborts the round's rest."""
-        out = []
         with self._lock:
-            for g in groups:
-                entry = self._cuts.get(g.request.round)
-                if entry is None:
-                    out.append(g)
-                    continue
-                cut, keys = entry
-                if not cut.offer(g.request.key):
-                    self.stats.groups_cut += 1
-                    continue
-                out.append(g)
-                if cut.full:  # kept and already-finished groups are neither waiting nor running
-                    self._abort_locked(keys)
-            for round in [r for r, (cut, _) in self._cuts.items() if cut.full]:
-                del self._cuts[round]
-        return out
+            groups, abort, refused = self._cuts.apply(groups)
+            self._abort_locked(abort)
+            self.stats.groups_cut += refused
+        return groups
 
     def _reward(self, run: _Run, i: int) -> Group | None:
         r, sample = run.request, run.samples[i]

@@ -26,7 +26,7 @@ import heapq
 from collections.abc import Callable, Iterable
 
 from rl.admission import AdmissionPolicy
-from rl.rounds import RoundCut
+from rl.rounds import RoundCut, RoundCuts
 from rl.sim.stage import StageModel
 from rl.sim.workload import Workload
 from rl.timeline import Timeline
@@ -148,7 +148,7 @@ class SimSampler:
         self.factor = 1.0
         self.counters = SamplerCounters()
         self._pending: dict[tuple[int, int], _Pending] = {}  # waiting or running requests
-        self._cuts: dict[int, tuple[RoundCut, list[tuple[int, int]]]] = {}  # round -> cut, keys
+        self._cuts = RoundCuts()  # which complete groups of a cut round are emitted
         self._deal = 0
 
     @property
@@ -169,10 +169,7 @@ class SimSampler:
         """
         requests = list(requests)
         if cut is not None:
-            rounds = {r.round for r in requests}
-            if len(rounds) != 1:
-                raise ValueError(f"submit(cut=...) needs one round's requests; received {rounds}.")
-            self._cuts[rounds.pop()] = (cut, [r.key for r in requests])
+            self._cuts.add(cut, requests)
         for r in requests:
             if r.group_size > self.slots:
                 raise ValueError(
@@ -379,23 +376,10 @@ class SimSampler:
             self._finish_step(rep, groups, now)
 
     def _apply_cuts(self, groups: list[Group], now: float) -> list[Group]:
-        """Drops groups their round's cut refuses; a cut that fills aborts the round's rest."""
-        out = []
-        for g in groups:
-            entry = self._cuts.get(g.request.round)
-            if entry is None:
-                out.append(g)
-                continue
-            cut, keys = entry
-            if not cut.offer(g.request.key):
-                self.counters.groups_cut += 1
-                continue
-            out.append(g)
-            if cut.full:  # kept and already-finished groups are neither waiting nor running
-                self.abort(keys, now)
-        for round in [r for r, (cut, _) in self._cuts.items() if cut.full]:
-            del self._cuts[round]
-        return out
+        groups, abort, refused = self._cuts.apply(groups)
+        self.abort(abort, now)
+        self.counters.groups_cut += refused
+        return groups
 
     def _finish_step(self, rep: _Replica, groups: list[Group], now: float) -> None:
         groups = self._apply_cuts(groups, now)

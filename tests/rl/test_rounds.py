@@ -210,3 +210,38 @@ def test_bad_use_is_refused_with_a_clear_error():
         planner.load_state_dict({"queue": []})
     cut = RoundCut(2)
     assert [cut.offer(k) for k in "abc"] == [True, True, False] and cut.full
+
+
+def test_round_cuts_emit_the_first_target_and_name_the_rest_to_abort():
+    from rl.rounds import RoundCuts
+    from rl.types import Completion, Group, Request
+
+    def group(uid, round=0):
+        r = Request(uid=uid, round=round, index=uid, prompt=(1,))
+        c = Completion(
+            uid=uid,
+            round=round,
+            sample=0,
+            prompt=(1,),
+            tokens=(2,),
+            logprobs=(0.0,),
+            versions=(0,),
+            finish_reason="stop",
+            reward=1.0,
+        )
+        return Group(request=r, completions=(c,))
+
+    cuts = RoundCuts()
+    requests = [group(u).request for u in range(4)]
+    cuts.add(RoundCut(2), requests)
+    with pytest.raises(ValueError, match="already has a cut"):
+        cuts.add(RoundCut(1), requests)
+    with pytest.raises(ValueError, match="one round"):
+        cuts.add(RoundCut(1), [group(0, 1).request, group(1, 2).request])
+    out, abort, refused = cuts.apply([group(2), group(9, round=5)])
+    assert [g.request.uid for g in out] == [2, 9] and abort == [] and refused == 0
+    out, abort, refused = cuts.apply([group(0), group(3)])  # 0 fills the cut, 3 is refused
+    assert [g.request.uid for g in out] == [0] and refused == 1
+    assert abort == [r.key for r in requests]
+    out, abort, refused = cuts.apply([group(1)])  # the round's cut is gone: nothing to apply
+    assert [g.request.uid for g in out] == [1] and abort == [] and refused == 0
