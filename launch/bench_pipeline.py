@@ -46,11 +46,9 @@ from __future__ import annotations
 
 import os
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-    ).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from launch import bench_env  # before jax: two CPU devices
+
+# isort: split
 
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
@@ -58,7 +56,6 @@ import hashlib  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from typing import Any  # noqa: E402
@@ -123,13 +120,7 @@ _PROMPT_MIN = flags.DEFINE_integer("prompt_min", 4, "Shortest prompt (random byt
 _PROMPT_MAX = flags.DEFINE_integer("prompt_max", 12, "Longest prompt.")
 _LR = flags.DEFINE_float("lr", 1e-3, "Learning rate (AdamW, constant).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds the workload, the model init and the sampler.")
-_CACHE = flags.DEFINE_string(
-    "compilation_cache",
-    os.environ.get(
-        "ROLLOUTPIPE_JAX_CACHE", os.path.join(tempfile.gettempdir(), "rolloutpipe-jax-cache")
-    ),
-    "XLA persistent compilation cache directory; empty: off.",
-)
+_CACHE = flags.DEFINE_string("compilation_cache", bench_env.DEFAULT_CACHE, bench_env.CACHE_HELP)
 _GANTT_DIR = flags.DEFINE_string(
     "gantt_dir", "", "Write each mode's timeline (Chrome trace + Gantt PNG) here; empty: don't."
 )
@@ -382,10 +373,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("Expected 1 <= --prompt_min <= --prompt_max.")
     for m in modes:
         driver_config(m)  # a bad --groups / --groups_per_update fails here, before any compile
-    if _CACHE.value:
-        jax.config.update("jax_compilation_cache_dir", _CACHE.value)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    bench_env.use_compilation_cache(_CACHE.value)
     max_prefill = max(16, _PROMPT_MAX.value)
     max_length = max_prefill + _MAX_NEW.value
 

@@ -24,14 +24,11 @@ from __future__ import annotations
 
 import os
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-    ).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from launch import bench_env  # before jax: two CPU devices
+
+# isort: split
 
 import json  # noqa: E402
-import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -61,13 +58,7 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 96, "Longest response.")
 _PROMPT_MAX = flags.DEFINE_integer("prompt_max", 12, "Longest prompt.")
 _REPEATS = flags.DEFINE_integer("repeats", 2, "Timed passes over each measurement.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds the model and the workload.")
-_CACHE = flags.DEFINE_string(
-    "compilation_cache",
-    os.environ.get(
-        "ROLLOUTPIPE_JAX_CACHE", os.path.join(tempfile.gettempdir(), "rolloutpipe-jax-cache")
-    ),
-    "XLA persistent compilation cache directory; empty: off.",
-)
+_CACHE = flags.DEFINE_string("compilation_cache", bench_env.DEFAULT_CACHE, bench_env.CACHE_HELP)
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -181,10 +172,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     if _SLOTS.value < _GROUP_SIZE.value:
         raise app.UsageError(f"--slots ({_SLOTS.value}) must be >= --group_size.")
-    if _CACHE.value:
-        jax.config.update("jax_compilation_cache_dir", _CACHE.value)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    bench_env.use_compilation_cache(_CACHE.value)
     rng = np.random.default_rng(_SEED.value)
     learner_mesh, sampler_mesh = make_meshes(MeshConfig(learner_devices=1, sampler_devices=1))
     model = create_model(get_preset("tiny", init_std=0.3), seed=_SEED.value)
