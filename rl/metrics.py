@@ -107,10 +107,10 @@ def round_metrics(
         raise ValueError(f"num_slots must be >= 1; received {num_slots}.")
     if not math.isfinite(rollout_start):
         raise ValueError(f"rollout_start must be a finite time; received {rollout_start}.")
-    spans = timeline.spans()
+    spans = timeline.spans(since=rollout_start)  # nothing ending earlier counts below
     mine = [s for s in spans if s.args.get("round") == round]
     if not mine:
-        rounds = sorted({s.args["round"] for s in spans if "round" in s.args}, key=str)
+        rounds = sorted({s.args["round"] for s in timeline.spans() if "round" in s.args}, key=str)
         raise ValueError(f"No spans with round={round} in the timeline; rounds present: {rounds}.")
     by_slot: dict[str, list[Span]] = {}
     for s in spans:

@@ -153,10 +153,15 @@ class Timeline:
             self._instants.append(i)
         return i
 
-    def spans(self, lane_prefix: str | None = None) -> list[Span]:
-        """Spans whose lane starts with `lane_prefix` (all if None), by start (outer span first)."""
+    def spans(self, lane_prefix: str | None = None, *, since: float | None = None) -> list[Span]:
+        """Spans whose lane starts with `lane_prefix` (all if None), by start (outer span first).
+
+        With `since`, only spans that end at or after that time (a round's metrics need only the
+        recent ones, and sorting the whole history every round grows with the run).
+        """
+        prefix, since = lane_prefix or "", -math.inf if since is None else since
         with self._lock:
-            out = [s for s in self._spans if s.lane.startswith(lane_prefix or "")]
+            out = [s for s in self._spans if s.end >= since and s.lane.startswith(prefix)]
         return sorted(out, key=lambda s: (s.start, -s.end))
 
     def instants(self, lane_prefix: str | None = None) -> list[Instant]:

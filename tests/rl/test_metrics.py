@@ -73,6 +73,17 @@ def test_round_metrics_second_round():
     assert m["learner_tokens"] == 999.0  # the update's tokens; its micro step is not added
 
 
+def test_round_metrics_do_not_depend_on_spans_that_ended_before_the_round():
+    full = _round0_timeline()
+    recent = Timeline()  # the same spans, less those ending before round 1's start
+    for s in full.spans(since=22.5):
+        recent.span(s.lane, s.name, s.start, s.end, **s.args)
+    assert len(recent.spans()) < len(full.spans())
+    assert round_metrics(full, round=1, rollout_start=22.5, num_slots=2) == round_metrics(
+        recent, round=1, rollout_start=22.5, num_slots=2
+    )
+
+
 def test_wait_ratio_counts_the_learner_lane_busy_with_another_round():
     tl = Timeline()
     tl.span("sampler/slot0", "seq", 0, 4, round=1, tokens=8)

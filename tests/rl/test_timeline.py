@@ -77,6 +77,11 @@ def test_spans_filter_by_lane_prefix_and_sort_by_start():
     ]  # same start: outer first
     starts = [s.start for s in tl.spans()]
     assert starts == sorted(starts)
+    t = sorted(s.end for s in tl.spans())[len(starts) // 2]
+    assert tl.spans(since=t) == [s for s in tl.spans() if s.end >= t]
+    assert [s.lane for s in tl.spans("learner", since=t)] == [
+        s.lane for s in tl.spans("learner") if s.end >= t
+    ]
 
 
 def test_chrome_trace_units_processes_and_thread_names(tmp_path):
