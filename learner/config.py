@@ -19,7 +19,7 @@ class OptimizerConfig:
     lr: float = 1e-6  # peak learning rate
     schedule: str = "constant"  # constant | cosine (after warmup)
     warmup_steps: int = 0  # linear warmup from 0
-    total_steps: int = 0  # cosine: decay horizon in updates (required > warmup_steps)
+    total_steps: int = 0  # cosine: decay horizon in updates (> warmup_steps; see learner_config_from)
     end_lr_ratio: float = 0.0  # cosine: final lr / peak lr
     b1: float = 0.9
     b2: float = 0.999
@@ -40,7 +40,8 @@ class OptimizerConfig:
         if self.schedule == "cosine" and self.total_steps <= self.warmup_steps:
             raise ValueError(
                 f"optimizer.schedule='cosine' needs total_steps ({self.total_steps}) > "
-                f"warmup_steps ({self.warmup_steps})."
+                f"warmup_steps ({self.warmup_steps}); in a run, total_steps 0 means the run's "
+                "rounds x updates per round."
             )
 
 
@@ -88,8 +89,15 @@ class LearnerConfig:
             )
 
 
-def learner_config_from(cfg: Mapping[str, Any]) -> LearnerConfig:
-    """LearnerConfig from a `config.learner` ConfigDict (nested `optimizer` and `loss` dicts)."""
+def learner_config_from(cfg: Mapping[str, Any], *, total_updates: int = 0) -> LearnerConfig:
+    """LearnerConfig from a `config.learner` ConfigDict (nested `optimizer` and `loss` dicts).
+
+    A cosine schedule with `optimizer.total_steps` 0 decays over `total_updates`, the updates the
+    whole run will make (rl.run passes rounds x updates per round).
+    """
+    optimizer = dict(cfg.get("optimizer", {}))
+    if optimizer.get("schedule") == "cosine" and not optimizer.get("total_steps"):
+        optimizer["total_steps"] = total_updates
     fields = {k: v for k, v in dict(cfg).items() if k not in ("optimizer", "loss")}
     known = {f.name for f in dataclasses.fields(LearnerConfig)}
     unknown = set(fields) - known
@@ -98,7 +106,7 @@ def learner_config_from(cfg: Mapping[str, Any]) -> LearnerConfig:
             f"Unknown learner config fields {sorted(unknown)}; expected some of {sorted(known)}."
         )
     return LearnerConfig(
-        optimizer=OptimizerConfig(**dict(cfg.get("optimizer", {}))),
+        optimizer=OptimizerConfig(**optimizer),
         loss=LossConfig(**dict(cfg.get("loss", {}))),
         **fields,
     )

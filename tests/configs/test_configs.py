@@ -30,11 +30,23 @@ def test_config_parses_and_builds_typed_objects(name, arg):
     config = importlib.import_module(f"configs.{name}").get_config(arg)
     assert config.model.hf_path or model_config_from(config.model).num_params() > 0
     normalize_rules(config.sharding_rules)
-    learner_config_from(config.learner)
+    learner_config_from(config.learner, total_updates=config.rounds)
     MeshConfig(**config.mesh)
     if arg == "smoke":
         assert model_config_from(config.model).num_params() < 1_000_000
         assert config.tokenizer == "byte"
+
+
+def test_cosine_without_total_steps_decays_over_the_runs_updates():
+    config = importlib.import_module("configs.base").get_config()
+    config.learner.optimizer.schedule = "cosine"
+    config.learner.optimizer.total_steps = 0
+    assert learner_config_from(config.learner, total_updates=640).optimizer.total_steps == 640
+    config.learner.optimizer.total_steps = 100  # an explicit horizon wins
+    assert learner_config_from(config.learner, total_updates=640).optimizer.total_steps == 100
+    config.learner.optimizer.total_steps = 0
+    with pytest.raises(ValueError, match="total_steps 0 means the run's rounds x updates"):
+        learner_config_from(config.learner)
 
 
 def test_base_rejects_unknown_arg():
