@@ -19,7 +19,7 @@ class OptimizerConfig:
     lr: float = 1e-6  # peak learning rate
     schedule: str = "constant"  # constant | cosine (after warmup)
     warmup_steps: int = 0  # linear warmup from 0
-    total_steps: int = 0  # cosine: decay horizon in updates (> warmup_steps; see learner_config_from)
+    total_steps: int = 0  # cosine: decay horizon in updates, > warmup_steps
     end_lr_ratio: float = 0.0  # cosine: final lr / peak lr
     b1: float = 0.9
     b2: float = 0.999
