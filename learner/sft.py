@@ -86,15 +86,16 @@ def sft_batches(
     *,
     batch_size: int,
     seed: int = 0,
+    min_length_bucket: int = 32,
     **prompt_kwargs: Any,
 ) -> Iterator[Batch]:
-    """Endless shuffled batches (one shuffle per epoch, seeded); prompt_kwargs as sft_batch."""
+    """Endless shuffled batches (one shuffle per epoch, seeded); the rest as sft_batch."""
     rng = np.random.default_rng(seed)
     while True:
         order = rng.permutation(len(records))
         for i in range(0, len(order) - batch_size + 1, batch_size):
             batch = [records[j] for j in order[i : i + batch_size]]
-            yield sft_batch(batch, tokenizer, **prompt_kwargs)
+            yield sft_batch(batch, tokenizer, min_length_bucket=min_length_bucket, **prompt_kwargs)
 
 
 def make_sft_step(

@@ -11,6 +11,7 @@ import os
 import time
 from typing import Any
 
+import jax
 import numpy as np
 
 from rl.driver import Driver, driver_config_from
@@ -62,6 +63,7 @@ def _sft(
         tokenizer,
         batch_size=config.sft.batch_size,
         seed=config.seed,
+        min_length_bucket=config.learner.min_length_bucket,  # rows padded as in RL, not to 32
         **data.prompt_kwargs,
     )
     done = 0
@@ -112,7 +114,15 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
             f"The tokenizer's vocabulary ({tokenizer.vocab_size}) is larger than the model's "
             f"vocab_size ({model.config.vocab_size}); expected a tokenizer of the same model."
         )
-    learner_cfg = learner_config_from(config.learner)
+    sampling = SamplingParams(**config.sampling, stop_token_ids=(tokenizer.eos_id,))
+    driver_cfg = driver_config_from(config.driver, sampling=sampling, epoch_size=len(data.train))
+    # A cosine schedule with total_steps 0 decays over the run; a run of no rounds (SFT only)
+    # makes no RL update, so any valid horizon does.
+    total_updates = config.rounds * driver_cfg.updates_per_round
+    learner_cfg = learner_config_from(
+        config.learner,
+        total_updates=total_updates or config.learner.optimizer.warmup_steps + 1,
+    )
     if learner_cfg.temperature != config.sampling.temperature and config.sampling.temperature > 0:
         raise ValueError(
             f"learner.temperature ({learner_cfg.temperature}) must equal sampling.temperature "
@@ -123,8 +133,6 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
         model, EngineConfig(**config.engine, seed=config.seed), mesh=sampler_mesh, rules=rules
     )
     sync = DevicePutSync(learner.params, sampler_mesh, dtype=config.sampler_dtype, rules=rules)
-    sampling = SamplingParams(**config.sampling, stop_token_ids=(tokenizer.eos_id,))
-    driver_cfg = driver_config_from(config.driver, sampling=sampling, epoch_size=len(data.train))
     prompts = iter(
         prompt_dataset(data.train, tokenizer, seed=config.seed, **data_cfg.prompt_kwargs)
     )
@@ -157,6 +165,7 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     phases = {"setup_s": time.perf_counter() - start, "sft_s": 0.0, "eval_s": 0.0, "rl_s": 0.0}
 
     def heldout_accuracy(params: Any) -> float:
+        jax.block_until_ready(params)  # pending training steps are not billed to evaluation
         t = time.perf_counter()
         published = sync.publish(params, version=-1).params
         acc = evaluate(

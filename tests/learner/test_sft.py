@@ -22,6 +22,10 @@ def test_sft_batch_masks_answer_and_eos_only():
     assert batch.targets[0, n - 1] == ord("3") and batch.targets[0, n] == TOK.eos_id
     with pytest.raises(ValueError, match="has no 'answer'"):
         sft_batch([{"id": 5, "question": "x"}], TOK)
+    assert batch.inputs.shape == (1, 32)  # padded to the default bucket
+    rows = [{"id": i, "question": "1+2=", "answer": "3"} for i in range(4)]
+    small = next(sft_batches(rows, TOK, batch_size=2, min_length_bucket=8))
+    assert small.inputs.shape == (2, 8)  # as the RL learner pads (learner.min_length_bucket)
 
 
 def test_sft_raises_heldout_accuracy():
