@@ -2,10 +2,11 @@
 
 Launch:  python -m launch.train            (this config is launch.train's default)
          python -m launch.train --config=configs/default.py:smoke   (seconds, for tests)
-Expect:  a supervised warm start to >= 20% held-out greedy accuracy, then 100 GRPO rounds through
+Expect:  a supervised warm start to >= 20% held-out greedy accuracy, then 180 GRPO rounds through
          the pipelined runtime (cgp + frontier + ordered); the final table and
          runs/default/summary.json give held-out accuracy before and after RL and the wall time by
-         phase. Measured on 2 CPU cores: 22.5% -> 70.0% in 250-260 s (README).
+         phase. Measured on 2 CPU cores: 27.5% -> 87.0% in 213 s (README, with how the SFT plateau
+         and the end point vary with the seed).
 """
 
 import ml_collections
@@ -16,6 +17,9 @@ from configs import base
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config = base.get_config()
     config.workdir = "runs/default"
+    # The SFT plateau's length depends on the seed: 450 steps with seed 2, ~1100 with seed 1 and
+    # 1400 with seed 0 (README). Seed 2 keeps the default run well inside 5 minutes.
+    config.seed = 2
     config.tokenizer = "byte"
     config.model.preset = "tiny"
     config.model.param_dtype = "float32"
@@ -46,7 +50,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.eval.heldout_size = 200
     config.eval.every_rounds = 25
 
-    config.rounds = 100
+    config.rounds = 180
     config.driver.mode = "cgp"
     config.driver.admission = "frontier"
     config.driver.batching = "ordered"
@@ -62,7 +66,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.sampler_dtype = ""
     config.learner.micro_batch_rows = 64
     config.learner.min_length_bucket = 16
-    config.learner.optimizer.lr = 1e-4
+    # The sampler's log-probs are the behaviour policy's (float32 on one device: equal to a snapshot's
+    # to ~1e-6), so a round's later updates skip the snapshot forward pass.
+    config.learner.old_logprobs = "sampler"
+    config.learner.optimizer.lr = 3e-4
+    config.learner.optimizer.warmup_steps = 60
+    config.learner.optimizer.schedule = "cosine"  # to 0 over the run's 720 updates (total_steps 0)
     if arg == "smoke":
         config.workdir = "runs/default_smoke"
         config.sft.max_steps = 20
@@ -74,6 +83,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         config.driver.groups_per_update = 2
         config.driver.group_size = 4
         config.learner.micro_batch_rows = 8
+        config.learner.optimizer.warmup_steps = 1  # the run makes 4 updates
     elif arg:
         raise ValueError(f"Unknown config argument {arg!r}; expected 'smoke' or nothing.")
     return config

@@ -10,7 +10,10 @@ from rl.run import train
 def test_default_recipe_learns(tmp_path):
     config = default.get_config()
     config.workdir = str(tmp_path)
-    config.rounds = 10
+    config.rounds = 30  # 27.5% -> 42% measured; 20 rounds without warmup only reach 29%
+    config.learner.optimizer.warmup_steps = (
+        10  # of the 120 updates; the cosine decays over the rest
+    )
     config.eval.every_rounds = 0
     summary = train(config, stdout=False)
     assert summary["heldout_acc_before"] >= config.sft.target_accuracy  # the warm start reached it
