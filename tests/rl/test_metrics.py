@@ -74,14 +74,20 @@ def test_round_metrics_second_round():
 
 
 def test_round_metrics_do_not_depend_on_spans_that_ended_before_the_round():
-    full = _round0_timeline()
-    recent = Timeline()  # the same spans, less those ending before round 1's start
-    for s in full.spans(since=22.5):
-        recent.span(s.lane, s.name, s.start, s.end, **s.args)
-    assert len(recent.spans()) < len(full.spans())
-    assert round_metrics(full, round=1, rollout_start=22.5, num_slots=2) == round_metrics(
-        recent, round=1, rollout_start=22.5, num_slots=2
-    )
+    def timeline(history: bool) -> Timeline:
+        tl = Timeline()
+        if history:  # round 0, all of it over before round 1 starts at t=10
+            tl.span("sampler/slot0", "seq", 0, 4, round=0, tokens=5)
+            tl.span("learner", "update", 4, 8, step=0, round=0, tokens=5)
+        tl.span("learner", "update", 9, 11, step=1, round=0, tokens=5)  # runs across t=10
+        tl.span("sampler/slot0", "seq", 10, 14, round=1, tokens=8)
+        tl.span("learner", "update", 14, 16, step=2, round=1, tokens=8)
+        return tl
+
+    m = round_metrics(timeline(history=True), round=1, rollout_start=10.0, num_slots=1)
+    assert m == round_metrics(timeline(history=False), round=1, rollout_start=10.0, num_slots=1)
+    assert m["trainer_compute_s"] == pytest.approx(3.0, **TOL)  # [10, 11] and [14, 16]
+    assert m["trainer_wait_ratio"] == pytest.approx(3.0 / 6.0, **TOL)
 
 
 def test_wait_ratio_counts_the_learner_lane_busy_with_another_round():
