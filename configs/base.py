@@ -82,9 +82,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.task = ml_collections.ConfigDict()
     config.task.name = "addition"  # addition | countdown (synthetic) | gsm8k | math (local JSONL)
     config.task.digits = 3  # addition: operands of up to this many digits
-    config.task.pad_operands = (
-        False  # addition: zero-padded operands and sum ("007+095=" -> "0102")
-    )
+    config.task.pad_operands = False  # addition: zero-padded "007+095=" -> "0102"
     config.task.reverse_answer = False  # addition: the sum least-significant digit first ("2010")
     config.task.train_size = 20000  # synthetic training problems (never in the held-out split)
     config.task.reward = "exact"  # a name in rl.rewards.REWARDS: exact | math | gsm8k | countdown
