@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from learner.batching import Batch, make_batch
 from learner.config import LearnerConfig
 from learner.state import create_train_state, make_optimizer, make_schedule
-from learner.step import SUM_KEYS, Accum, accumulate, apply, zero_accum
+from learner.step import SUM_KEYS, Accum, accumulate, apply, float_leaf_names, zero_accum
 from rl.advantages import get_advantage_estimator, zero_variance_groups
 from rl.models.sharding import Rules, axis_rules, current_rules, logical_to_spec
 from rl.types import Group
@@ -205,7 +205,9 @@ class Learner:
 
         Raises:
           ValueError: nothing (or no response token) was accumulated.
-          FloatingPointError: the loss or gradient norm is NaN/inf (names the step and metric).
+          FloatingPointError: the loss or gradient norm is NaN/inf (names the step and metric), or
+            the update would make a parameter or optimizer state value NaN/inf (names the step
+            and the leaf); the update is not applied.
         """
         self._flush()
         if self._acc is None:
@@ -226,6 +228,14 @@ class Learner:
                     f"Non-finite {name}={metrics[name]} at update {step}; the update was not "
                     "applied (parameters and optimizer state are unchanged)."
                 )
+        bad = int(metrics.pop("nonfinite_leaf"))
+        if bad >= 0:
+            raise FloatingPointError(
+                f"Non-finite values in {float_leaf_names(self.state)[bad]} after update {step} "
+                f"(loss={metrics['loss']:.4g}, grad_norm={metrics['grad_norm']:.4g}, "
+                f"lr={metrics['lr']:.4g}); the update was not applied (parameters and optimizer "
+                "state are unchanged). Expected finite values: lower learner.optimizer.lr."
+            )
         metrics["groups"] = float(self.groups_in_update)
         metrics["groups_dropped"] = float(self.groups_dropped)
         self.groups_in_update = 0

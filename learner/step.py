@@ -9,6 +9,10 @@
 (rl/aggregation.py), and metric sums, all unnormalised; `apply` divides once. Accumulating any split
 of a batch therefore equals the whole batch.
 
+`apply` keeps the old state when the loss, the gradient norm, or any updated parameter or optimizer
+state value is NaN/inf (an optimizer step can overflow on finite gradients); the metric
+`nonfinite_leaf` is then the index into `float_leaf_names(state)` of the first bad leaf (-1: none).
+
 Old log-probs (the PPO ratio's denominator): `behavior_params` if given (a snapshot of the round's
 published params, for later updates of a round), else the batch's sampler log-probs if
 `old_logprobs == "sampler"`, else the current params with stop_gradient (exact for a round's first
@@ -52,6 +56,31 @@ def zero_accum(params: Any) -> Accum:
         denominator=zeros,
         sums=dict.fromkeys(SUM_KEYS, zeros),
     )
+
+
+def _float_leaves(tree: Any) -> list[tuple[Any, jax.Array]]:
+    """(path, leaf) of every floating-point leaf, in tree order."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [(p, x) for p, x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+
+
+def float_leaf_names(state: TrainState) -> list[str]:
+    """Names ("params/layers/0/mlp/up/value", "opt_state/...") of the leaves `apply` checks."""
+
+    def name(path: tuple[Any, ...]) -> str:
+        return "/".join(
+            str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path
+        )
+
+    return [f"params/{name(p)}" for p, _ in _float_leaves(state.params)] + [
+        f"opt_state/{name(p)}" for p, _ in _float_leaves(state.opt_state)
+    ]
+
+
+def _first_nonfinite(trees: tuple[Any, ...]) -> jax.Array:
+    """Index of the first float leaf of `trees` holding a NaN/inf (float_leaf_names order), or -1."""
+    ok = jnp.stack([jnp.all(jnp.isfinite(x)) for t in trees for _, x in _float_leaves(t)])
+    return jnp.where(jnp.all(ok), -1, jnp.argmin(ok)).astype(jnp.float32)
 
 
 def _logprobs(
@@ -140,8 +169,14 @@ def apply(
         **{k: acc.sums[k] / tokens for k in _METRICS},
     }
     new = TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=state.rng)
-    # A non-finite loss or gradient leaves the state as it was; the caller reports and stops.
-    ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+    # A non-finite loss, gradient, parameter or optimizer state leaves the state as it was; the
+    # caller reports and stops (learner.Learner.update names the step and the leaf).
+    metrics["nonfinite_leaf"] = _first_nonfinite((params, opt_state))
+    ok = (
+        jnp.isfinite(metrics["loss"])
+        & jnp.isfinite(metrics["grad_norm"])
+        & (metrics["nonfinite_leaf"] < 0)
+    )
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state), metrics
 
 

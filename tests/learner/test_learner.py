@@ -298,3 +298,29 @@ def test_training_raises_logprob_of_rewarded_responses():
         for c0, c1, a in zip(g0.completions, g1.completions, _advantages([g0])[0], strict=True):
             if abs(a) > 0.1:
                 assert np.sign(sum(c1.logprobs) - sum(c0.logprobs)) == np.sign(a)
+
+
+def test_update_that_overflows_the_parameters_is_not_applied_and_names_the_leaf():
+    # Finite loss and gradients, but lr=1e39 (inf in float32) overflows the optimizer step: the
+    # guard must look at the updated parameters and optimizer state, not only at loss and grad norm.
+    learner = Learner(
+        create_model(get_preset("tiny")),
+        LearnerConfig(micro_batch_rows=4, optimizer=OptimizerConfig(lr=1e39)),
+        mesh=_single_mesh(),
+    )
+    def host(state):
+        return [
+            np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+            for x in jax.tree.leaves(state)
+        ]
+
+    before = host(learner.state)
+    learner.begin_round(updates=1)
+    learner.add_groups(make_groups(1))
+    with pytest.raises(
+        FloatingPointError, match=r"Non-finite values in params/\S+ after update 0 \(loss="
+    ):
+        learner.update()
+    assert learner.step == 0
+    for a, b in zip(before, host(learner.state), strict=True):  # params, opt state, step, rng
+        np.testing.assert_array_equal(a, b)
