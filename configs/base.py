@@ -78,6 +78,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     config.rounds = 100  # RL rounds to run (in total, counting rounds before a resume)
     config.checkpoint_every = 10  # rounds between checkpoints in workdir/ckpt; 0: never
+    # timeline.png draws the last N rounds, where the bubble is visible (0: the whole run);
+    # timeline.json (Perfetto) always holds the whole run.
+    config.timeline_rounds = 3
     config.resume = True  # continue from the newest checkpoint in workdir/ckpt if there is one
     config.task = ml_collections.ConfigDict()
     config.task.name = "addition"  # addition | countdown (synthetic) | gsm8k | math (local JSONL)

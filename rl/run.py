@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from rl.curves import read_metrics, write_learning_curve_png
 from rl.driver import Driver, driver_config_from
 from rl.evaluate import evaluate
 from rl.metrics import MetricsWriter
@@ -198,9 +199,12 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     if planner_state is not None:
         driver.planner.load_state_dict(planner_state)
     rounds = []
+    gantt_since = None  # timeline_rounds 0: the whole run
     t_rl = time.perf_counter()
     try:
         for r in range(first_round, config.rounds):
+            if r == max(first_round, config.rounds - config.timeline_rounds):
+                gantt_since = driver.clock()  # timeline.png draws the run's last rounds
             bar = writer.progress(driver_cfg.groups_per_round, desc=f"round {r} groups")
             driver.on_group = lambda group, bar=bar: bar.update(1)
             try:
@@ -234,7 +238,22 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     trace = os.path.join(config.workdir, "timeline.json")
     gantt = os.path.join(config.workdir, "timeline.png")
     driver.timeline.write_chrome_trace(trace)
-    driver.timeline.write_gantt_png(gantt, title=f"{driver_cfg.name}: {config.rounds} rounds")
+    shown = config.rounds - max(first_round, config.rounds - config.timeline_rounds)
+    if gantt_since is None or shown == config.rounds:
+        gantt_title = f"{driver_cfg.name}: {config.rounds} rounds"
+    else:
+        gantt_title = f"{driver_cfg.name}: the last {shown} of {config.rounds} rounds"
+    driver.timeline.write_gantt_png(gantt, title=gantt_title, since=gantt_since)
+    curve = os.path.join(config.workdir, "learning_curve.png")
+    write_learning_curve_png(
+        curve,
+        read_metrics(os.path.join(config.workdir, "metrics.jsonl")),
+        before=acc_before,
+        after=acc_after,
+        first_round=first_round,
+        rounds=config.rounds,
+        title=f"{config.task.name}, {driver_cfg.name}: held-out {acc_before:.1%} -> {acc_after:.1%}",
+    )
     summary = {
         "heldout_acc_before": acc_before,
         "heldout_acc_after": acc_after,
@@ -263,5 +282,6 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
         "mode": driver_cfg.name,
         "timeline": trace,
         "gantt": gantt,
+        "learning_curve": curve,
         "metrics": os.path.join(config.workdir, "metrics.jsonl"),
     }

@@ -208,17 +208,26 @@ class Timeline:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(self.to_chrome_trace(), f, allow_nan=False)
 
-    def gantt_figure(self, title: str = "") -> Figure:
+    def gantt_figure(self, title: str = "", *, since: float | None = None) -> Figure:
         """A matplotlib Figure (Agg canvas): one row per lane, x = seconds from the first event.
 
         Sampler slots (a bar per sequence), prefill, learner (updates, micro steps drawn thinner
-        inside), publish; instants (group completions) as tick marks on their own rows.
+        inside), publish; instants (group completions) as tick marks on their own rows. With
+        `since`, only what happens from that time on (a long run's last rounds, where the bubble is
+        visible), x = seconds from `since`.
         """
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
 
         spans, instants, t0, lanes = self._snapshot()
+        if since is not None:
+            spans = [s for s in spans if s.end >= since]
+            instants = [i for i in instants if i.t >= since]
+            t0, lanes = (
+                since,
+                sorted({s.lane for s in spans} | {i.lane for i in instants}, key=_lane_key),
+            )
         row = {lane: r for r, lane in enumerate(lanes)}
         fig = Figure(figsize=(12.0, min(max(2.5, 1.2 + 0.3 * len(lanes)), 16.0)), dpi=100)
         FigureCanvasAgg(fig)
@@ -239,7 +248,9 @@ class Timeline:
             handles += ax.plot(xs, ys, "|", markersize=10, color="black", zorder=4, label=name)
         ax.set_yticks(range(len(lanes)), lanes, fontsize=8 if len(lanes) <= 40 else 5)
         ax.set_ylim(max(len(lanes), 1) - 0.5, -0.5)  # first lane on top
-        ax.set_xlabel("seconds from first event")
+        ax.set_xlabel("seconds from first event" if since is None else "seconds")
+        if since is not None:
+            ax.set_xlim(left=0.0)
         ax.grid(axis="x", alpha=0.3)
         ax.set_title(title)
         if handles:
@@ -248,6 +259,8 @@ class Timeline:
         fig.subplots_adjust(left=0.1, right=0.87, bottom=0.6 / height, top=1 - 0.4 / height)
         return fig
 
-    def write_gantt_png(self, path: str | os.PathLike, title: str = "") -> None:
-        """Writes `gantt_figure(title)` as a PNG (1200 px wide) to `path`."""
-        self.gantt_figure(title).savefig(path, format="png")
+    def write_gantt_png(
+        self, path: str | os.PathLike, title: str = "", *, since: float | None = None
+    ) -> None:
+        """Writes `gantt_figure(title, since=since)` as a PNG (1200 px wide) to `path`."""
+        self.gantt_figure(title, since=since).savefig(path, format="png")

@@ -146,3 +146,16 @@ def test_gantt_height_grows_with_lanes_and_is_capped():
     huge = _pipeline(num_slots=200).gantt_figure().get_figheight()
     assert small < big < huge == 16.0
     assert Timeline().gantt_figure().axes  # an empty timeline still draws
+
+
+def test_gantt_since_draws_only_the_window():
+    tl = _pipeline(num_slots=2)  # first wave of sequences ends by 103.5; the second starts at 104
+    fig = tl.gantt_figure(since=104.0)
+    (ax,) = fig.axes
+    rows = [t.get_text() for t in ax.get_yticklabels()]
+    assert rows == ["sampler/slot0", "sampler/slot1", "sampler/groups", "learner", "publish"]
+    xs = np.concatenate([p.vertices[:, 0] for c in ax.collections for p in c.get_paths()])
+    assert xs.min() == 0.0 and xs.max() == 2.25  # seconds from `since`: 104 -> 0, 106.25 -> 2.25
+    assert ax.get_xlim()[0] == 0.0
+    whole = tl.gantt_figure().axes[0]
+    assert "sampler/prefill" in [t.get_text() for t in whole.get_yticklabels()]
