@@ -2,10 +2,11 @@
 
 Each loader reads one JSON object per line and returns `LoadedRecords`, a list of records
 `{"id", "question", "answer", "solution", ...}` with ids 0..n-1 in file order. Blank lines are
-ignored. A malformed row (not UTF-8, not JSON, not an object, a missing or non-string field, no
-final answer) raises ValueError naming `file:line` with `on_error="raise"`; with `on_error="skip"`
-it is dropped, counted in `.skipped`, its (line, reason) kept in `.errors` (the first
-`MAX_REPORTED`), and one absl warning names the file and the count.
+ignored. A malformed row (not UTF-8, not JSON, nested too deeply for the parser, not an object, a
+missing or non-string field, text with a lone surrogate escape such as "\ud83d" that no tokenizer
+can encode, no final answer) raises ValueError naming `file:line` with `on_error="raise"`; with
+`on_error="skip"` it is dropped, counted in `.skipped`, its (line, reason) kept in `.errors` (the
+first `MAX_REPORTED`), and one absl warning names the file and the count.
 """
 
 from __future__ import annotations
@@ -54,7 +55,19 @@ def _field(row: Mapping[str, Any], key: str) -> str:
     value = row.get(key)
     if not isinstance(value, str):
         got = "missing" if key not in row else f"of type {type(value).__name__}"
-        raise ValueError(f"field {key!r} is {got}; expected a string (row keys: {sorted(row)})")
+        keys = [k[:40] for k in sorted(row)[:10]]
+        raise ValueError(f"field {key!r} is {got}; expected a string (row keys: {keys})")
+    return _text(value, key)
+
+
+def _text(value: str, key: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON allows "\ud83d" alone; no text encoding does
+        raise ValueError(
+            f"field {key!r} holds a lone surrogate {value[e.start]!r} at character {e.start}; "
+            "expected valid Unicode text"
+        ) from None
     return value
 
 
@@ -108,6 +121,9 @@ def _parse_math(row: Mapping[str, Any]) -> dict[str, Any]:
     if answer is None:
         raise ValueError(f"no complete \\boxed{{...}} in the solution (ends {solution[-40:]!r})")
     extra = {k: row[k] for k in ("level", "type", "subject") if isinstance(row.get(k), str | int)}
+    for k, v in extra.items():
+        if isinstance(v, str):
+            _text(v, k)
     return {"question": question, "answer": answer, "solution": solution, **extra}
 
 
@@ -121,6 +137,11 @@ def _load(
     if on_error not in ("skip", "raise"):
         raise ValueError(f"on_error must be 'skip' or 'raise'; received {on_error!r}.")
     file = pathlib.Path(path)
+    if file.is_dir():
+        raise IsADirectoryError(
+            f"{what} file {str(file)!r} is a directory; expected a JSONL file (one JSON object "
+            "per line)."
+        )
     if not file.is_file():
         raise FileNotFoundError(f"{what} file {str(file)!r} not found; expected a JSONL file.")
     records: list[dict[str, Any]] = []
@@ -137,6 +158,11 @@ def _load(
                     row = json.loads(text)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"not valid JSON ({e})") from None
+                except RecursionError:  # e.g. [[[[...]]]] a thousand deep
+                    raise ValueError(
+                        f"JSON nested too deeply to parse ({len(raw):,} bytes); expected an "
+                        "object of strings"
+                    ) from None
                 if not isinstance(row, dict):
                     raise ValueError(f"a JSON {type(row).__name__}; expected an object")
                 record = parse(row)

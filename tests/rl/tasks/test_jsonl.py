@@ -142,3 +142,46 @@ def test_math_rows(tmp_path, warnings):
     assert len(warnings) == 1 and "MATH" in warnings[0][1]
     with pytest.raises(ValueError, match=r"MATH row at .*math\.jsonl:2 is malformed: no complete"):
         load_math(path, on_error="raise")
+
+
+HOSTILE_LINES = [  # (line text, a fragment of the reason): rows that used to crash the skip path
+    ("[" * 1000 + "]" * 1000, "nested too deeply"),  # 2 KB at depth 1000: RecursionError
+    ('{"question": ' + "[" * 500_000 + "]" * 500_000 + "}", "nested too deeply"),  # a 1 MB row
+    ('{"question": "\\ud83d", "answer": "#### 1"}', "lone surrogate '\\ud83d' at character 0"),
+    ('{"question": "Q?", "answer": "x\\udc00\\n#### 1"}', "field 'answer' holds a lone surrogate"),
+]
+
+
+def test_hostile_rows_are_skipped_and_counted(tmp_path, warnings):
+    good = json.dumps(GSM8K_GOOD[0])
+    path = write_lines(tmp_path / "hostile.jsonl", [good, *(t for t, _ in HOSTILE_LINES), good])
+    records = load_gsm8k(path)
+    assert len(records) == 2 and records.lines == [1, 6]
+    assert records.skipped == len(HOSTILE_LINES)
+    assert [line for line, _ in records.errors] == [2, 3, 4, 5]
+    for (_, reason), (_, fragment) in zip(records.errors, HOSTILE_LINES, strict=True):
+        assert fragment in reason
+    for record in records:  # what was kept can be encoded, e.g. by a tokenizer
+        record["question"].encode("utf-8")
+    message = warnings[0][0] % warnings[0][1:]
+    assert "skipped 4 malformed rows" in message
+
+
+@pytest.mark.parametrize("k", range(len(HOSTILE_LINES)))
+def test_hostile_row_with_raise_is_one_line_naming_file_and_line(tmp_path, k):
+    text, fragment = HOSTILE_LINES[k]
+    path = write_lines(tmp_path / "bad.jsonl", [json.dumps(GSM8K_GOOD[0]), text])
+    with pytest.raises(ValueError, match=r"GSM8K row at .*bad\.jsonl:2 is malformed") as e:
+        load_gsm8k(path, on_error="raise")
+    assert fragment in str(e.value) and "\n" not in str(e.value) and len(str(e.value)) < 400
+
+
+def test_math_metadata_with_a_lone_surrogate_is_malformed(tmp_path, warnings):
+    row = '{"problem": "P", "solution": "\\\\boxed{1}", "type": "Alg\\ud800"}'
+    records = load_math(write_lines(tmp_path / "m.jsonl", [row]))
+    assert records == [] and records.skipped == 1 and "field 'type'" in records.errors[0][1]
+
+
+def test_a_directory_given_as_the_data_file_is_named_as_one(tmp_path):
+    with pytest.raises(IsADirectoryError, match=r"GSM8K file .* is a directory; expected a JSONL"):
+        load_gsm8k(tmp_path)
