@@ -1,26 +1,47 @@
-"""Orbax checkpoints of the TrainState plus JSON host state, restorable onto any learner mesh.
+"""Orbax checkpoints of the TrainState plus JSON host state, verified, restorable onto any mesh.
 
     ckpt = Checkpointer("/tmp/run/ckpt", max_to_keep=3)
     ckpt.save(step, learner.state, {"round": r, "data": iterator.get_state()})
     state, meta = ckpt.restore(abstract_state=learner.state, shardings=learner.shardings)
 
 A step directory holds `state` (the TrainState arrays; typed PRNG keys as their uint32 key data),
-`prng` (JSON: each key leaf's implementation, to re-wrap the data) and `meta` (JSON: the caller's
-host state: round, policy version, data iterator state, queues). `save` is asynchronous: it returns
-once the arrays are copied off the devices (the step may donate them next); `wait` blocks until the
-files are written.
+`prng` (JSON: each key leaf's implementation, to re-wrap the data), `meta` (JSON: the caller's
+host state: round, policy version, data iterator state, queues) and `checksums.json`: the size and
+SHA-256 of every file of the step, written last, once orbax has finished the step. `save` is
+asynchronous: it returns once the arrays are copied off the devices (the step may donate them
+next); `wait` blocks until the files and the checksums are written. `save` refuses a state holding
+NaN/inf.
+
+`restore` verifies a step before orbax reads it. A step with no checksums.json (a save that did not
+finish: killed, or an empty directory), a missing or truncated file, or a file whose checksum
+differs (a flipped bit) is damaged: `restore()` of the latest step logs one line naming the step
+and the file, moves the step to `<directory>/damaged/` and falls back to the newest intact step
+(older steps are kept for this reason); with `strict=True`, or for an explicit step, it raises
+`CheckpointDamagedError` with that line instead.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import hashlib
 import json
 import os
+import shutil
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from absl import logging
 
 from learner.state import TrainState
+
+CHECKSUMS = "checksums.json"  # in each step directory: {"files": {relative path: [bytes, sha256]}}
+DAMAGED = "damaged"  # damaged steps are moved to <directory>/damaged/<step>
+
+
+class CheckpointDamagedError(ValueError):
+    """A checkpoint step is incomplete or corrupt; the message names the step and the file."""
 
 
 def _is_key(x: Any) -> bool:
@@ -38,6 +59,68 @@ def _json_safe(x: Any) -> bool:
 def _path_str(path: tuple[Any, ...]) -> str:
     """A tree path as "params/layers/0/mlp/up/value" (dict keys, attribute names, indices)."""
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(step_dir: str) -> list[str]:
+    """Every file under `step_dir` (relative, "/"-separated), the checksums file excepted."""
+    out = []
+    for root, _, names in os.walk(step_dir):
+        for name in names:
+            rel = os.path.relpath(os.path.join(root, name), step_dir).replace(os.sep, "/")
+            if rel != CHECKSUMS:
+                out.append(rel)
+    return sorted(out)
+
+
+def write_checksums(step_dir: str) -> None:
+    """Writes `step_dir/checksums.json`: size and SHA-256 of each file (atomically, last)."""
+    files = {}
+    for rel in _files(step_dir):
+        path = os.path.join(step_dir, rel)
+        files[rel] = [os.path.getsize(path), _sha256(path)]
+    tmp = os.path.join(step_dir, CHECKSUMS + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"files": files}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(step_dir, CHECKSUMS))
+
+
+def verify_checksums(step_dir: str) -> str | None:
+    """What is wrong with a saved step ("state/d/0a1b: 12 bytes; expected 209"), or None if intact."""
+    manifest = os.path.join(step_dir, CHECKSUMS)
+    if not os.path.isfile(manifest):
+        return f"{CHECKSUMS} is missing (its save did not finish)"
+    try:
+        with open(manifest, encoding="utf-8") as f:
+            files = json.load(f)["files"]
+        items = [(str(rel), int(size), str(digest)) for rel, (size, digest) in files.items()]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{CHECKSUMS} is unreadable ({type(e).__name__}: {e})"
+    for rel, size, digest in items:
+        path = os.path.join(step_dir, rel)
+        if not os.path.isfile(path):
+            return f"{rel} is missing"
+        got = os.path.getsize(path)
+        if got != size:
+            return f"{rel} has {got} bytes; expected {size}"
+        if _sha256(path) != digest:
+            return f"{rel} does not match its checksum (the file changed after the save)"
+    return None
+
+
+@jax.jit
+def _finite_leaves(arrays: Any) -> jax.Array:
+    leaves = [x for x in jax.tree.leaves(arrays) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves] or [jnp.bool_(True)])
 
 
 def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
@@ -67,6 +150,12 @@ class Checkpointer:
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save
         )
         self._mngr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._async = async_save
+        # One worker finishes each save: waits for orbax, then writes the step's checksums. Every
+        # other method waits for it first, so one thread at a time uses the manager.
+        self._finisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt")
+        self._pending: concurrent.futures.Future | None = None
+        self.damaged: list[tuple[int, str]] = []  # (step, what) found by the last restore
 
     def save(self, step: int, state: TrainState, meta: dict[str, Any]) -> None:
         """Starts saving `state` and the JSON-serialisable host data `meta` as checkpoint `step`.
@@ -80,6 +169,7 @@ class Checkpointer:
         Raises:
           TypeError: `meta` is not a JSON-serialisable dict (names the offending keys).
           ValueError: `step` is not above the latest saved step.
+          FloatingPointError: `state` holds NaN/inf (names the first such leaf); nothing is saved.
         """
         if not isinstance(meta, dict):
             raise TypeError(f"Checkpoint meta must be a dict; received {type(meta).__name__}.")
@@ -92,54 +182,135 @@ class Checkpointer:
         leaves = jax.tree_util.tree_flatten_with_path(state)[0]
         impls = {_path_str(p): str(jax.random.key_impl(x)) for p, x in leaves if _is_key(x)}
         arrays = jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
+        finite = jax.device_get(_finite_leaves(arrays))
+        if not finite.all():
+            names = [_path_str(p) for p, x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+            raise FloatingPointError(
+                f"Checkpoint step {step} was not saved: {names[int(finite.argmin())]} holds "
+                "NaN/inf; expected finite values."
+            )
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(arrays),
             prng=ocp.args.JsonSave(impls),
             meta=ocp.args.JsonSave(meta),
         )
+        self._finish_pending()
         latest = self._mngr.latest_step()
         if not self._mngr.save(int(step), args=args):
             raise ValueError(
                 f"Checkpoint step {step} was not saved: steps must increase, and "
                 f"{self.directory} already holds step {latest}."
             )
+        if self._async:
+            self._pending = self._finisher.submit(self._finish, int(step))
+        else:
+            self._finish(int(step))
+
+    def _finish(self, step: int) -> None:
+        """Waits until orbax has written `step`, then writes its checksums."""
+        self._mngr.wait_until_finished()
+        write_checksums(self._step_dir(step))
+
+    def _finish_pending(self) -> None:
+        """Waits for the save in flight, if any; re-raises its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
 
     def latest_step(self) -> int | None:
-        """The newest finished checkpoint's step, or None when there is none."""
+        """The newest checkpoint's step (not verified: see `restore`), or None when there is none."""
+        self._finish_pending()
         return self._mngr.latest_step()
 
     def all_steps(self) -> list[int]:
-        """Steps of all finished checkpoints, oldest first."""
+        """Steps of all checkpoints orbax lists (not verified), oldest first."""
+        self._finish_pending()
         return sorted(self._mngr.all_steps())
 
+    def verify(self, step: int) -> str | None:
+        """What is wrong with checkpoint `step` (the file and how), or None if it is intact."""
+        self._finish_pending()
+        return verify_checksums(self._step_dir(step))
+
+    def _newest_intact(self, step: int | None, strict: bool) -> int:
+        """The step to restore: `step` if intact, else (step None) the newest intact one."""
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"No checkpoint found in {self.directory}.")
+        if step is not None and int(step) not in steps:
+            raise FileNotFoundError(
+                f"No checkpoint for step {step} in {self.directory}; available steps: {steps}."
+            )
+        self.damaged = []
+        for s in [int(step)] if step is not None else reversed(steps):
+            problem = verify_checksums(self._step_dir(s))
+            if problem is None:
+                break
+            where = f"Checkpoint step {s} in {self.directory} is damaged: {problem}"
+            if step is not None or strict:
+                raise CheckpointDamagedError(
+                    f"{where}; expected an intact step"
+                    + ("" if step is not None else " (resume is strict: no fall-back)")
+                    + "."
+                )
+            self.damaged.append((s, problem))
+            moved = self._quarantine(s)
+            logging.warning("%s; moved it to %s and falling back to an older step.", where, moved)
+        else:
+            raise CheckpointDamagedError(
+                f"No intact checkpoint in {self.directory}: every step was damaged ("
+                + "; ".join(f"step {s}: {p}" for s, p in self.damaged)
+                + f"; moved to {os.path.join(self.directory, DAMAGED)}). Expected at least one "
+                "intact step; start a fresh run in another workdir, or with overwrite."
+            )
+        if self.damaged:
+            self._mngr.reload()  # orbax forgets the moved steps; saves continue after step s
+        return s
+
+    def _quarantine(self, step: int) -> str:
+        """Moves a damaged step out of orbax's sight, to <directory>/damaged/<step>[.n]."""
+        target = os.path.join(self.directory, DAMAGED, str(step))
+        n = 1
+        while os.path.exists(target):
+            target = os.path.join(self.directory, DAMAGED, f"{step}.{n}")
+            n += 1
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.move(self._step_dir(step), target)
+        return target
+
     def restore(
-        self, step: int | None = None, *, abstract_state: TrainState, shardings: TrainState
+        self,
+        step: int | None = None,
+        *,
+        abstract_state: TrainState,
+        shardings: TrainState,
+        strict: bool = False,
     ) -> tuple[TrainState, dict[str, Any]]:
-        """Restores checkpoint `step` (default: the latest) onto `shardings`.
+        """Restores checkpoint `step` (default: the newest intact one) onto `shardings`.
 
         Args:
-          step: the checkpoint to restore; None for the latest.
+          step: the checkpoint to restore; None for the newest intact one (damaged newer steps
+            are logged, moved to <directory>/damaged/ and listed in `self.damaged`).
           abstract_state: a TrainState of arrays or ShapeDtypeStructs giving the expected
             structure, shapes and dtypes (e.g. `jax.eval_shape` of the initial state).
           shardings: a TrainState of shardings to place the arrays on; the mesh may differ from
             the one the checkpoint was saved from.
+          strict: with step None, a damaged newest step raises instead of falling back.
 
         Returns:
           (state, meta): the TrainState on `shardings` and the host data given to `save`.
 
         Raises:
           FileNotFoundError: `directory` holds no checkpoint, or none for `step`.
+          CheckpointDamagedError: `step` (or, strict, the newest step) is damaged, or no step
+            is intact; names the step and the file.
           ValueError: the saved arrays do not match `abstract_state` (path and shapes named).
         """
         self.wait()
-        steps = self.all_steps()
-        if not steps:
-            raise FileNotFoundError(f"No checkpoint found in {self.directory}.")
-        step = steps[-1] if step is None else int(step)
-        if step not in steps:
-            raise FileNotFoundError(
-                f"No checkpoint for step {step} in {self.directory}; available steps: {steps}."
-            )
+        step = self._newest_intact(step, strict)
         leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
         shard_leaves = treedef.flatten_up_to(shardings)
         data = jax.tree.map(
@@ -191,9 +362,14 @@ class Checkpointer:
             )
 
     def wait(self) -> None:
-        """Blocks until every started save is written."""
+        """Blocks until every started save is written, its checksums included."""
+        self._finish_pending()
         self._mngr.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for pending saves and releases the manager's resources."""
-        self._mngr.close()
+        """Waits for pending saves (checksums included) and releases the manager's resources."""
+        try:
+            self._finish_pending()
+        finally:
+            self._finisher.shutdown()
+            self._mngr.close()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from learner.checkpoint import Checkpointer
+from learner.checkpoint import CheckpointDamagedError, Checkpointer
 from learner.config import LearnerConfig, OptimizerConfig
 from learner.learner import Learner
 from learner.mesh import MeshConfig, make_meshes
@@ -249,6 +249,139 @@ def test_async_saves_keep_max_to_keep_and_bad_saves_are_refused(tmp_path):
     with pytest.raises(TypeError, match=r"JSON-serialisable.*\['queue'\]"):
         ckpt.save(5, _small_state(5), {"round": 5, "queue": b"bytes"})
     ckpt.close()
+
+
+def _data_files(step_dir: pathlib.Path) -> list[pathlib.Path]:
+    """The step's array data files (orbax ocdbt chunks), largest first."""
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    return sorted(files, key=lambda p: -p.stat().st_size)
+
+
+def _truncate(step_dir):
+    f = _data_files(step_dir)[0]
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    return f"{f.relative_to(step_dir)} has {f.stat().st_size} bytes; expected"
+
+
+def _empty(step_dir):
+    f = _data_files(step_dir)[0]
+    f.write_bytes(b"")
+    return f"{f.relative_to(step_dir)} has 0 bytes; expected"
+
+
+def _flip_bit(step_dir):
+    f = _data_files(step_dir)[0]
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    f.write_bytes(bytes(data))
+    return f"{f.relative_to(step_dir)} does not match its checksum"
+
+
+def _truncate_meta(step_dir):
+    f = step_dir / "meta" / "metadata"
+    f.write_text(f.read_text()[:3])
+    return "meta/metadata has 3 bytes; expected"
+
+
+def _remove_state(step_dir):
+    import shutil
+
+    shutil.rmtree(step_dir / "state")
+    return "state/"  # the first file of state/ in the manifest is named missing
+
+
+DAMAGE = {
+    "data_file_truncated": _truncate,
+    "data_file_emptied": _empty,
+    "bit_flipped": _flip_bit,
+    "meta_truncated": _truncate_meta,
+    "state_dir_removed": _remove_state,
+}
+
+
+def _saved_steps(directory, steps=(1, 2, 3)) -> None:
+    ckpt = Checkpointer(directory, max_to_keep=3, async_save=True)
+    for step in steps:
+        ckpt.save(step, _small_state(step), {"round": step})
+    ckpt.close()
+
+
+def _small_abstract():
+    abstract = jax.eval_shape(lambda: _small_state(0))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return abstract, jax.tree.map(lambda _: device, abstract)
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_damaged_newest_step_falls_back_to_the_newest_intact_one(tmp_path, kind, monkeypatch):
+    from learner import checkpoint
+
+    _saved_steps(tmp_path)
+    named = DAMAGE[kind](tmp_path / "3")
+    warnings = []
+    monkeypatch.setattr(checkpoint.logging, "warning", lambda *a: warnings.append(a[0] % a[1:]))
+    abstract, shardings = _small_abstract()
+    ckpt = Checkpointer(tmp_path, max_to_keep=3)
+    state, meta = ckpt.restore(abstract_state=abstract, shardings=shardings)
+    assert meta == {"round": 2}
+    _assert_equal(_host(state), _host(_small_state(2)))
+    [(step, problem)] = ckpt.damaged
+    assert step == 3 and named in problem
+    [line] = warnings  # one line naming the step and the file
+    assert f"Checkpoint step 3 in {tmp_path} is damaged: {problem}" in line and "\n" not in line
+    assert (tmp_path / "damaged" / "3").is_dir() and not (tmp_path / "3").exists()
+    ckpt.save(3, _small_state(3), {"round": 3})  # the run goes on from step 2
+    ckpt.close()
+    assert Checkpointer(tmp_path).verify(3) is None
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_damaged_newest_step_with_strict_resume_stops_naming_step_and_file(tmp_path, kind):
+    _saved_steps(tmp_path)
+    named = DAMAGE[kind](tmp_path / "3")
+    abstract, shardings = _small_abstract()
+    with pytest.raises(CheckpointDamagedError, match="Checkpoint step 3 in .* is damaged: ") as e:
+        Checkpointer(tmp_path).restore(abstract_state=abstract, shardings=shardings, strict=True)
+    assert named in str(e.value) and "\n" not in str(e.value)
+    assert (tmp_path / "3").is_dir()  # strict: nothing is moved
+
+
+def test_empty_step_directory_left_by_a_crash_is_skipped(tmp_path):
+    _saved_steps(tmp_path, steps=(1, 2))
+    (tmp_path / "3").mkdir()  # what a crash during a save can leave
+    abstract, shardings = _small_abstract()
+    ckpt = Checkpointer(tmp_path)
+    state, meta = ckpt.restore(abstract_state=abstract, shardings=shardings)
+    assert meta == {"round": 2}
+    assert ckpt.damaged == [(3, "checksums.json is missing (its save did not finish)")]
+    ckpt.close()
+
+
+def test_every_step_damaged_or_an_explicit_damaged_step_is_an_error(tmp_path):
+    _saved_steps(tmp_path, steps=(1, 2))
+    _flip_bit(tmp_path / "2")
+    abstract, shardings = _small_abstract()
+    with pytest.raises(CheckpointDamagedError, match=r"Checkpoint step 2 in .* is damaged: state/"):
+        Checkpointer(tmp_path).restore(2, abstract_state=abstract, shardings=shardings)
+    _truncate_meta(tmp_path / "1")
+    with pytest.raises(
+        CheckpointDamagedError, match=r"No intact checkpoint in .*step 2: .*step 1: meta/"
+    ):
+        Checkpointer(tmp_path).restore(abstract_state=abstract, shardings=shardings)
+
+
+def test_a_state_with_nan_is_never_saved(tmp_path):
+    bad = TrainState(
+        params={"w": jnp.full((4, 2), jnp.inf)},
+        opt_state=(jnp.zeros(3),),
+        step=jnp.asarray(1, jnp.int32),
+        rng=jax.random.key(1),
+    )
+    ckpt = Checkpointer(tmp_path)
+    with pytest.raises(FloatingPointError, match=r"step 1 was not saved: params/w holds NaN/inf"):
+        ckpt.save(1, bad, {})
+    ckpt.close()
+    assert not (tmp_path / "1").exists()
 
 
 if __name__ == "__main__":

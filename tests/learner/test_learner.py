@@ -308,9 +308,12 @@ def test_update_that_overflows_the_parameters_is_not_applied_and_names_the_leaf(
         LearnerConfig(micro_batch_rows=4, optimizer=OptimizerConfig(lr=1e39)),
         mesh=_single_mesh(),
     )
+
     def host(state):
         return [
-            np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+            np.asarray(
+                jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+            )
             for x in jax.tree.leaves(state)
         ]
 
