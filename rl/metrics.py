@@ -29,8 +29,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
 import sys
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -158,17 +160,107 @@ def _finite_or_none(key: str, value: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def _prefix_of(tag: str) -> str:
+    return tag.split("/", 1)[0] if "/" in tag else ""
+
+
+def _kept(prefix: str, step: int, upto: Mapping[str, int]) -> bool:
+    return prefix in upto and step <= upto[prefix]
+
+
+def _rewind_jsonl(path: str, upto: Mapping[str, int] | None) -> dict[str, int]:
+    """Rewrites `path` without the rows `upto` rules out (and any half-written line).
+
+    Returns the last step of each prefix among the rows kept.
+    """
+    if not os.path.exists(path):
+        return {}
+    kept, last, changed = [], {}, False
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+                prefix, step = str(row["prefix"]), int(row["step"])
+            except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+                changed = True
+                continue
+            if upto is not None and not _kept(prefix, step, upto):
+                changed = True
+                continue
+            kept.append(line if line.endswith("\n") else line + "\n")
+            last[prefix] = max(step, last.get(prefix, step))
+    if changed:
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+    return last
+
+
+def _rewind_tensorboard(logdir: str, upto: Mapping[str, int]) -> None:
+    """Drops the scalar events `upto` rules out from the event files under `logdir`, in place.
+
+    Event files are TFRecord files: per record, a uint64 length, a uint32 CRC of it, the Event
+    proto and a uint32 CRC of that. Kept records are copied byte for byte (CRCs unchanged); a
+    record cut short by a kill is dropped.
+    """
+    from tensorboardX.proto import event_pb2
+
+    if not os.path.isdir(logdir):
+        return
+    for root, _, names in os.walk(logdir):
+        for name in names:
+            if "tfevents" not in name:
+                continue
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                data = f.read()
+            out, pos, changed = [], 0, False
+            while pos < len(data):
+                if pos + 12 > len(data):
+                    changed = True
+                    break
+                (n,) = struct.unpack("<Q", data[pos : pos + 8])
+                end = pos + 12 + n + 4
+                if end > len(data):
+                    changed = True
+                    break
+                event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + n])
+                tags = [v.tag for v in event.summary.value]
+                if tags and not _kept(_prefix_of(tags[0]), event.step, upto):
+                    changed = True
+                else:
+                    out.append(data[pos:end])
+                pos = end
+            if changed:
+                with open(path + ".tmp", "wb") as f:
+                    f.writelines(out)
+                os.replace(path + ".tmp", path)
+
+
 class MetricsWriter:
     """Writes metrics to workdir/metrics.jsonl, TensorBoard (workdir/tb) and stdout.
 
     writer = MetricsWriter(workdir)
     bar = writer.progress(total=R, desc=f"round {r}")  # bar.update(1) per group, bar.close()
     writer.write(step, {"round": r, "loss": 0.1, **round_metrics(...)}, prefix="train")
+    meta["metrics"] = writer.last_steps  # saved with a checkpoint ...
+    writer = MetricsWriter(workdir, rewind_to=meta["metrics"])  # ... and the log cut back to it
     writer.close()
+
+    Steps increase within a prefix ("train": rounds, "sft": SFT steps). A run resumed from a
+    checkpoint passes the `last_steps` saved with it as `rewind_to`: rows written after the
+    checkpoint (rounds that will run again) are removed from metrics.jsonl and TensorBoard, so every
+    step has exactly one row.
     """
 
     def __init__(
-        self, workdir: str | os.PathLike, *, tensorboard: bool = True, stdout: bool = True
+        self,
+        workdir: str | os.PathLike,
+        *,
+        tensorboard: bool = True,
+        stdout: bool = True,
+        rewind_to: Mapping[str, int] | None = None,
     ) -> None:
         """Opens the outputs (creates workdir; appends to an existing metrics.jsonl).
 
@@ -176,17 +268,28 @@ class MetricsWriter:
           workdir: directory for metrics.jsonl and tb/.
           tensorboard: log scalars with tensorboardX.
           stdout: print a one-line summary per write and show progress bars.
+          rewind_to: prefix -> last step to keep: rows of other prefixes or later steps are
+            removed from metrics.jsonl and the TensorBoard event files first. None: keep all.
         """
         os.makedirs(workdir, exist_ok=True)
         self.workdir = os.fspath(workdir)
         self.stdout = stdout
         self._lock = threading.Lock()
-        self._jsonl = open(os.path.join(self.workdir, "metrics.jsonl"), "a", encoding="utf-8")
+        jsonl = os.path.join(self.workdir, "metrics.jsonl")
+        upto = None if rewind_to is None else {str(k): int(v) for k, v in rewind_to.items()}
+        self._last = _rewind_jsonl(jsonl, upto)
+        if upto is not None:
+            _rewind_tensorboard(os.path.join(self.workdir, "tb"), upto)
+        self._jsonl = open(jsonl, "a", encoding="utf-8")
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(self.workdir, "tb"))
+            # A unique suffix: event files are named by the second, and a resumed run's writer
+            # must not truncate the file of a run that ended within the same second.
+            self._tb = SummaryWriter(
+                os.path.join(self.workdir, "tb"), filename_suffix=f".{time.time_ns()}"
+            )
 
     def write(self, step: int, metrics: Mapping[str, float], prefix: str = "") -> None:
         """Appends one JSON line, logs TensorBoard scalars ("prefix/key"), prints a summary.
@@ -204,6 +307,7 @@ class MetricsWriter:
         with self._lock:
             self._jsonl.write(line + "\n")
             self._jsonl.flush()
+            self._last[prefix] = max(int(step), self._last.get(prefix, int(step)))
             if self._tb is not None:
                 for k, v in values.items():
                     if v is not None:
@@ -213,6 +317,12 @@ class MetricsWriter:
             from tqdm import tqdm
 
             tqdm.write(self.summary(step, values, prefix), file=sys.stdout)
+
+    @property
+    def last_steps(self) -> dict[str, int]:
+        """Prefix -> the last step written (this run and the rows kept from before it)."""
+        with self._lock:
+            return dict(self._last)
 
     @staticmethod
     def summary(step: int, values: Mapping[str, float | None], prefix: str = "") -> str:
