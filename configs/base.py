@@ -81,7 +81,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # timeline.png draws the last N rounds, where the bubble is visible (0: the whole run);
     # timeline.json (Perfetto) always holds the whole run.
     config.timeline_rounds = 3
-    config.resume = True  # continue from the newest checkpoint in workdir/ckpt if there is one
+    config.resume = True  # continue from the newest intact checkpoint in workdir/ckpt, if any
+    config.resume_strict = False  # a damaged newest checkpoint stops the run (no fall-back)
+    # A fresh run into a workdir holding a previous run's results (summary.json, metrics.jsonl,
+    # tb/, ckpt/, pictures) replaces them only with overwrite; otherwise it stops before any work.
+    config.overwrite = False
     config.task = ml_collections.ConfigDict()
     config.task.name = "addition"  # addition | countdown (synthetic) | gsm8k | math (local JSONL)
     config.task.digits = 3  # addition: operands of up to this many digits

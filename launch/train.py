@@ -3,15 +3,25 @@
 Runs `config.rounds` RL rounds through the pipelined driver (rl.run.train), writing metrics.jsonl,
 TensorBoard logs and the timeline (timeline.json for Perfetto, timeline.png) to config.workdir.
 `--check_model` instead builds the model and runs one forward pass and a short greedy decode.
+
+The whole config is checked first (rl.config_check), before anything is built or written. The
+console shows the progress bars, one metrics line per round and the final table; library logging
+goes to workdir/run.log. A run that stops on bad input (a config field, a data file, a damaged
+checkpoint, a NaN, stuck reward calls) prints one `launch.train: ...` line and exits 1; its
+traceback is in run.log, and `--verbose` prints it (and the library logging) on the console.
 """
 
+import importlib.util
 import os
 import sys
+import traceback
 
 from absl import app, flags
 from ml_collections import config_flags
 
 import configs
+from rl.config_check import ConfigError, check_config, closest_field
+from rl.logs import log_file, quiet_console, to_file_only
 from rl.models.summary import summarize
 from rl.run import train
 
@@ -24,12 +34,62 @@ _CONFIG = config_flags.DEFINE_config_file(
 _CHECK = flags.DEFINE_bool(
     "check_model", False, "Only check the model: size, forward, greedy decode."
 )
+_VERBOSE = flags.DEFINE_bool(
+    "verbose", False, "Print library logging and the traceback of an error on the console."
+)
+# What stops a run with one line: bad input or a guarded failure (the message says what).
+_STOPS = (ValueError, OSError, FloatingPointError, RuntimeError)
+
+
+def _config_file(argv: list[str]) -> object:
+    """The config the --config flag names (default configs/default.py), without its overrides."""
+    spec = os.path.join(os.path.dirname(configs.__file__), "default.py")
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            spec = arg.split("=", 1)[1]
+        elif arg == "--config" and i + 1 < len(argv):
+            spec = argv[i + 1]
+    path, _, config_arg = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location("_launch_config", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(config_arg or None)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing; a bad flag or config field is one line (a typo names the closest)."""
+    try:
+        return flags.FLAGS(argv)
+    except (AttributeError, KeyError) as e:  # ml_collections: an override of a missing field
+        message = f"{type(e).__name__}: {e}"
+        try:
+            config = _config_file(argv)
+            for arg in argv[1:]:
+                if arg.startswith("--config.") and (
+                    found := closest_field(config, arg[len("--config.") :].split("=", 1)[0])
+                ):
+                    message = f"{arg}: {found}"
+                    break
+        except Exception as inner:  # the config file itself is broken: say that instead
+            message = f"{type(inner).__name__}: {inner}"
+    except (flags.Error, ValueError, TypeError, OSError) as e:
+        message = str(e)
+    sys.exit(f"launch.train: {message}")
 
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    config = _CONFIG.value
+    quiet_console(verbose=_VERBOSE.value)  # library logging is held back for workdir/run.log
+    try:
+        config = _CONFIG.value
+    except Exception as e:  # the config file raised (e.g. an unknown :arg)
+        sys.exit(f"launch.train: {type(e).__name__}: {e}")
+    if not _CHECK.value:
+        try:
+            check_config(config)  # every field, before anything is built or written
+        except ConfigError as e:
+            sys.exit(f"launch.train: {e}")
     try:
         if _CHECK.value:
             s = summarize(config)
@@ -46,8 +106,16 @@ def main(argv: list[str]) -> None:
             print(f"done in {s['seconds']:.1f} s")
             return
         summary = train(config)
-    except (ValueError, FileNotFoundError) as e:  # bad config or input: the message says what
-        sys.exit(f"launch.train: {e}")
+    except _STOPS as e:  # the message says what was received and what was expected
+        if _CHECK.value:
+            sys.exit(f"launch.train: {e}")
+        to_file_only(f"launch.train stopped:\n{traceback.format_exc()}")
+        if _VERBOSE.value:
+            traceback.print_exc()
+        where = f"traceback in {log_file()}" if log_file() else "--verbose prints the traceback"
+        sys.exit(
+            f"launch.train: {str(e).strip() or type(e).__name__} [{type(e).__name__}; {where}]"
+        )
     if not summary["rounds"]:
         print(
             f"nothing to run: the checkpoint in {config.workdir} is at round "
@@ -89,11 +157,17 @@ def main(argv: list[str]) -> None:
     ]
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+    pictures = ", ".join(summary[k] for k in ("gantt", "learning_curve") if k in summary)
     print(
         f"wrote {config.workdir}/summary.json, {summary['metrics']}, {summary['timeline']} "
-        f"(Perfetto), {summary['gantt']}"
+        f"(Perfetto), {pictures}; library log: {log_file()}"
     )
 
 
+def cli() -> None:
+    """Runs main() under absl with one-line flag errors (python -m launch.train)."""
+    app.run(main, flags_parser=_parse_flags)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    cli()

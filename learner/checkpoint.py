@@ -61,6 +61,17 @@ def _path_str(path: tuple[Any, ...]) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
+def saved_steps(directory: str | os.PathLike) -> list[int]:
+    """Step directories under `directory` (finished or not, unverified), without opening orbax."""
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(
+        int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n))
+    )
+
+
 def _sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from typing import Any
 
 import jax
 import numpy as np
 
+from rl.config_check import check_config
 from rl.curves import read_metrics, write_learning_curve_png
 from rl.driver import Driver, driver_config_from
 from rl.evaluate import evaluate
+from rl.logs import flush_held_to
 from rl.metrics import MetricsWriter
 from rl.models.build import build_model
 from rl.models.sharding import normalize_rules
@@ -25,6 +28,52 @@ from rl.rewards import RewardRunner, get_reward
 from rl.tasks.data import DataConfig, data_config_from, load_task
 from rl.tasks.pipeline import prompt_dataset
 from rl.types import SamplingParams
+
+# What a run writes into its workdir; a fresh run replaces them only with config.overwrite.
+RESULTS = (
+    "summary.json",
+    "metrics.jsonl",
+    "tb",
+    "ckpt",
+    "timeline.json",
+    "timeline.png",
+    "learning_curve.png",
+)
+
+
+def _prepare_workdir(config: Any) -> bool:
+    """Decides whether the run resumes; a fresh run never silently replaces earlier results.
+
+    Returns:
+      True to resume from workdir/ckpt (config.resume, not config.overwrite, a checkpoint there).
+
+    Raises:
+      ValueError: a fresh run, without config.overwrite, into a workdir holding a previous run's
+        results (named); nothing is changed.
+    """
+    from learner.checkpoint import saved_steps
+
+    workdir = config.workdir
+    if config.resume and not config.get("overwrite", False):
+        if saved_steps(os.path.join(workdir, "ckpt")):
+            return True
+    found = [
+        name
+        for name in RESULTS
+        if os.path.isfile(os.path.join(workdir, name))
+        or (os.path.isdir(os.path.join(workdir, name)) and os.listdir(os.path.join(workdir, name)))
+    ]
+    if found and not config.get("overwrite", False):
+        why = "no checkpoint to resume from" if config.resume else "config.resume is False"
+        raise ValueError(
+            f"{workdir} holds a previous run's results ({', '.join(found)}) and {why}; expected "
+            "an empty workdir: pass --config.overwrite=True to replace them, or another "
+            "--config.workdir."
+        )
+    for name in found:  # overwrite: a fresh run starts from an empty workdir
+        path = os.path.join(workdir, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    return False
 
 
 def _reward_counts(runner: RewardRunner, seen: dict[str, int]) -> dict[str, float]:
@@ -97,7 +146,8 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     from sampler.engine import Engine, EngineConfig
 
     start = time.perf_counter()
-    data_cfg = data_config_from(config)  # checks the task and data fields before any work
+    check_config(config)  # every field, before anything is built or written (rl/config_check.py)
+    data_cfg = data_config_from(config)
     rules = normalize_rules(config.sharding_rules)
     learner_mesh, sampler_mesh = make_meshes(MeshConfig(**config.mesh))
     tokenizer = tokenizer_from(config)
@@ -108,6 +158,8 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
         tokenizer,
         max_prompt_tokens=max(1, min(config.engine.max_prefill_length, max_prompt)),
     )
+    resume = _prepare_workdir(config)  # the config and data are good: the workdir may change now
+    flush_held_to(os.path.join(config.workdir, "run.log"))  # launch.train: library logging
     # Local HF weights (config.model.hf_path) or a fresh init, placed directly on the learner mesh.
     model = build_model(config.model, seed=config.seed, mesh=learner_mesh, rules=rules)
     if tokenizer.vocab_size > model.config.vocab_size:
@@ -149,19 +201,25 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     reward_seen: dict[str, int] = {}
     os.makedirs(config.workdir, exist_ok=True)
     ckpt = Checkpointer(os.path.join(config.workdir, "ckpt"))
-    first_round, version, planner_state = 0, 0, None
-    if config.resume and ckpt.latest_step() is not None:
+    first_round, version, planner_state, logged = 0, 0, None, None
+    if resume:  # the newest intact checkpoint; a damaged newer one is reported and set aside
         learner.state, meta = ckpt.restore(
-            abstract_state=learner.state, shardings=learner.shardings
+            abstract_state=learner.state,
+            shardings=learner.shardings,
+            strict=config.get("resume_strict", False),
         )
         first_round, version = meta["round"], meta["version"]
         prompts.set_state(meta["data"])
         planner_state = meta["planner"]
-    if first_round == 0:  # a fresh run starts its own metrics log
-        for name in ("metrics.jsonl", "summary.json"):
-            if os.path.exists(os.path.join(config.workdir, name)):
-                os.remove(os.path.join(config.workdir, name))
-    writer = MetricsWriter(config.workdir, stdout=stdout)
+        logged = meta.get("metrics", {"train": first_round - 1, "sft": 2**31})
+        if first_round >= config.rounds:  # a finished run: nothing to run, nothing rewritten
+            ckpt.close()
+            reward.close()
+            eval_reward.close()
+            return {"rounds": [], "first_round": first_round, "state": learner.state}
+    # A resumed run cuts metrics.jsonl and TensorBoard back to its checkpoint: rounds run again
+    # after it get one row each.
+    writer = MetricsWriter(config.workdir, stdout=stdout, rewind_to=logged)
     heldout = data.heldout
     phases = {"setup_s": time.perf_counter() - start, "sft_s": 0.0, "eval_s": 0.0, "rl_s": 0.0}
 
@@ -224,6 +282,7 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
                     "version": driver.version,
                     "data": prompts.get_state(),
                     "planner": driver.planner.state_dict(),  # the long-prompt queue
+                    "metrics": writer.last_steps,  # where a resume cuts the metrics log back to
                 }
                 ckpt.save(r + 1, learner.state, meta)
     finally:

@@ -179,6 +179,20 @@ def _jsonl(
     return kept
 
 
+def _check_synthetic_lengths(
+    cfg: DataConfig, records: Sequence[Mapping[str, Any]], tokenizer: Tokenizer, limit: int
+) -> None:
+    """Every synthetic prompt must fit the engine (they are generated, so none is dropped)."""
+    longest, record = max(((len(cfg.render(r, tokenizer)), r) for r in records), key=lambda x: x[0])
+    if longest > limit:
+        raise ValueError(
+            f"The {cfg.task} task's prompts take up to {longest} tokens (e.g. "
+            f"{record['question']!r}), more than the {limit} the engine leaves for a prompt; "
+            f"expected config.engine.max_prefill_length >= {longest} and config.engine.max_length "
+            f">= {longest} + config.sampling.max_new_tokens."
+        )
+
+
 def _renumber(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [{**r, "id": i} for i, r in enumerate(records)]
 
@@ -196,13 +210,16 @@ def load_task(cfg: DataConfig, tokenizer: Tokenizer, *, max_prompt_tokens: int =
 
     Raises:
         ValueError: A malformed row with on_error="raise" (naming file:line), a file with no
-            usable row, or a held-out slice that leaves no training rows.
+            usable row, a held-out slice that leaves no training rows, or a synthetic prompt
+            longer than `max_prompt_tokens`.
         FileNotFoundError: A JSONL path that does not exist.
     """
     counts = dict.fromkeys(("skipped_malformed", "too_long", "non_numeric"), 0)
     if cfg.task in SYNTHETIC_TASKS:
         train = _synthetic(cfg, "train", cfg.train_size)
         heldout = _synthetic(cfg, "heldout", cfg.heldout_size)
+        if max_prompt_tokens:
+            _check_synthetic_lengths(cfg, train + heldout, tokenizer, max_prompt_tokens)
     else:
         train = _jsonl(cfg, cfg.train_path, tokenizer, max_prompt_tokens, counts)
         if cfg.heldout_path:

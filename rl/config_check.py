@@ -1,0 +1,300 @@
+"""One validation pass over a whole run config, before anything is built or written.
+
+    check_config(config)   # raises ConfigError naming every bad field, or returns None
+
+`rl.run.train` calls it first, and `launch.train` before anything else: every field the run reads
+is checked here (the typed configs' own checks, and the rules that tie fields together, such as a
+group fitting the engine's slots or a response fitting its cache), in about a second, with no
+compile, no data loaded, and nothing in the workdir touched. Each problem is one line naming the
+field, what it received and what it expects; a field that does not exist names the closest one.
+Known fields are those of configs/base.py and of the typed configs built from the sections.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+SYNTHETIC_TASKS = ("addition", "countdown")
+
+
+class ConfigError(ValueError):
+    """Bad config fields: `problems` holds one line per field."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        if len(self.problems) == 1:
+            message = self.problems[0]
+        else:
+            lines = "\n".join(f"  {p}" for p in self.problems)
+            message = f"{len(self.problems)} config fields are invalid:\n{lines}"
+        super().__init__(message)
+
+
+def _near(key: str, keys: list[str], where: str) -> str:
+    near = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
+    return f"did you mean {where}.{near[0]}?" if near else f"expected one of {sorted(keys)}."
+
+
+def closest_field(config: Any, path: str) -> str | None:
+    """For a dotted path that is not a field: "config.driver has no field 'mdoe'; did you mean ...".
+
+    Args:
+      config: a ConfigDict (or nested mappings).
+      path: e.g. "driver.mdoe".
+
+    Returns:
+      The message, or None when `path` is a field.
+    """
+    node, where = config, "config"
+    for key in path.split("."):
+        if not hasattr(node, "keys"):
+            return f"{where} is a {type(node).__name__}, not a section; it has no field {key!r}."
+        if key not in node:
+            return f"{where} has no field {key!r}; {_near(key, list(node.keys()), where)}"
+        node, where = node[key], f"{where}.{key}"
+    return None
+
+
+def _unknown_fields(config: Any, schema: Mapping[str, Any], where: str = "config") -> list[str]:
+    """One line per field of `config` that `schema` (nested dicts of known names) lacks."""
+    out = []
+    for key in config:
+        if key not in schema:
+            out.append(f"{where} has no field {key!r}; {_near(key, list(schema), where)}")
+        elif isinstance(schema[key], Mapping) and hasattr(config[key], "keys"):
+            out += _unknown_fields(config[key], schema[key], f"{where}.{key}")
+    return out
+
+
+def _schema() -> dict[str, Any]:
+    """Known field names: configs/base.py's fields and every field of the typed configs."""
+    from configs import base
+    from learner.config import LearnerConfig, OptimizerConfig
+    from learner.mesh import MeshConfig
+    from rl.driver import DriverConfig
+    from rl.losses import LossConfig
+    from rl.rounds import TailConfig
+    from rl.types import SamplingParams
+    from sampler.engine import EngineConfig
+
+    def names(cls: type, *drop: str) -> dict[str, Any]:
+        return {f.name: None for f in dataclasses.fields(cls) if f.name not in drop}
+
+    def tree(node: Any) -> Any:
+        return {k: tree(v) for k, v in node.items()} if hasattr(node, "items") else None
+
+    schema = tree(base.get_config())
+    typed = {
+        "driver": names(DriverConfig, "sampling", "epoch_size"),
+        "sampling": names(SamplingParams, "stop_token_ids"),
+        "engine": names(EngineConfig, "seed"),
+        "mesh": names(MeshConfig),
+        "learner": names(LearnerConfig),
+    }
+    for section, fields in typed.items():
+        schema[section] = {**fields, **schema.get(section, {})}
+    schema["driver"]["tail"] = {**names(TailConfig), **(schema["driver"].get("tail") or {})}
+    for sub, cls in (("optimizer", OptimizerConfig), ("loss", LossConfig)):
+        schema["learner"][sub] = {**names(cls), **(schema["learner"].get(sub) or {})}
+    return schema
+
+
+class _Problems:
+    """Collects one line per bad field; `build` runs a typed constructor and keeps its message."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def add(self, line: str) -> None:
+        self.lines.append(line)
+
+    def build(self, where: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except (ValueError, TypeError, OSError) as e:
+            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            self.add(text if text.startswith("config.") else f"config.{where}: {text}")
+            return None
+
+    def integer(self, section: Any, where: str, name: str, low: int, meaning: str) -> bool:
+        """`section[name]` must be an int >= low (absent: not checked); True if it is."""
+        if name not in section:
+            return True
+        value = section[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            self.add(f"config.{where}{name}={value!r}; expected an integer >= {low} ({meaning}).")
+            return False
+        return True
+
+    def positive(self, section: Any, where: str, name: str, meaning: str) -> None:
+        """`section[name]` must be a finite number > 0 (absent: not checked)."""
+        value = section.get(name, 1.0)
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if not (ok and math.isfinite(value) and value > 0):
+            self.add(f"config.{where}{name}={value!r}; expected a number > 0 ({meaning}).")
+
+
+def check_config(config: Any) -> None:
+    """Checks every field a run reads; see the module docstring.
+
+    Args:
+      config: the run's ConfigDict (configs/base.py lists every field).
+
+    Raises:
+      ConfigError: one line per bad field (what it received, what it expects).
+    """
+    from learner.config import learner_config_from
+    from learner.mesh import MeshConfig, make_meshes
+    from rl.driver import driver_config_from
+    from rl.models.build import model_config_from
+    from rl.models.config import DTYPES
+    from rl.models.sharding import normalize_rules
+    from rl.models.summary import tokenizer_from
+    from rl.rewards import get_reward
+    from rl.tasks.data import data_config_from
+    from rl.types import SamplingParams
+    from sampler.engine import EngineConfig
+
+    p = _Problems()
+    unknown = _unknown_fields(config, _schema())
+    for line in unknown:
+        p.add(line)
+    typo = {line.split(" has no field")[0].removeprefix("config.") for line in unknown}
+
+    def clean(*sections: str) -> bool:  # no misspelled field in these sections (or below)
+        return not any(t == s or t.startswith(s + ".") for t in typo for s in sections)
+
+    # Run-level fields.
+    p.integer(config, "", "rounds", 0, "RL rounds in total")
+    p.integer(config, "", "checkpoint_every", 0, "rounds between checkpoints; 0: never")
+    p.integer(config, "", "timeline_rounds", 0, "rounds drawn in timeline.png; 0: all")
+    seed = config.get("seed")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
+        p.add(f"config.seed={seed!r}; expected an integer in [0, 2**31).")
+        seed = 0
+    for name in ("resume", "resume_strict", "overwrite"):
+        if name in config and not isinstance(config[name], bool):
+            p.add(f"config.{name}={config[name]!r}; expected True or False.")
+    if not str(config.get("workdir") or "").strip():
+        p.add(f"config.workdir={config.get('workdir')!r}; expected a directory path.")
+    sampler_dtype = config.get("sampler_dtype", "")
+    if sampler_dtype and sampler_dtype not in DTYPES:
+        p.add(f"config.sampler_dtype={sampler_dtype!r}; expected one of {tuple(DTYPES)} or ''.")
+
+    # Task, data, model, tokenizer.
+    data = p.build("data", lambda: data_config_from(config)) if clean("data", "task") else None
+    p.build("sharding_rules", lambda: normalize_rules(config.sharding_rules))
+    model = p.build("model", lambda: model_config_from(config.model)) if clean("model") else None
+    tokenizer = p.build("tokenizer", lambda: tokenizer_from(config))
+    if tokenizer is not None and model is not None and tokenizer.vocab_size > model.vocab_size:
+        p.add(
+            f"config.tokenizer: its vocabulary ({tokenizer.vocab_size}) is larger than the "
+            f"model's vocab_size ({model.vocab_size}); expected the tokenizer of the same model."
+        )
+    p.build("task.reward", lambda: get_reward(config.task.reward))
+    p.positive(config.task, "task.", "reward_timeout_s", "seconds")
+    if config.task.get("name") in SYNTHETIC_TASKS:
+        p.integer(config.task, "task.", "train_size", 1, "synthetic training problems")
+        p.integer(config.task, "task.", "digits", 1, "operand digits")
+
+    # Sampling, engine, driver, learner, mesh: the typed configs' own checks.
+    sampling = engine = driver = learner = mesh = meshes = None
+    if clean("sampling"):
+        sampling = p.build("sampling", lambda: SamplingParams(**config.sampling))
+    if clean("engine"):
+        engine = p.build("engine", lambda: EngineConfig(**config.engine, seed=seed))
+    if sampling is not None and clean("driver"):
+        driver = p.build(
+            "driver", lambda: driver_config_from(config.driver, sampling=sampling, epoch_size=0)
+        )
+    if clean("learner"):
+        rounds = config.rounds if isinstance(config.get("rounds"), int) else 0
+        total = max(0, rounds) * (driver.updates_per_round if driver is not None else 1)
+        warmup = config.learner.get("optimizer", {}).get("warmup_steps", 0)
+        learner = p.build(
+            "learner",
+            lambda: learner_config_from(
+                config.learner,
+                total_updates=total or (warmup if isinstance(warmup, int) else 0) + 1,
+            ),
+        )
+    if clean("mesh"):
+        mesh = p.build("mesh", lambda: MeshConfig(**config.mesh))
+        meshes = p.build("mesh", lambda: make_meshes(mesh)) if mesh is not None else None
+
+    # Rules between sections.
+    if learner is not None and sampling is not None:
+        if sampling.temperature > 0 and learner.temperature != sampling.temperature:
+            p.add(
+                f"config.learner.temperature={learner.temperature} differs from "
+                f"config.sampling.temperature={sampling.temperature}; expected them equal (the "
+                "loss recomputes the sampler's log-probs)."
+            )
+    if engine is not None and driver is not None:
+        launched = math.ceil(driver.tail.response_eta * driver.group_size)
+        if launched > engine.max_slots:
+            what = f"config.driver.group_size={driver.group_size}" + (
+                f" x driver.tail.response_eta={driver.tail.response_eta}"
+                if launched > driver.group_size
+                else ""
+            )
+            p.add(
+                f"{what} ({launched} samples per group) exceeds config.engine.max_slots="
+                f"{engine.max_slots}; expected at most max_slots (a group is admitted whole)."
+            )
+    if engine is not None and sampling is not None:
+        caps = [("sampling.max_new_tokens", sampling.max_new_tokens)]
+        if driver is not None and driver.tail.long_max_new_tokens:
+            caps.append(("driver.tail.long_max_new_tokens", driver.tail.long_max_new_tokens))
+        for field, new in caps:
+            if new >= engine.max_length:
+                p.add(
+                    f"config.{field}={new} leaves no room for a prompt in config.engine."
+                    f"max_length={engine.max_length} (prompt + response); expected max_length > "
+                    f"{new}."
+                )
+    if engine is not None and model is not None:
+        if engine.max_length > model.max_position_embeddings:
+            p.add(
+                f"config.engine.max_length={engine.max_length} exceeds the model's "
+                f"max_position_embeddings ({model.max_position_embeddings}); expected at most that."
+            )
+    if meshes is not None:
+        learner_mesh, sampler_mesh = meshes
+        fsdp, data_axis = learner_mesh.shape["fsdp"], sampler_mesh.shape["data"]
+        if learner is not None and learner.micro_batch_rows % fsdp:
+            p.add(
+                f"config.learner.micro_batch_rows={learner.micro_batch_rows} is not divisible by "
+                f"the learner mesh's fsdp axis ({fsdp}); expected a multiple of {fsdp}."
+            )
+        if engine is not None and engine.max_slots % data_axis:
+            p.add(
+                f"config.engine.max_slots={engine.max_slots} is not divisible by the sampler "
+                f"mesh's data axis ({data_axis}); expected a multiple of {data_axis}."
+            )
+
+    # Warm start and evaluation.
+    sft = config.get("sft") or {}
+    if sft and p.integer(sft, "sft.", "max_steps", 0, "SFT warm-start steps; 0: none"):
+        if sft.get("max_steps", 0) > 0:
+            p.integer(sft, "sft.", "batch_size", 1, "sequences per SFT step")
+            p.integer(sft, "sft.", "eval_every", 1, "SFT steps between evaluations")
+            p.positive(sft, "sft.", "lr", "the SFT learning rate")
+            target = sft.get("target_accuracy", 0.0)
+            if not (isinstance(target, int | float) and 0 <= target <= 1):
+                p.add(f"config.sft.target_accuracy={target!r}; expected a number in [0, 1].")
+            size, batch = config.task.get("train_size", 0), sft.get("batch_size", 0)
+            synthetic = data is not None and data.task in SYNTHETIC_TASKS
+            if synthetic and isinstance(batch, int) and isinstance(size, int) and batch > size > 0:
+                p.add(
+                    f"config.sft.batch_size={batch} exceeds config.task.train_size={size}; "
+                    "expected at most the training problems."
+                )
+    if "eval" in config:
+        p.integer(config.eval, "eval.", "every_rounds", 0, "rounds between evaluations; 0: ends")
+    if p.lines:
+        raise ConfigError(p.lines)

@@ -1,0 +1,124 @@
+"""One validation pass over the whole config: every bad field named, before anything is built."""
+
+import glob
+import importlib
+import json
+import os
+
+import pytest
+
+import configs
+from configs import smoke
+from rl.config_check import ConfigError, check_config, closest_field
+
+NAMES = sorted(
+    os.path.splitext(os.path.basename(p))[0]
+    for p in glob.glob(os.path.join(os.path.dirname(configs.__file__), "*.py"))
+    if not p.endswith("__init__.py")
+)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_config_file_passes_with_its_smoke_arg(name, tmp_path):
+    config = importlib.import_module(f"configs.{name}").get_config("smoke")
+    if config.task.name in ("gsm8k", "math"):  # JSONL recipes name their data file
+        row = {"question": "1+1?", "answer": "#### 2", "problem": "1+1?", "solution": "\\boxed{2}"}
+        (tmp_path / "train.jsonl").write_text(json.dumps(row) + "\n")
+        config.data.train_path = str(tmp_path / "train.jsonl")
+    check_config(config)
+
+
+def test_every_bad_field_is_named_in_one_pass_with_received_and_expected():
+    config = smoke.get_config()
+    config.rounds = -1
+    config.checkpoint_every = -1
+    config.driver.group_size = 16  # > engine.max_slots = 8
+    config.sampling.max_new_tokens = 40  # >= engine.max_length = 32: no room for a prompt
+    config.engine.max_prefill_length = 16
+    config.sampling.temperature = 0.7  # learner.temperature is 1.0
+    config.sampler_dtype = "float8"
+    config.sft.eval_every = 0
+    with pytest.raises(ConfigError) as e:
+        check_config(config)
+    problems = e.value.problems
+    expected = [
+        "config.rounds=-1; expected an integer >= 0",
+        "config.checkpoint_every=-1; expected an integer >= 0",
+        "config.driver.group_size=16 (16 samples per group) exceeds config.engine.max_slots=8",
+        "config.sampling.max_new_tokens=40 leaves no room for a prompt in config.engine.max_length=32",
+        "config.learner.temperature=1.0 differs from config.sampling.temperature=0.7",
+        "config.sampler_dtype='float8'; expected one of",
+        "config.sft.eval_every=0; expected an integer >= 1",
+    ]
+    for fragment in expected:
+        assert sum(fragment in p for p in problems) == 1, (fragment, problems)
+    assert len(problems) == len(expected) and all("\n" not in p for p in problems)
+    assert str(e.value).startswith(f"{len(expected)} config fields are invalid:\n  config.")
+
+
+def test_typed_sections_report_their_own_checks():
+    config = smoke.get_config()
+    config.driver.mode = "synk"
+    config.learner.optimizer.lr = 0.0
+    config.mesh.learner_tp = 0
+    with pytest.raises(ConfigError) as e:
+        check_config(config)
+    assert e.value.problems == [
+        "config.driver: driver.mode='synk'; expected one of ('sync', 'cgp').",
+        "config.learner: optimizer.lr must be > 0; received 0.0.",
+        "config.mesh: mesh.learner_tp must be >= 1; received 0.",
+    ]
+
+
+def test_a_misspelled_field_names_the_closest_one():
+    config = smoke.get_config()
+    with config.unlocked():
+        config.driver.mdoe = "sync"  # a config built in Python (a Colab cell) is not locked
+        config.learner.optimizer.learning_rate = 1e-3  # nothing close: the fields are listed
+    with pytest.raises(ConfigError) as e:
+        check_config(config)
+    assert e.value.problems == [
+        "config.driver has no field 'mdoe'; did you mean config.driver.mode?",
+        "config.learner.optimizer has no field 'learning_rate'; expected one of ['b1', 'b2', "
+        "'end_lr_ratio', 'eps', 'grad_clip_norm', 'lr', 'schedule', 'total_steps', "
+        "'warmup_steps', 'weight_decay'].",
+    ]
+    assert closest_field(smoke.get_config(), "drivr.mode") == (
+        "config has no field 'drivr'; did you mean config.driver?"
+    )
+    assert closest_field(smoke.get_config(), "driver.mode") is None
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("rounds", -1, "config.rounds=-1; expected an integer >= 0"),
+        ("checkpoint_every", -1, "config.checkpoint_every=-1; expected an integer >= 0"),
+        ("driver.group_size", 16, "exceeds config.engine.max_slots=8"),
+    ],
+)
+def test_train_stops_before_building_or_writing_anything(tmp_path, field, value, message):
+    # Today's bugs: rounds=-1 and checkpoint_every=-1 ran to completion; group_size > max_slots
+    # was found after the model was built and SFT had run, with the workdir created.
+    from rl.run import train
+
+    config = smoke.get_config()
+    config.workdir = str(tmp_path / "run")
+    section, _, name = field.rpartition(".")
+    (config[section] if section else config)[name] = value
+    with pytest.raises(ValueError, match=message):
+        train(config, stdout=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_stops_on_prompts_that_do_not_fit_before_the_workdir_is_touched(tmp_path):
+    from rl.run import train
+
+    config = smoke.get_config()
+    config.workdir = str(tmp_path / "run")
+    config.engine.max_length = 16  # 8 response tokens leave 8 for prompts of up to 9
+    with pytest.raises(
+        ValueError, match=r"prompts take up to 9 tokens .* config.engine.max_length"
+    ):
+        train(config, stdout=False)
+    assert not (tmp_path / "run").exists()
