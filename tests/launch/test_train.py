@@ -93,3 +93,97 @@ def test_resumed_run_continues_the_exact_trajectory(tmp_path, monkeypatch, tail)
     kinds = [r["long_round"] for r in straight["rounds"]]
     assert kinds == ([0.0, 1.0] if tail else [0.0, 0.0])
     assert second["rounds"][0]["long_round"] == kinds[1]
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """Three rounds with a checkpoint after each, uninterrupted: the reference trajectory."""
+    from rl.rewards import REWARDS, register_reward
+    from rl.run import train
+
+    REWARDS.pop("test_parity_resume", None)
+    register_reward("test_parity_resume")(lambda request, text: float(len(text) % 2))
+
+    def config(workdir):
+        c = smoke.get_config()
+        c.workdir, c.rounds, c.checkpoint_every, c.resume = str(workdir), 3, 1, True
+        c.sft.max_steps = 0
+        c.task.reward = "test_parity_resume"  # rewards with variance: the parameters move
+        return c
+
+    workdir = tmp_path_factory.mktemp("straight")
+    summary = train(config(workdir), stdout=False)
+    yield dict(workdir=workdir, summary=summary, config=config)
+    REWARDS.pop("test_parity_resume", None)
+
+
+def _leaves(state):
+    import jax
+    import numpy as np
+
+    out = []
+    for x in jax.tree.leaves(state):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        out.append(np.asarray(x))
+    return out
+
+
+def _tb_steps(tb_dir, tag):
+    import glob
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    steps = []
+    for path in sorted(glob.glob(f"{tb_dir}/events.out.tfevents.*")):
+        data, pos = open(path, "rb").read(), 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + n])
+            steps += [event.step for v in event.summary.value if v.tag == tag]
+            pos += 16 + n
+    return sorted(steps)
+
+
+@pytest.mark.parametrize("damage", ["save_unfinished", "bit_flipped"])
+def test_kill_during_the_last_save_resumes_exactly_with_one_metrics_row_per_round(
+    straight_run, tmp_path, damage
+):
+    """kill -9 while step 3 was being saved: round 2's row is in the log, its checkpoint is not
+    usable (left as orbax's temporary directory, or written with a flipped bit)."""
+    import json
+    import shutil
+
+    import numpy as np
+
+    from rl.run import train
+
+    workdir = tmp_path / "killed"
+    shutil.copytree(straight_run["workdir"], workdir)
+    for name in ("summary.json", "timeline.json", "timeline.png", "learning_curve.png"):
+        (workdir / name).unlink(missing_ok=True)  # written at the end: a killed run has none
+    step3 = workdir / "ckpt" / "3"
+    if damage == "save_unfinished":
+        step3.rename(workdir / "ckpt" / "3.orbax-checkpoint-tmp-1234")
+    else:
+        data = max(
+            (p for p in (step3 / "state").rglob("*") if p.is_file() and p.parent.name == "d"),
+            key=lambda p: p.stat().st_size,
+        )
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        data.write_bytes(bytes(raw))
+
+    resumed = train(straight_run["config"](workdir), stdout=False)
+
+    assert resumed["first_round"] == 2 and len(resumed["rounds"]) == 1
+    for a, b in zip(
+        _leaves(straight_run["summary"]["state"]), _leaves(resumed["state"]), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)  # the same parameters as the uninterrupted run
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["prefix"] == "train"] == [0, 1, 2]
+    assert _tb_steps(workdir / "tb", "train/reward_mean") == [0, 1, 2]
+    if damage == "bit_flipped":
+        assert (workdir / "ckpt" / "damaged" / "3").is_dir()

@@ -116,9 +116,10 @@ def test_train_stops_on_prompts_that_do_not_fit_before_the_workdir_is_touched(tm
 
     config = smoke.get_config()
     config.workdir = str(tmp_path / "run")
-    config.engine.max_length = 16  # 8 response tokens leave 8 for prompts of up to 9
+    config.engine.max_prefill_length = 4  # every addition prompt ("123+45=") is longer
+    config.engine.max_length = 4 + config.sampling.max_new_tokens
     with pytest.raises(
-        ValueError, match=r"prompts take up to 9 tokens .* config.engine.max_length"
+        ValueError, match=r"prompts take up to \d+ tokens .* config.engine.max_prefill_length >="
     ):
         train(config, stdout=False)
     assert not (tmp_path / "run").exists()
