@@ -21,6 +21,8 @@ from absl import logging
 
 OnError = Literal["skip", "raise"]
 MAX_REPORTED = 5  # (line, reason) pairs kept in LoadedRecords.errors
+MAX_DEPTH = 100  # JSON nesting a row may have (rows are flat objects; the parser recurses)
+_JSON_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|[\[\]{}]')  # a string literal, or a bracket
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _BOXED = ("\\boxed{", "\\fbox{")
 
@@ -49,6 +51,22 @@ class LoadedRecords(list):
         self.skipped = skipped
         self.errors: list[tuple[int, str]] = errors
         self.lines: list[int] = list(lines) if lines is not None else []
+
+
+def _too_deep(text: str) -> bool:
+    """Whether the JSON in `text` nests deeper than MAX_DEPTH (brackets in strings do not count)."""
+    if text.count("[") + text.count("{") <= MAX_DEPTH:
+        return False
+    depth = 0
+    for token in _JSON_TOKEN.finditer(text):
+        bracket = token.group()
+        if bracket in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                return True
+        elif bracket in "]}":
+            depth -= 1
+    return False
 
 
 def _field(row: Mapping[str, Any], key: str) -> str:
@@ -154,15 +172,19 @@ def _load(
                 text = raw.decode("utf-8")
                 if not text.strip():
                     continue
+                # json.loads recurses per level: [[[[...]]]] a thousand deep raises
+                # RecursionError, or with a raised recursion limit overflows the C stack.
+                if _too_deep(text):
+                    raise ValueError(
+                        f"JSON nested too deeply: deeper than {MAX_DEPTH} levels ({len(raw):,} "
+                        "bytes); expected an object of strings"
+                    )
                 try:
                     row = json.loads(text)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"not valid JSON ({e})") from None
-                except RecursionError:  # e.g. [[[[...]]]] a thousand deep
-                    raise ValueError(
-                        f"JSON nested too deeply to parse ({len(raw):,} bytes); expected an "
-                        "object of strings"
-                    ) from None
+                except RecursionError:
+                    raise ValueError(f"JSON nested too deeply ({len(raw):,} bytes)") from None
                 if not isinstance(row, dict):
                     raise ValueError(f"a JSON {type(row).__name__}; expected an object")
                 record = parse(row)

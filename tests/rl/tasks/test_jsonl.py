@@ -152,10 +152,18 @@ HOSTILE_LINES = [  # (line text, a fragment of the reason): rows that used to cr
 ]
 
 
-def test_hostile_rows_are_skipped_and_counted(tmp_path, warnings):
+@pytest.mark.parametrize("recursion_limit", [None, 100_000])
+def test_hostile_rows_are_skipped_and_counted(tmp_path, warnings, recursion_limit):
+    import sys
+
     good = json.dumps(GSM8K_GOOD[0])
     path = write_lines(tmp_path / "hostile.jsonl", [good, *(t for t, _ in HOSTILE_LINES), good])
-    records = load_gsm8k(path)
+    default = sys.getrecursionlimit()
+    try:  # some libraries raise the limit: then the parser would not stop a deep row by itself
+        sys.setrecursionlimit(recursion_limit or default)
+        records = load_gsm8k(path)
+    finally:
+        sys.setrecursionlimit(default)
     assert len(records) == 2 and records.lines == [1, 6]
     assert records.skipped == len(HOSTILE_LINES)
     assert [line for line, _ in records.errors] == [2, 3, 4, 5]
