@@ -41,6 +41,14 @@ _VERBOSE = flags.DEFINE_bool(
 _STOPS = (ValueError, OSError, FloatingPointError, RuntimeError)
 
 
+def _one_line(text: str) -> str:
+    """A multi-line library message (ml_collections embeds tracebacks) as its first and last line."""
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else ""
+    return f"{lines[0].rstrip(':')}: {lines[-1]}"
+
+
 def _config_file(argv: list[str]) -> object:
     """The config the --config flag names (default configs/default.py), without its overrides."""
     spec = os.path.join(os.path.dirname(configs.__file__), "default.py")
@@ -74,7 +82,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
             message = f"{type(inner).__name__}: {inner}"
     except (flags.Error, ValueError, TypeError, OSError) as e:
         message = str(e)
-    sys.exit(f"launch.train: {message}")
+    sys.exit(f"launch.train: {_one_line(message)}")
 
 
 def main(argv: list[str]) -> None:
@@ -83,8 +91,9 @@ def main(argv: list[str]) -> None:
     quiet_console(verbose=_VERBOSE.value)  # library logging is held back for workdir/run.log
     try:
         config = _CONFIG.value
-    except Exception as e:  # the config file raised (e.g. an unknown :arg)
-        sys.exit(f"launch.train: {type(e).__name__}: {e}")
+        config.get("workdir")  # a config file that failed to load raises on first use
+    except Exception as e:  # the config file is missing or raised (e.g. an unknown :arg)
+        sys.exit(f"launch.train: {type(e).__name__}: {_one_line(str(e))}")
     if not _CHECK.value:
         try:
             check_config(config)  # every field, before anything is built or written
@@ -107,8 +116,6 @@ def main(argv: list[str]) -> None:
             return
         summary = train(config)
     except _STOPS as e:  # the message says what was received and what was expected
-        if _CHECK.value:
-            sys.exit(f"launch.train: {e}")
         to_file_only(f"launch.train stopped:\n{traceback.format_exc()}")
         if _VERBOSE.value:
             traceback.print_exc()
