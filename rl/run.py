@@ -211,7 +211,7 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
         first_round, version = meta["round"], meta["version"]
         prompts.set_state(meta["data"])
         planner_state = meta["planner"]
-        logged = meta.get("metrics", {"train": first_round - 1, "sft": 2**31})
+        logged = meta.get("metrics")  # prefix -> last step logged when the checkpoint was taken
         if first_round >= config.rounds:  # a finished run: nothing to run, nothing rewritten
             ckpt.close()
             reward.close()
