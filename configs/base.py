@@ -34,6 +34,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model.n_kv_heads = 0
     config.model.head_dim = 0
     config.model.mlp_dim = 0
+    # Output head shared with the token embedding: preset | tied | untied; ignored with hf_path.
+    config.model.tie_embeddings = "preset"
 
     config.mesh = ml_collections.ConfigDict()
     config.mesh.learner_devices = 0  # 0: half of the devices (all when colocated)
@@ -91,6 +93,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.task.digits = 3  # addition: operands of up to this many digits
     config.task.pad_operands = False  # addition: zero-padded "007+095=" -> "0102"
     config.task.reverse_answer = False  # addition: the sum least-significant digit first ("2010")
+    config.task.reverse_operands = False  # addition: operands units digit first ("700+590=")
+    config.task.count = 4  # countdown: numbers per problem
+    config.task.max_number = 100  # countdown: numbers uniform in [1, max_number]
+    config.task.max_target = 0  # countdown: bound on the target and intermediate values; 0: none
+    config.task.style = "words"  # countdown question: words (TinyZero's) | compact ("3 5 2 -> 16:")
     config.task.train_size = 20000  # synthetic training problems (never in the held-out split)
     config.task.reward = "exact"  # a name in rl.rewards.REWARDS: exact | math | gsm8k | countdown
     config.task.reward_timeout_s = 5.0  # a reward call past this scores 0 and is counted
@@ -109,6 +116,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.sft.max_steps = 0  # supervised warm-start steps before RL; 0: none
     config.sft.batch_size = 64  # sequences per SFT step
     config.sft.lr = 1e-3  # SFT learning rate (Adam)
+    config.sft.warmup_steps = 0  # linear SFT lr warmup (steps)
     config.sft.eval_every = 100  # SFT steps between held-out evaluations
     config.sft.target_accuracy = 0.25  # stop SFT once held-out greedy accuracy reaches this
 

@@ -103,7 +103,7 @@ def _sft(
             f"config.sft.batch_size={config.sft.batch_size} exceeds the {len(records)} training "
             "records; expected a smaller batch or config.sft.max_steps=0."
         )
-    tx = make_optimizer(OptimizerConfig(lr=config.sft.lr))
+    tx = make_optimizer(OptimizerConfig(lr=config.sft.lr, warmup_steps=config.sft.warmup_steps))
     state, shardings = create_train_state(
         learner.params, tx, seed=config.seed, mesh=learner.mesh, rules=learner.rules
     )

@@ -51,6 +51,14 @@ def model_config_from(model_cfg: Mapping[str, Any]) -> ModelConfig:
 
         return hf_config(model_cfg["hf_path"], **overrides)
     shape = {k: model_cfg[k] for k in _SHAPE_FIELDS if model_cfg.get(k)}
+    tie = model_cfg.get("tie_embeddings", "preset")
+    if tie not in _TIE:
+        raise ValueError(
+            f"config.model.tie_embeddings={tie!r}; expected one of {tuple(_TIE)} (the output head "
+            "shares the token embedding: as the preset says, always, or never)."
+        )
+    if _TIE[tie] is not None:
+        shape["tie_embeddings"] = _TIE[tie]
     return get_preset(model_cfg["preset"], **overrides, **shape)
 
 
@@ -74,3 +82,5 @@ def build_model(
 _OVERRIDABLE = ("param_dtype", "dtype", "remat", "logits_chunk")
 # Shape fields a preset may be changed in (0 or absent: keep the preset's).
 _SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim")
+# config.model.tie_embeddings -> ModelConfig.tie_embeddings (None: the preset's); presets only.
+_TIE = {"preset": None, "tied": True, "untied": False}

@@ -46,6 +46,11 @@ class DataConfig:
     digits: int = 3  # addition: operands of up to this many digits
     pad_operands: bool = False  # addition: zero-padded operands and sum ("007+095=" -> "0102")
     reverse_answer: bool = False  # addition: the sum written least-significant digit first
+    reverse_operands: bool = False  # addition: the operands written least-significant digit first
+    count: int = 4  # countdown: numbers per problem
+    max_number: int = 100  # countdown: numbers are uniform in [1, max_number]
+    max_target: int = 0  # countdown: bound on the target and every intermediate value; 0: none
+    style: str = "words"  # countdown: question wording, words (TinyZero) | compact ("3 5 2 -> 16:")
     train_size: int = 20000  # synthetic training problems (JSONL: every row of train_path)
     heldout_size: int = 200  # held-out problems (JSONL with heldout_path: the first N rows; 0: all)
     train_path: str = ""  # JSONL tasks: the local training file
@@ -60,6 +65,18 @@ class DataConfig:
         if self.task not in TASKS:
             raise ValueError(f"config.task.name={self.task!r}; expected one of {TASKS}.")
         check_template(self.template, self.system or None)
+        if self.task == "countdown" and (
+            self.count < 2 or self.max_number < 1 or self.max_target < 0
+        ):
+            raise ValueError(
+                f"config.task: countdown needs count >= 2, max_number >= 1 and max_target >= 0 "
+                f"(0: no bound); received count={self.count}, max_number={self.max_number}, "
+                f"max_target={self.max_target}."
+            )
+        if self.style not in synthetic.COUNTDOWN_STYLES:
+            raise ValueError(
+                f"config.task.style={self.style!r}; expected one of {synthetic.COUNTDOWN_STYLES}."
+            )
         if self.on_error not in ("skip", "raise"):
             raise ValueError(f"config.data.on_error={self.on_error!r}; expected 'skip' or 'raise'.")
         if self.heldout_size < 0 or (self.heldout_size == 0 and not self.heldout_path):
@@ -113,6 +130,11 @@ def data_config_from(config: Any) -> DataConfig:
         digits=config.task.digits,
         pad_operands=config.task.pad_operands,
         reverse_answer=config.task.reverse_answer,
+        reverse_operands=config.task.reverse_operands,
+        count=config.task.count,
+        max_number=config.task.max_number,
+        max_target=config.task.max_target,
+        style=config.task.style,
         train_size=config.task.train_size,
         heldout_size=config.eval.heldout_size,
         **data,
@@ -137,8 +159,17 @@ def _synthetic(cfg: DataConfig, split: str, n: int) -> list[dict[str, Any]]:
             split=split,
             pad=cfg.pad_operands,
             reverse=cfg.reverse_answer,
+            reverse_operands=cfg.reverse_operands,
         )
-    return synthetic.countdown_records(n, seed=cfg.seed, split=split)
+    return synthetic.countdown_records(
+        n,
+        count=cfg.count,
+        max_number=cfg.max_number,
+        max_target=cfg.max_target or None,
+        seed=cfg.seed,
+        split=split,
+        style=cfg.style,
+    )
 
 
 def _report(what: str, file: str, lines: Sequence[int], count: int, detail: str) -> None:

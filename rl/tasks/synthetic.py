@@ -77,6 +77,7 @@ def addition_records(
     heldout_fraction: float = 0.1,
     pad: bool = False,
     reverse: bool = False,
+    reverse_operands: bool = False,
 ) -> list[dict[str, Any]]:
     """Returns n distinct problems "a+b=" -> "a+b", with a, b uniform in [0, 10**digits).
 
@@ -93,7 +94,12 @@ def addition_records(
         reverse: Write the answer least-significant digit first ("123+459=" -> "285"; padded
             "0582" -> "2850"), the order in which a left-to-right decoder can compute each digit
             from the operands and its own previous carry (Lee et al. 2023, "Teaching Arithmetic
-            to Small Transformers"). Neither option changes the problems or the split.
+            to Small Transformers").
+        reverse_operands: Write the operands least-significant digit first too (padded
+            "007+095=" -> "700+590="). With both reversed, each answer digit sits at the same
+            distance from the two operand digits it adds, whatever its index: what relative
+            position encodings (RoPE) find without learning absolute positions. None of these
+            options changes the problems or the split.
 
     Returns:
         Records {"id", "question": "a+b=", "answer", "a", "b"}; answer is str(a + b) (padded
@@ -110,7 +116,10 @@ def addition_records(
         return (_unit_hash("addition", seed, *key) < heldout_fraction) == want_heldout
 
     def record(a: int, b: int) -> tuple[Any, dict[str, Any]]:
-        question = f"{a:0{digits}d}+{b:0{digits}d}=" if pad else f"{a}+{b}="
+        x, y = (f"{a:0{digits}d}", f"{b:0{digits}d}") if pad else (str(a), str(b))
+        if reverse_operands:
+            x, y = x[::-1], y[::-1]
+        question = f"{x}+{y}="
         answer = f"{a + b:0{digits + 1}d}" if pad else str(a + b)
         answer = answer[::-1] if reverse else answer
         return (a, b), {"question": question, "answer": answer, "a": a, "b": b}
@@ -165,8 +174,20 @@ def _countdown_draw(
     return numbers, int(target), expression
 
 
-def countdown_question(numbers: list[int], target: int) -> str:
-    """The prompt text of a countdown problem (the wording of TinyZero's countdown task)."""
+COUNTDOWN_STYLES = ("words", "compact")
+
+
+def countdown_question(numbers: list[int], target: int, style: str = "words") -> str:
+    """The prompt text of a countdown problem.
+
+    "words" is the wording of TinyZero's countdown task (for pretrained models); "compact" is
+    "3 5 2 -> 16:" (for models trained from scratch, where the 150 constant characters of the
+    wording would be most of every sequence's compute).
+    """
+    if style == "compact":
+        return f"{' '.join(map(str, numbers))} -> {target}:"
+    if style != "words":
+        raise ValueError(f"countdown style={style!r}; expected one of {COUNTDOWN_STYLES}.")
     return (
         f"Using the numbers {numbers}, create an equation that equals {target}. You can use basic "
         "arithmetic operations (+, -, *, /) and each number can only be used once."
@@ -182,6 +203,7 @@ def countdown_records(
     seed: int = 0,
     split: Split = "train",
     heldout_fraction: float = 0.1,
+    style: str = "words",
 ) -> list[dict[str, Any]]:
     """Returns n distinct countdown problems: reach "target" using each of "numbers" once.
 
@@ -197,6 +219,8 @@ def countdown_records(
         seed: Fixes both the problem order and the split.
         split: "train" or "heldout".
         heldout_fraction: The share of all problems that is held out, in (0, 1).
+        style: The question's wording (`countdown_question`); "compact" also writes the reference
+            expression without spaces ("(3+5)*2-1"). Neither changes the problems or the split.
 
     Returns:
         Records {"id", "question", "answer": a reference expression such as "(3 + 5) * 2 - 1",
@@ -210,6 +234,7 @@ def countdown_records(
         raise ValueError(f"{where}: max_number must be an int >= 1; received {max_number!r}.")
     if max_target is not None and max_target < 1:
         raise ValueError(f"{where}: max_target must be None or >= 1; received {max_target!r}.")
+    countdown_question([1], 1, style)  # checks the style before any drawing
     want_heldout = split == "heldout"
 
     def in_split(key: Any) -> bool:  # key None: a draw rejected by max_target
@@ -226,8 +251,8 @@ def countdown_records(
                 continue
             numbers, target, expression = draw
             record = {
-                "question": countdown_question(numbers, target),
-                "answer": expression,
+                "question": countdown_question(numbers, target, style),
+                "answer": expression.replace(" ", "") if style == "compact" else expression,
                 "numbers": numbers,
                 "target": target,
             }

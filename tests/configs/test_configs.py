@@ -52,3 +52,19 @@ def test_cosine_without_total_steps_decays_over_the_runs_updates():
 def test_base_rejects_unknown_arg():
     with pytest.raises(ValueError, match="Unknown config argument 'huge'"):
         importlib.import_module("configs.base").get_config("huge")
+
+
+def test_tie_embeddings_overrides_the_preset():
+    config = importlib.import_module("configs.base").get_config()
+    config.model.preset = "tiny"  # a tied preset
+    assert model_config_from(config.model).tie_embeddings
+    config.model.tie_embeddings = "untied"
+    untied = model_config_from(config.model)
+    assert not untied.tie_embeddings
+    tied_params = model_config_from({**config.model, "tie_embeddings": "tied"}).num_params()
+    assert untied.num_params() == tied_params + untied.vocab_size * untied.d_model  # the head
+    config.model.tie_embeddings = "yes"
+    with pytest.raises(
+        ValueError, match=r"tie_embeddings='yes'; expected one of \('preset', 'tied'"
+    ):
+        model_config_from(config.model)

@@ -9,7 +9,7 @@ import pytest
 from configs import base
 from rl.models.tokenizer import ByteTokenizer
 from rl.tasks.data import DataConfig, data_config_from, load_task
-from rl.tasks.synthetic import addition_records
+from rl.tasks.synthetic import addition_records, countdown_records
 from rl.tasks.templates import render_prompt
 
 TOK = ByteTokenizer()
@@ -120,3 +120,18 @@ def test_config_errors():
     config.data.train_file = "x.jsonl"
     with pytest.raises(ValueError, match=r"Unknown config.data fields \['train_file'\]"):
         data_config_from(config)
+
+
+def test_countdown_options_reach_the_generator():
+    config = base.get_config()
+    config.task.name, config.task.train_size, config.eval.heldout_size = "countdown", 30, 5
+    config.task.count, config.task.max_number, config.task.max_target = 3, 20, 100
+    config.task.style = "compact"
+    data = load_task(data_config_from(config), TOK)
+    kw = dict(count=3, max_number=20, max_target=100, seed=0, style="compact")
+    assert data.train == countdown_records(30, **kw)
+    assert data.heldout == countdown_records(5, split="heldout", **kw)
+    with pytest.raises(ValueError, match=r"countdown needs count >= 2.*received count=1"):
+        DataConfig(task="countdown", count=1)
+    with pytest.raises(ValueError, match=r"config.task.style='long'; expected one of"):
+        DataConfig(task="countdown", style="long")

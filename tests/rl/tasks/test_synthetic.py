@@ -164,3 +164,40 @@ def test_addition_padded_and_reversed_format_keeps_the_problems_and_split():
         assert r["answer"] == f"{a + b:04d}"[::-1] and int(r["answer"][::-1]) == a + b
     held = addition_records(50, digits=3, seed=2, split="heldout", pad=True)
     assert {(r["a"], r["b"]) for r in held}.isdisjoint((r["a"], r["b"]) for r in fancy)
+
+
+def test_addition_with_reversed_operands_puts_each_column_at_fixed_offsets():
+    fancy = addition_records(300, digits=3, seed=2, pad=True, reverse=True, reverse_operands=True)
+    plain = addition_records(300, digits=3, seed=2)
+    assert [(r["a"], r["b"]) for r in plain] == [(r["a"], r["b"]) for r in fancy]
+    for r in fancy:
+        a, b = r["a"], r["b"]
+        assert r["question"] == f"{a:03d}"[::-1] + "+" + f"{b:03d}"[::-1] + "="
+        q, ans = r["question"], r["answer"]
+        # answer digit i is predicted from position len(q) - 1 + i; it adds the digits at i and 4 + i
+        for i in range(3):
+            assert (int(q[i]) + int(q[4 + i]) + _carry(a, b, i)) % 10 == int(ans[i])
+    unpadded = addition_records(20, digits=3, seed=2, reverse_operands=True)
+    assert all(r["question"] == f"{str(r['a'])[::-1]}+{str(r['b'])[::-1]}=" for r in unpadded)
+
+
+def _carry(a: int, b: int, i: int) -> int:
+    """The carry into column i (0 = units) of a + b."""
+    m = 10**i
+    return (a % m + b % m) // m
+
+
+def test_countdown_compact_style_keeps_the_problems_and_split():
+    kw = dict(count=3, max_number=20, max_target=100, seed=1)
+    words = countdown_records(200, **kw)
+    compact = countdown_records(200, style="compact", **kw)
+    assert [(r["numbers"], r["target"]) for r in words] == [
+        (r["numbers"], r["target"]) for r in compact
+    ]
+    for w, c in zip(words, compact, strict=True):
+        assert c["question"] == " ".join(map(str, c["numbers"])) + f" -> {c['target']}:"
+        assert c["answer"] == w["answer"].replace(" ", "")
+        value, leaves = evaluate(c["answer"])
+        assert value == c["target"] and sorted(leaves) == sorted(c["numbers"])
+    with pytest.raises(ValueError, match=r"style='terse'; expected one of \('words', 'compact'\)"):
+        countdown_records(3, style="terse")
