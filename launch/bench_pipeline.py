@@ -71,6 +71,7 @@ from learner.publish import DevicePutSync  # noqa: E402
 from rl.driver import Driver, DriverConfig, RoundResult  # noqa: E402
 from rl.models import create_model, get_preset  # noqa: E402
 from rl.rounds import RoundPlan, TailConfig  # noqa: E402
+from rl.schedules import mode_fields  # noqa: E402
 from rl.types import Completion, Prompt, Request, SamplingParams  # noqa: E402
 from sampler.engine import Engine, EngineConfig  # noqa: E402
 
@@ -189,22 +190,15 @@ class LongTailDriver(Driver):
 
 
 def driver_config(mode: str) -> DriverConfig:
-    """DriverConfig of a mode name: "sync", "cgp+<admission>+<batching>", "sync+tail" or
-    "cgp+<admission>+tail" (tail batching; cgp batches in completion order)."""
-    parts = mode.split("+")
-    tail = parts[-1] == "tail"
-    if tail:
-        parts = parts[:-1] + ["fifo"] if parts[0] == "cgp" else parts[:-1]
-    if parts == ["sync"]:
-        kind, admission, batching = "sync", "fcfs", "ordered"
-    elif len(parts) == 3 and parts[0] == "cgp":
-        kind, admission, batching = parts
-    else:
-        raise app.UsageError(f"Mode {mode!r}; expected one of {MODES}.")
+    """DriverConfig of a mode name (rl.schedules.mode_fields: "sync", "cgp+<admission>+<batching>",
+    "sync+tail", "cgp+<admission>+tail", "async+<admission>+s<max_staleness>")."""
+    try:
+        fields = mode_fields(mode)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    tail = fields.pop("tail_enabled")
     cfg = DriverConfig(
-        mode=kind,
-        admission=admission,
-        batching=batching,
+        **fields,
         groups_per_round=_GROUPS.value,
         groups_per_update=_PER_UPDATE.value,
         group_size=_GROUP_SIZE.value,
@@ -212,7 +206,7 @@ def driver_config(mode: str) -> DriverConfig:
         tail=TailConfig(enabled=tail, eta=_ETA.value),
         epoch_size=epoch_size(),
     )
-    if cfg.name.replace("+fifo+tail", "+tail") != mode:
+    if cfg.name != mode:
         raise app.UsageError(f"Mode {mode!r} builds a driver named {cfg.name!r}.")
     return cfg
 

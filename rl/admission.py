@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import collections
 import heapq
-from collections.abc import Container, Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import Protocol
+
+import numpy as np
 
 from rl.types import Request
 
@@ -107,7 +109,45 @@ class Frontier:
         return self._waiting[self._heap[0][3]][1] if self._heap else None
 
 
-POLICIES = {"fcfs": FCFS, "frontier": Frontier}
+class ShuffledFCFS(FCFS):
+    """FCFS over requests that arrive in a random order (seeded per submission).
+
+    Models an engine fed by asynchronous clients (slime, AReaL and PipelineRL post requests
+    concurrently; their arrival order is not the logical order), the situation frontier-group
+    dispatch is for: `frontier` orders by (round, index) whatever the arrival order.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self._rng = np.random.default_rng(seed)
+
+    def submit(self, requests: Iterable[Request]) -> None:
+        requests = list(requests)
+        super().submit([requests[i] for i in self._rng.permutation(len(requests))])
+
+
+POLICIES: dict[str, Callable[[], AdmissionPolicy]] = {
+    "fcfs": FCFS,
+    "frontier": Frontier,
+    "shuffled": ShuffledFCFS,
+}
+
+
+def register_admission(
+    name: str,
+) -> Callable[[Callable[[], AdmissionPolicy]], Callable[[], AdmissionPolicy]]:
+    """Decorator: registers an admission policy factory (a class) under a new `name`; a config's
+    `admission` field then names it, and the driver, the simulator and the planner all use it."""
+
+    def decorator(factory: Callable[[], AdmissionPolicy]) -> Callable[[], AdmissionPolicy]:
+        if name in POLICIES:
+            raise ValueError(
+                f"Admission policy {name!r} is already registered; expected a new name."
+            )
+        POLICIES[name] = factory
+        return factory
+
+    return decorator
 
 
 def _check_new(requests: Iterable[Request], waiting: Container[tuple[int, int]]) -> list[Request]:

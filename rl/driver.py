@@ -1,24 +1,17 @@
-"""The round driver: rollout and training of each round, synchronous or pipelined.
+"""The threaded runtime: a sampler thread and this learner loop, driven by a schedule.
 
-Modes:
-  sync  rollout all R groups, then train (what slime does; the baseline);
-  cgp   complete-group pipelining: each complete group goes on the queue at once and the learner
-        updates as soon as U groups form a batch (`fifo`: the next U to complete; `ordered`: batch k
-        is logical groups kU..kU+U-1), while the rest of the round is still decoding.
-Weights are published after the round's S = R/U updates, and the next round samples with them: every
-update sees data of exactly the policy it should. `sync` trains in logical order, so `cgp` with
-`ordered` batches performs the same updates on the same data: same tokens, same parameters.
+The schedule (rl.schedules: `sync`, `cgp` with the stream trainer and tail-batched rounds, `async`)
+decides what to submit, when the learner adds and updates on which groups, and when weights are
+published; this driver does what it says, with the real SamplerLoop, Learner and WeightSync, and
+tells it when groups arrive, updates end and weights reach the sampler. The simulator (rl/sim)
+drives the same schedule objects on a virtual clock.
 
-Rounds come from a `rl.rounds.RoundPlanner`: plain rounds, or with tail batching (`tail.enabled`,
-RollPacker) short rounds that launch ceil(eta * R) prompts and train the first R groups to complete
-(the sampler aborts the rest at once; their prompts wait in the long-prompt queue) and long rounds
-of R queued prompts. A short round's trained set is defined by completion order, so its cgp batches
-are formed in completion order (`fifo`) whatever `batching` says; `sync` trains them in logical
-order.
-
-Stream trainer (RollPacker): with `fifo` batches each arriving group is handed to the learner at
-once, which accumulates gradients of every full micro-batch while the rollout goes on; the update is
-applied when U groups are in. With U = R (S = 1) that is one deferred update per round.
+Round modes publish after the round's S = R/U updates and the next round samples with those
+weights: `sync` trains in logical order, so `cgp` with `ordered` batches performs the same updates
+on the same data (same tokens, same parameters). `async` publishes after every update and the
+sampler swaps the weights in between decode steps (SamplerLoop.set_params), running up to
+`max_staleness` versions ahead; `run_round(r)` returns when round r is trained, with later rounds'
+requests possibly in flight.
 
 The sampler loop runs in its own thread; this driver's thread is the learner loop. An error on
 either side stops both (the queue fails, the sampler thread stops) and re-raises the original error;
@@ -27,18 +20,29 @@ a round's result lists only groups whose update completed.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from rl.admission import make_policy
-from rl.formation import FifoBatches, OrderedBatches, logical_batches, make_former
-from rl.metrics import round_metrics
+from rl.metrics import round_metrics, staleness_metrics
 from rl.queue import GroupQueue
-from rl.rounds import RoundCut, RoundPlan, RoundPlanner, TailConfig
+from rl.rounds import RoundPlan, RoundPlanner, TailConfig
+from rl.schedules import (
+    Action,
+    Add,
+    Begin,
+    Publish,
+    RoundDone,
+    ScheduleConfig,
+    Submit,
+    Update,
+    make_schedule,
+)
 from rl.timeline import Timeline
 from rl.types import Group, Prompt, Request, SamplingParams
 
@@ -48,50 +52,23 @@ if TYPE_CHECKING:
     from sampler.engine import Engine
     from sampler.loop import RewardFn
 
-MODES = ("sync", "cgp")
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DriverConfig:
-    mode: str = "cgp"  # sync | cgp
-    admission: str = "frontier"  # fcfs | frontier (rl.admission)
-    batching: str = "ordered"  # fifo | ordered (cgp only; sync trains in logical order)
-    groups_per_round: int = 16  # R
-    groups_per_update: int = 2  # U; S = R / U updates per round
-    group_size: int = 8  # G samples per prompt
+class DriverConfig(ScheduleConfig):
+    """The schedule (rl.schedules.ScheduleConfig) plus what the threaded runtime needs."""
+
+    prefix: ClassVar[str] = "driver"
+
     sampling: SamplingParams = SamplingParams()
     queue_size: int = (
         0  # complete groups waiting for the learner before the sampler blocks; 0: no bound
     )
     poll_s: float = 0.2  # how often a waiting learner checks the sampler thread for an error
-    tail: TailConfig = TailConfig()  # tail batching (rl.rounds); off: plain rounds
-    epoch_size: int = 0  # prompts per epoch of the source (tail.epoch_end="flush"); 0: no epochs
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"driver.mode={self.mode!r}; expected one of {MODES}.")
-        make_policy(self.admission)
-        make_former(self.batching, 1, 1)
-        if self.groups_per_update < 1 or self.groups_per_round % self.groups_per_update:
-            raise ValueError(
-                f"groups_per_round ({self.groups_per_round}) must be a positive multiple of "
-                f"groups_per_update ({self.groups_per_update})."
-            )
-        if self.epoch_size < 0:
-            raise ValueError(f"epoch_size must be >= 0 (0: no epochs); received {self.epoch_size}.")
-        if self.group_size < 1 or self.queue_size < 0:
-            raise ValueError(
-                f"group_size must be >= 1 and queue_size >= 0; received {self.group_size}, {self.queue_size}."
-            )
-
-    @property
-    def updates_per_round(self) -> int:
-        return self.groups_per_round // self.groups_per_update
-
-    @property
-    def name(self) -> str:
-        name = "sync" if self.mode == "sync" else f"cgp+{self.admission}+{self.batching}"
-        return name + ("+tail" if self.tail.enabled else "")
+        super().__post_init__()
+        if self.queue_size < 0:
+            raise ValueError(f"queue_size must be >= 0; received {self.queue_size}.")
 
 
 def driver_config_from(
@@ -116,7 +93,13 @@ class RoundResult:
 
 
 class Driver:
-    """Runs rounds; see the module docstring."""
+    """Runs rounds of a schedule; see the module docstring.
+
+    Args:
+      cfg: the schedule and runtime config.
+      rounds: the run's last round + 1, if known (`async` plans no round past it).
+      Others: the components (engine, learner, weight sync, prompt source, reward function).
+    """
 
     def __init__(
         self,
@@ -130,6 +113,7 @@ class Driver:
         timeline: Timeline | None = None,
         clock: Callable[[], float] = time.monotonic,
         version: int = 0,
+        rounds: int | None = None,
     ):
         from sampler.loop import (
             SamplerLoop,
@@ -144,12 +128,15 @@ class Driver:
             prompts=prompts,
             epoch_size=cfg.epoch_size or None,
         )
+        self.schedule = make_schedule(
+            cfg, planner=self.planner, requests_of=self._requests, version=version, rounds=rounds
+        )
         self.timeline = Timeline() if timeline is None else timeline
         self.clock = clock
-        self.version = version
         self.on_group: Callable[[Group], None] | None = (
             None  # called as each complete group arrives
         )
+        self.on_update: Callable[[Update], None] | None = None  # called as each update ends
         self.num_slots = engine.max_concurrent_decodes
         self.queue = GroupQueue(cfg.queue_size)
         published = self._publish(version, round=-1)
@@ -165,6 +152,15 @@ class Driver:
         )
         self.sampler.start()
         self._closed = False
+        self._starts: dict[int, float] = {}  # round -> when its first requests were submitted
+        self._stats0: dict[int, Any] = {}
+        self._updates: dict[int, list[dict[str, float]]] = collections.defaultdict(list)
+        self._done: dict[int, RoundDone] = {}
+
+    @property
+    def version(self) -> int:
+        """The newest published version."""
+        return self.schedule.version
 
     def _publish(self, version: int, round: int) -> Any:
         t0 = self.clock()
@@ -200,17 +196,45 @@ class Driver:
             step=self.learner.step,
         )
 
-    def _update(
-        self, batch: tuple[Group, ...], round: int, updates: list[dict[str, float]]
-    ) -> None:
+    def _update(self, up: Update) -> None:
         t0 = self.clock()
         step = self.learner.step
         m = self.learner.update()
-        tokens = sum(len(c.tokens) for g in batch for c in g.completions)
+        m.update(staleness_metrics(up.batch, up.version))
+        tokens = sum(len(c.tokens) for g in up.batch for c in g.completions)
         self.timeline.span(
-            "learner", "update", t0, self.clock(), round=round, tokens=tokens, step=step
+            "learner", "update", t0, self.clock(), round=up.round, tokens=tokens, step=step
         )
-        updates.append(m)
+        self._updates[up.round].append(m)
+        if self.on_update is not None:
+            self.on_update(up)
+
+    def _run(self, actions: list[Action]) -> None:
+        """Does what the schedule says; what an Update or a Publish answers runs next."""
+        todo = collections.deque(actions)
+        while todo:
+            a = todo.popleft()
+            follow: list[Action] = []
+            if isinstance(a, Submit):
+                if a.round not in self._starts:
+                    self._starts[a.round] = self.clock()
+                    self._stats0[a.round] = dataclasses.replace(self.sampler.stats)
+                self.sampler.submit(a.requests, cut=a.cut)
+            elif isinstance(a, Begin):
+                self.learner.begin_round(updates=a.updates)
+            elif isinstance(a, Add):
+                self._add(a.groups, a.round)
+            elif isinstance(a, Update):
+                self._update(a)
+                follow = self.schedule.on_update_done()
+            elif isinstance(a, Publish):
+                self.sampler.set_params(self._publish(a.version, a.round), a.version)
+                follow = self.schedule.on_published()
+            elif isinstance(a, RoundDone):
+                self._done[a.plan.round] = a
+            else:
+                raise TypeError(f"Unknown schedule action {a!r}.")
+            todo.extendleft(reversed(follow))
 
     def run_round(self, round: int) -> RoundResult:
         """Samples, trains and publishes one round; on any error both sides stop and it re-raises."""
@@ -223,59 +247,33 @@ class Driver:
             raise
 
     def _run_round(self, round: int) -> RoundResult:
-        cfg, u = self.cfg, self.cfg.groups_per_update
         try:
-            plan = self.planner.plan(round)
+            self._run(self.schedule.begin(round))
         except StopIteration:
             raise ValueError(
                 f"Round {round}: the prompt source is exhausted and the long-prompt queue is empty."
             ) from None
-        requests = self._requests(plan)
-        n_updates = -(-plan.target // u)
-        self.learner.begin_round(updates=n_updates)
-        updates: list[dict[str, float]] = []
-        trained: list[Group] = []
-        stats0 = dataclasses.replace(self.sampler.stats)
-        start = self.clock()
-        cut = RoundCut(plan.target) if plan.aborted else None
-        self.sampler.submit(requests, cut=cut)
-        if cfg.mode == "sync":  # rollout all, then train in logical order
-            done = [self._next_group() for _ in range(plan.target)]
-            for batch in logical_batches(done, u):
-                self._add(batch, round)
-                self._update(batch, round, updates)
-                trained.extend(batch)
-        elif cut is not None or cfg.batching == "fifo":  # stream trainer
-            former = FifoBatches(u, plan.target)
-            for _ in range(plan.target):
-                group = self._next_group()
-                self._add((group,), round)
-                for batch in former.add(group):
-                    self._update(batch, round, updates)
-                    trained.extend(batch)
-        else:
-            former = OrderedBatches(u, plan.target)
-            for _ in range(plan.target):
-                for batch in former.add(self._next_group()):
-                    self._add(batch, round)
-                    self._update(batch, round, updates)
-                    trained.extend(batch)
+        while round not in self._done:
+            self._run(self.schedule.on_group(self._next_group()))
+        done = self._done.pop(round)
+        plan, trained = done.plan, list(done.trained)
+        updates = self._updates.pop(round)
+        n_updates = -(-plan.target // self.cfg.groups_per_update)
         if len(updates) != n_updates:
             raise RuntimeError(f"Round {round} ran {len(updates)} updates; expected {n_updates}.")
-        self.planner.finish(plan, [g.request.uid for g in trained])
-        sampled_version = self.version
-        self.version += 1
-        self.sampler.set_params(self._publish(self.version, round), self.version)
         metrics = round_metrics(
-            self.timeline, round=round, rollout_start=start, num_slots=self.num_slots
+            self.timeline,
+            round=round,
+            rollout_start=self._starts.pop(round),
+            num_slots=self.num_slots,
         )
-        metrics.update(self._round_stats(plan, trained, stats0))
+        metrics.update(self._round_stats(plan, trained, self._stats0.pop(round)))
         for key in ("loss", "grad_norm", "clip_frac", "entropy", "kl"):
             metrics[key] = float(np.mean([m[key] for m in updates]))
         return RoundResult(
             round=round,
             kind=plan.kind,
-            version=sampled_version,
+            version=done.version,
             groups=trained,
             updates=updates,
             metrics=metrics,

@@ -11,7 +11,8 @@ the batches that are ready. Two orders:
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from rl.types import Group
 
@@ -173,16 +174,28 @@ def logical_batches(groups: list[Group], size: int) -> list[tuple[Group, ...]]:
     return [tuple(done[k : k + size]) for k in range(0, len(done), size)]
 
 
-FORMERS = {"fifo": FifoBatches, "ordered": OrderedBatches}
+MakeFormer = Callable[[int, "int | None"], BatchFormer]
+FORMERS: dict[str, MakeFormer] = {"fifo": FifoBatches, "ordered": OrderedBatches}
 
 
-def make_former(
-    name: Literal["fifo", "ordered"], size: int, num_groups: int | None = None
-) -> BatchFormer:
+def register_former(name: str) -> Callable[[MakeFormer], MakeFormer]:
+    """Decorator: registers a batch former factory `(size, num_groups) -> BatchFormer` under a new
+    `name`; a config's `batching` field then names it and every runtime's cgp schedule uses it."""
+
+    def decorator(factory: MakeFormer) -> MakeFormer:
+        if name in FORMERS:
+            raise ValueError(f"Batch former {name!r} is already registered; expected a new name.")
+        FORMERS[name] = factory
+        return factory
+
+    return decorator
+
+
+def make_former(name: str, size: int, num_groups: int | None = None) -> BatchFormer:
     """Builds a batch former by name.
 
     Args:
-        name: "fifo" (completion order) or "ordered" (logical order).
+        name: "fifo" (completion order), "ordered" (logical order) or a registered name.
         size: groups per batch (U).
         num_groups: the round's number of groups, if known (the last batch may be smaller).
     """

@@ -152,6 +152,20 @@ def round_metrics(
     }
 
 
+def staleness_metrics(groups: Iterable[Any], version: int) -> dict[str, float]:
+    """Version lag of an update's tokens: `version` (the params updated) minus the version that
+    produced each token (Completion.versions); mean and max over the tokens (NaN without versions).
+
+    Args:
+      groups: the update's Groups.
+      version: the version of the params the update starts from.
+    """
+    lags = [version - v for g in groups for c in g.completions for v in c.versions]
+    if not lags:
+        return {"lag_mean": NAN, "lag_max": NAN}
+    return {"lag_mean": float(sum(lags)) / len(lags), "lag_max": float(max(lags))}
+
+
 def _finite_or_none(key: str, value: Any) -> float | None:
     try:
         x = float(value)

@@ -11,8 +11,9 @@ The prediction, per round of R groups x G samples (lengths drawn from the worklo
             sum over its decode steps of a + b * active + c * context (the StageModel terms) plus
             one prefill per group; the rollout ends with the slowest replica.
   train     the round's tokens through the learner model: micro-batches and updates.
-  round     sync: rollout + train + publish; cgp: max(rollout + one update, first batch + train)
-            + publish, the first batch ready when U groups' worth of the shortest sequences end.
+  round     the schedule's `predict_round_s` (rl.schedules): sync: rollout + train + publish;
+            cgp: max(rollout + one update, first batch + train) + publish, the first batch ready
+            when U groups' worth of the shortest sequences end; async: see AsyncSchedule.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from rl.schedules import SCHEDULES
 from rl.sim.presets import Preset
 from rl.sim.simulator import SimConfig, Simulator
 from rl.sim.stage import StageModel
@@ -137,9 +139,15 @@ def predict(
             max(shortest) * (m.decode_a + m.decode_b * min(preset.slots, r * cfg.group_size))
         )
     roll, tr, fd = (float(np.mean(x)) for x in (rollout, train, first))
-    per_update = tr / (r // cfg.groups_per_update)
-    overlap = max(roll + per_update, fd + tr) if cfg.mode == "cgp" else roll + tr
-    return dict(rollout_s=roll, train_s=tr, round_s=overlap + m.publish_s())
+    round_s = SCHEDULES.get(cfg.mode).predict_round_s(  # the schedule's own formula
+        cfg,
+        rollout_s=roll,
+        train_s=tr,
+        first_batch_s=fd,
+        update_s=tr / (r // cfg.groups_per_update),
+        publish_s=m.publish_s(),
+    )
+    return dict(rollout_s=roll, train_s=tr, round_s=round_s)
 
 
 def simulate(

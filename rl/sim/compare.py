@@ -1,7 +1,8 @@
 """Mode comparisons on the simulator (launch/simulate.py's table) and validation against a real run.
 
-A mode name is what launch.bench_pipeline uses: "sync", "cgp+<admission>+<batching>", "sync+tail",
-"cgp+<admission>+tail" (tail batching; cgp's batches then form in completion order).
+A mode name is what launch.bench_pipeline uses (rl.schedules.mode_fields parses it): "sync",
+"cgp+<admission>+<batching>", "sync+tail", "cgp+<admission>+tail" (tail batching; cgp's batches
+then form in completion order), "async+<admission>+s<max_staleness>".
 """
 
 from __future__ import annotations
@@ -13,55 +14,28 @@ from typing import Any
 
 import numpy as np
 
-from rl.admission import FCFS, AdmissionPolicy, make_policy
+from rl.admission import AdmissionPolicy, ShuffledFCFS, make_policy  # noqa: F401 (re-exported)
 from rl.rounds import TailConfig
+from rl.schedules import mode_fields
 from rl.sim.simulator import SimConfig, SimResult, Simulator
 from rl.sim.stage import StageModel
 from rl.sim.workload import Workload, WorkloadConfig
-from rl.types import Request
 
 HEADLINE = ("rollout_to_train_end_s", "first_dispatch_s", "trainer_wait_ratio")
 
 
-class ShuffledFCFS(FCFS):
-    """FCFS over requests that arrive in a random order (seeded per submission).
-
-    Models an engine fed by asynchronous submissions (slime posts every request to SGLang at once;
-    their arrival order is not the round's logical order), the situation frontier-group dispatch
-    is for. Frontier orders by (round, index) whatever the arrival order.
-    """
-
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__()
-        self._rng = np.random.default_rng(seed)
-
-    def submit(self, requests: Sequence[Request]) -> None:  # type: ignore[override]
-        requests = list(requests)
-        super().submit([requests[i] for i in self._rng.permutation(len(requests))])
-
-
 def make_admission(name: str) -> AdmissionPolicy:
-    """rl.admission's policies, plus "shuffled" (ShuffledFCFS)."""
-    return ShuffledFCFS() if name == "shuffled" else make_policy(name)
+    """rl.admission's policies by name ("shuffled" is rl.admission.ShuffledFCFS)."""
+    return make_policy(name)
 
 
 def sim_config(mode: str, **fields: Any) -> SimConfig:
-    """The SimConfig of a mode name; `fields` fill the rest (tail fields via `tail`)."""
-    parts = mode.split("+")
-    tail = parts[-1] == "tail"
-    if tail:
-        parts = parts[:-1] + (["fifo"] if parts[0] == "cgp" else [])
-    if parts == ["sync"]:
-        mode_fields = dict(mode="sync", admission="fcfs", batching="ordered")
-    elif len(parts) == 3 and parts[0] == "cgp":
-        mode_fields = dict(mode="cgp", admission=parts[1], batching=parts[2])
-    else:
-        raise ValueError(
-            f"Mode {mode!r}; expected sync, cgp+<admission>+<batching>, sync+tail or "
-            "cgp+<admission>+tail."
-        )
+    """The SimConfig of a mode name (rl.schedules.mode_fields); `fields` fill the rest (tail fields
+    via `tail`)."""
+    mf = mode_fields(mode)
     tail_cfg = fields.pop("tail", TailConfig())
-    return SimConfig(**mode_fields, tail=dataclasses.replace(tail_cfg, enabled=tail), **fields)
+    tail = dataclasses.replace(tail_cfg, enabled=mf.pop("tail_enabled"))
+    return SimConfig(**mf, tail=tail, **fields)
 
 
 def summarize(result: SimResult, skip: int = 0) -> dict[str, Any]:

@@ -87,6 +87,7 @@ class _Pending:
     lengths: tuple[int, ...]
     done: dict[int, Completion] = dataclasses.field(default_factory=dict)
     seqs: list[_Seq] = dataclasses.field(default_factory=list)
+    version: int = 0  # the weights' version at admission
 
 
 @dataclasses.dataclass
@@ -146,6 +147,7 @@ class SimSampler:
         self._schedule, self._emit, self._on_busy = schedule, emit, on_busy
         self.timeline = timeline
         self.factor = 1.0
+        self.version = 0  # the weights' version; a sequence is stamped with it at admission
         self.counters = SamplerCounters()
         self._pending: dict[tuple[int, int], _Pending] = {}  # waiting or running requests
         self._cuts = RoundCuts()  # which complete groups of a cut round are emitted
@@ -257,6 +259,7 @@ class SimSampler:
         """Prefills one request into the replica's free slots; returns when the prefill ends."""
         p = self._pending[request.key]
         p.replica = rep.index
+        p.version = self.version
         if not rep.busy:
             self._set_busy(rep, True, now)
         t = now + self.factor * self.model.prefill_s(len(request.prompt))
@@ -358,7 +361,9 @@ class SimSampler:
                 prompt=r.prompt,
                 tokens=(0,) * seq.length,  # placeholders: the simulator times, it does not decode
                 logprobs=(),
-                versions=(),
+                # the version at admission for every token: an upper bound of each token's lag
+                # (the real engine swaps weights between decode steps)
+                versions=(p.version,) * seq.length,
                 finish_reason="length" if seq.length >= r.params.max_new_tokens else "stop",
                 reward=0.0,
             )

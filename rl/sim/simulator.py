@@ -1,15 +1,12 @@
-"""The discrete-event simulator of rl/driver.py's rounds, on a virtual clock.
+"""The discrete-event simulator of the runtime, on a virtual clock, driving the real schedules.
 
-Per round, as the real driver: the round planner (rl.rounds.RoundPlanner) gives the prompts and how
-many groups the round trains; a short round's RoundCut goes with its requests to the sampler
-(rl/sim/sampler.py, driven by the real admission policies), which emits the groups the cut keeps and
-aborts the rest once it is full. The learner side follows the driver's three paths: `sync` waits for
-the round and trains rl.formation.logical_batches (U groups in logical order); `cgp` with a cut or
-`fifo` batches is the stream trainer (each group is added at once, one "micro_step" span, and a
-rl.formation former releases an "update" per U groups); `cgp` + `ordered` adds and updates per
-released batch. After the round's updates a "publish" span moves the weights, then the next round
-starts. Policy objects are the project's own (or the ones passed in), so the simulator runs the code
-the real runtime runs; only the engine, the learner and the weight transfer are time models.
+The schedule (rl.schedules: sync, cgp with the stream trainer and tail-batched rounds, async) is the
+same object rl/driver.py drives: the simulator tells it when groups arrive, updates end and weights
+reach the sampler, and does what it says: Submit goes to the simulated sampler (rl/sim/sampler.py,
+driven by the real admission policies, a short round's RoundCut with it), Add is a "micro_step" span
+on the learner, Update an "update" span, Publish a "publish" span (the learner waits for it). Round
+modes begin the next round when the previous one's weights are published; `async` submits as its
+staleness bound allows. Only the engine, the learner and the weight transfer are time models.
 
 Contention (StageModel.contention = g): while both sides are busy, sampler calls take 1 + g times
 longer and the learner progresses at 1 / (1 + g) of its speed.
@@ -21,48 +18,47 @@ import dataclasses
 import heapq
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from rl.admission import AdmissionPolicy, make_policy
-from rl.formation import BatchFormer, logical_batches, make_former
-from rl.metrics import round_metrics
-from rl.rounds import RoundCut, RoundPlan, RoundPlanner, TailConfig
+from rl.formation import BatchFormer
+from rl.metrics import round_metrics, staleness_metrics
+from rl.rounds import RoundPlan, RoundPlanner
+from rl.schedules import (
+    Action,
+    Add,
+    Begin,
+    Publish,
+    RoundDone,
+    ScheduleConfig,
+    Submit,
+    Update,
+    make_schedule,
+)
 from rl.sim.sampler import ROUTINGS, SimSampler
 from rl.sim.stage import StageModel
 from rl.sim.workload import Workload
 from rl.timeline import Timeline
-from rl.types import Group, SamplingParams
-
-MODES = ("sync", "cgp")
+from rl.types import Group, Request, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SimConfig:
-    """What to simulate: the DriverConfig fields, the sampler's shape, tail batching."""
+class SimConfig(ScheduleConfig):
+    """What to simulate: the schedule (rl.schedules.ScheduleConfig) and the sampler's shape."""
 
-    mode: str = "cgp"  # sync | cgp (rl.driver)
-    admission: str = "frontier"  # rl.admission policy name
+    prefix: ClassVar[str] = "SimConfig"
+
     batching: str = "fifo"  # rl.formation former name (cgp; sync trains in logical order)
     groups_per_round: int = 32  # R (P0 under tail batching)
-    groups_per_update: int = 2  # U
-    group_size: int = 8  # G
     max_new_tokens: int = 8192  # the requests' response cap (long rounds may override)
     replicas: int = 1  # sampler data-parallel replicas (engines)
     slots: int = 256  # slots per replica
     routing: str = "shared"  # shared | round_robin (rl/sim/sampler.py)
-    tail: TailConfig = TailConfig()  # rl.rounds tail batching; disabled: plain rounds
-    epoch_size: int | None = None  # prompts per epoch, for tail batching's epoch end
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"SimConfig.mode={self.mode!r}; expected one of {MODES}.")
+        super().__post_init__()
         if self.routing not in ROUTINGS:
             raise ValueError(f"SimConfig.routing={self.routing!r}; expected one of {ROUTINGS}.")
-        if self.groups_per_update < 1 or self.groups_per_round % self.groups_per_update:
-            raise ValueError(
-                f"groups_per_round ({self.groups_per_round}) must be a positive multiple of "
-                f"groups_per_update ({self.groups_per_update})."
-            )
         for name in ("group_size", "max_new_tokens", "replicas", "slots"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SimConfig.{name} must be >= 1; received {getattr(self, name)}.")
@@ -72,34 +68,27 @@ class SimConfig:
                 "group is admitted whole into one replica."
             )
 
-    @property
-    def name(self) -> str:
-        base = "sync" if self.mode == "sync" else f"cgp+{self.admission}+{self.batching}"
-        return base + ("+tail" if self.tail.enabled else "")
-
 
 @dataclasses.dataclass
 class _Round:
     plan: RoundPlan
     start: float
-    stream: bool  # cgp with a cut or fifo batches: the driver's stream trainer
-    former: BatchFormer
-    expected: int  # updates the round runs: ceil(target / U)
-    received: list[Group] = dataclasses.field(default_factory=list)
     trained: list[Group] = dataclasses.field(default_factory=list)
     updates: int = 0
+    done: bool = False
 
 
 @dataclasses.dataclass
 class _Op:
-    name: str  # micro_step | update
+    name: str  # micro_step | update | publish
     work: float  # seconds at full speed
     args: dict[str, Any]
+    on_end: Callable[[float], None] | None = None
 
 
 @dataclasses.dataclass
 class SimResult:
-    """Per-round metrics (rl.metrics.round_metrics, kind, groups, round_s) and the Timeline.
+    """Per-round metrics (rl.metrics.round_metrics, kind, groups, round_s, lag) and the Timeline.
 
     rl.sim.compare.summarize gives means over rounds and the time per trained group.
     """
@@ -119,7 +108,7 @@ class Simulator:
       model: stage-time model (one sampler replica, the learner, the weight transfer).
       workload: prompts and response lengths.
       make_admission: builds an admission policy from cfg.admission (default rl.admission's).
-      make_batches: builds a batch former (name, U, groups) (default rl.formation's).
+      make_batches: builds a batch former (name, U, groups) (default rl.formation's registry).
       planner: the round planner (default rl.rounds.RoundPlanner over the workload's prompts).
       timeline: where spans go (a fresh Timeline by default).
     """
@@ -131,7 +120,7 @@ class Simulator:
         workload: Workload,
         *,
         make_admission: Callable[[str], AdmissionPolicy] = make_policy,
-        make_batches: Callable[[str, int, int | None], BatchFormer] = make_former,
+        make_batches: Callable[[str, int, int | None], BatchFormer] | None = None,
         planner: RoundPlanner | None = None,
         timeline: Timeline | None = None,
     ):
@@ -141,7 +130,7 @@ class Simulator:
             cfg.tail,
             groups_per_round=cfg.groups_per_round,
             prompts=workload.prompts(),
-            epoch_size=cfg.epoch_size,
+            epoch_size=cfg.epoch_size or None,
         )
         self.timeline = Timeline() if timeline is None else timeline
         n_policies = cfg.replicas if cfg.routing == "round_robin" else 1
@@ -157,6 +146,8 @@ class Simulator:
             on_busy=self._on_sampler_busy,
             timeline=self.timeline,
         )
+        self.schedule: Any = None
+        self.on_update: Callable[[Update], None] | None = None  # called as each update ends
         self._events: list[tuple[float, int, Callable[[float], None]]] = []
         self._seq = itertools.count()
         self._ops: list[_Op] = []
@@ -164,13 +155,20 @@ class Simulator:
         self._op_start = self._op_last = 0.0
         self._op_epoch = 0
         self._rate = 1.0
-        self._round: _Round | None = None
-        self._rounds: list[_Round] = []
+        self._starts: dict[int, float] = {}  # round -> when its first requests were submitted
+        self._done: dict[int, RoundDone] = {}
+        self._lags: dict[int, list[dict[str, float]]] = {}
+        self._begin_next: int | None = None
         self._pending_seqs: list[tuple[int, int]] = []  # learner rows not yet in a micro-batch
-        self._version = 0
         self._steps = 0
         self._stop_after = 0
         self._end = 0.0
+
+    def _requests(self, plan: RoundPlan) -> list[Request]:
+        return plan.requests(
+            group_size=self.cfg.group_size,
+            params=SamplingParams(max_new_tokens=self.cfg.max_new_tokens),
+        )
 
     # ------------------------------------------------------------------------------ the clock
 
@@ -181,105 +179,102 @@ class Simulator:
         """Simulates `rounds` rounds (fewer if the round planner runs out of prompts)."""
         if rounds < 1:
             raise ValueError(f"rounds must be >= 1; received {rounds}.")
+        if self.schedule is not None:
+            raise RuntimeError("Simulator.run was already called; build a new Simulator.")
         self._stop_after = rounds
-        t = self._publish(0.0, round=-1)
-        self._at(t, lambda t: self._start_round(0, t))
+        kw = {} if self.make_batches is None else {"make_former": self.make_batches}
+        self.schedule = make_schedule(
+            self.cfg, planner=self.planner, requests_of=self._requests, rounds=rounds, **kw
+        )
+        t = self._publish_span(0.0, 0.0 + self.model.publish_s(), version=0, round=-1)
+        self._at(t, lambda t: self._begin(0, t))
         while self._events:
             t, _, fn = heapq.heappop(self._events)
             fn(t)
-        if self._round is not None:
-            rnd = self._round
+        open_rounds = sorted(set(self._starts) - set(self._done))
+        if open_rounds or self._op is not None:
             raise RuntimeError(
-                f"Simulation stalled in round {rnd.plan.round}: {len(rnd.received)} of "
-                f"{rnd.plan.target} groups received, {rnd.updates} of {rnd.expected} updates (a "
-                "request that never fits, or a former that never releases its batch?)."
+                f"Simulation stalled with rounds {open_rounds} unfinished after {self._steps} "
+                "updates (a request that never fits, or a former that never releases its batch?)."
             )
         out = []
-        ends = [r.start for r in self._rounds[1:]] + [self._end]
-        for rnd, end in zip(self._rounds, ends, strict=True):
+        order = sorted(self._done)
+        ends = [self._starts[r] for r in order[1:]] + [self._end]
+        for r, end in zip(order, ends, strict=True):
+            done, start = self._done[r], self._starts[r]
             m: dict[str, float | str] = dict(
                 round_metrics(
-                    self.timeline,
-                    round=rnd.plan.round,
-                    rollout_start=rnd.start,
-                    num_slots=self.sampler.num_slots,
+                    self.timeline, round=r, rollout_start=start, num_slots=self.sampler.num_slots
                 )
             )
+            lags = self._lags.get(r, [])
             m.update(
-                kind=rnd.plan.kind,
-                groups_launched=float(len(rnd.plan.prompts)),
-                groups_trained=float(len(rnd.trained)),
-                round_s=end - rnd.start,  # rollout start -> the next round's (publish included)
+                kind=done.plan.kind,
+                version=float(done.version),
+                groups_launched=float(len(done.plan.prompts)),
+                groups_trained=float(len(done.trained)),
+                round_s=end - start,  # rollout start -> the next round's (publish included)
+                lag_max=max((x["lag_max"] for x in lags), default=float("nan")),
+                lag_mean=sum(x["lag_mean"] for x in lags) / len(lags) if lags else float("nan"),
             )
             out.append(m)
         c = dataclasses.asdict(self.sampler.counters)
         return SimResult(self.cfg, out, self.timeline, c, self._end)
 
-    # ----------------------------------------------------------------------------- the rounds
+    # --------------------------------------------------------------------------- the schedule
 
-    def _start_round(self, r: int, now: float) -> None:
+    def _begin(self, r: int, now: float) -> None:
         if r >= self._stop_after:
             self._end = now
             return
         try:
-            plan = self.planner.plan(r)
+            actions = self.schedule.begin(r)
         except StopIteration:
             self._end = now
             return
-        cfg = self.cfg
-        requests = plan.requests(
-            group_size=cfg.group_size, params=SamplingParams(max_new_tokens=cfg.max_new_tokens)
-        )
-        cut = RoundCut(plan.target) if plan.aborted else None
-        stream = cut is not None or cfg.batching == "fifo"  # the driver's stream trainer
-        rnd = _Round(
-            plan=plan,
-            start=now,
-            stream=stream,
-            former=self.make_batches(
-                "fifo" if stream else cfg.batching, cfg.groups_per_update, plan.target
-            ),
-            expected=-(-plan.target // cfg.groups_per_update),
-        )
-        self._round = rnd
-        self._rounds.append(rnd)
-        self.sampler.submit(requests, now, cut=cut)
+        self._do(actions, now)
+
+    def _do(self, actions: list[Action], now: float) -> None:
+        """Does what the schedule says; learner work is queued in order."""
+        for a in actions:
+            if isinstance(a, Submit):
+                self._starts.setdefault(a.round, now)
+                self.sampler.submit(a.requests, now, cut=a.cut)
+            elif isinstance(a, Begin):
+                pass  # the learner's behaviour snapshot costs nothing here
+            elif isinstance(a, Add):
+                self._add(list(a.groups), now, a.round)
+            elif isinstance(a, Update):
+                self._update(a, now)
+            elif isinstance(a, Publish):
+                self._queue_op(
+                    _Op(
+                        "publish",
+                        self.model.publish_s(),
+                        dict(version=a.version, round=a.round),
+                        self._published,
+                    ),
+                    now,
+                )
+            elif isinstance(a, RoundDone):
+                self._done[a.plan.round] = a
+                self._begin_next = a.plan.round + 1
+            else:
+                raise TypeError(f"Unknown schedule action {a!r}.")
 
     def _on_group(self, group: Group, now: float) -> None:
-        """A complete group the round trains (the sampler applied the cut); as rl/driver.py."""
-        rnd = self._round
-        if rnd is None or group.request.round != rnd.plan.round:
-            raise RuntimeError(f"Group {group.request.key} arrived outside its round.")
-        rnd.received.append(group)
-        u = self.cfg.groups_per_update
-        if self.cfg.mode == "sync":  # rollout all, then train in logical order
-            if len(rnd.received) == rnd.plan.target:
-                for batch in logical_batches(rnd.received, u):
-                    self._add(list(batch), now)
-                    self._update(batch, now)
-        elif rnd.stream:  # each group accumulates at once; an update per U groups
-            self._add([group], now)
-            for batch in rnd.former.add(group):
-                self._update(batch, now)
-        else:
-            for batch in rnd.former.add(group):
-                self._add(batch, now)
-                self._update(batch, now)
+        """A complete group (the sampler applied the round's cut)."""
+        self._do(self.schedule.on_group(group), now)
 
-    def _round_trained(self, now: float) -> None:
-        rnd = self._round
-        assert rnd is not None
-        self.planner.finish(rnd.plan, [g.request.uid for g in rnd.trained])
-        self._round = None
-        self._version += 1
-        t = self._publish(now, round=rnd.plan.round)
-        self._at(t, lambda t: self._start_round(rnd.plan.round + 1, t))
+    def _published(self, now: float) -> None:
+        self.sampler.version = self.schedule.version
+        self._do(self.schedule.on_published(), now)
+        if self._begin_next is not None:
+            r, self._begin_next = self._begin_next, None
+            self._begin(r, now)
 
-    def _publish(self, now: float, round: int) -> float:
-        end = now + self.model.publish_s()
-        self.timeline.span(
-            "publish", f"v{self._version}", now, end, version=self._version, round=round
-        )
+    def _publish_span(self, now: float, end: float, *, version: int, round: int) -> float:
+        self.timeline.span("publish", f"v{version}", now, end, version=version, round=round)
         return end
 
     # ---------------------------------------------------------------------------- the learner
@@ -292,22 +287,30 @@ class Simulator:
         seqs, self._pending_seqs = self._pending_seqs, []
         return self.model.micro_step_s(self.model.batch_tokens(seqs))
 
-    def _add(self, groups: list[Group], now: float) -> None:
+    def _add(self, groups: list[Group], now: float, round: int) -> None:
         work = 0.0
         for g in groups:
             self._pending_seqs += [(len(g.request.prompt), len(c.tokens)) for c in g.completions]
             if len(self._pending_seqs) >= max(self.model.micro_batch_rows, 1):
                 work += self._flush_s()
-        self._queue_op("micro_step", work, groups, now)
+        self._queue_op(_Op("micro_step", work, self._args(groups, round)), now)
 
-    def _update(self, batch: tuple[Group, ...] | list[Group], now: float) -> None:
-        self._round.trained.extend(batch)  # type: ignore[union-attr]
-        self._queue_op("update", self._flush_s() + self.model.update_s, batch, now)
+    def _update(self, up: Update, now: float) -> None:
+        def done(t: float) -> None:
+            self._lags.setdefault(up.round, []).append(staleness_metrics(up.batch, up.version))
+            if self.on_update is not None:
+                self.on_update(up)
+            self._do(self.schedule.on_update_done(), t)
 
-    def _queue_op(self, name: str, work: float, groups: Any, now: float) -> None:
-        tokens = sum(len(c.tokens) for g in groups for c in g.completions)
-        args = dict(round=self._round.plan.round, tokens=tokens)  # type: ignore[union-attr]
-        self._ops.append(_Op(name, work, args))
+        work = self._flush_s() + self.model.update_s
+        self._queue_op(_Op("update", work, self._args(up.batch, up.round), done), now)
+
+    @staticmethod
+    def _args(groups: Any, round: int) -> dict[str, Any]:
+        return dict(round=round, tokens=sum(len(c.tokens) for g in groups for c in g.completions))
+
+    def _queue_op(self, op: _Op, now: float) -> None:
+        self._ops.append(op)
         if self._op is None:
             self._next_op(now)
 
@@ -339,17 +342,20 @@ class Simulator:
     def _op_end(self, epoch: int, now: float) -> None:
         if epoch != self._op_epoch:
             return
-        op, rnd = self._op, self._round
-        assert op is not None and rnd is not None
-        self.timeline.span("learner", op.name, self._op_start, now, step=self._steps, **op.args)
+        op = self._op
+        assert op is not None
+        if op.name == "publish":
+            self._publish_span(self._op_start, now, **op.args)
+        else:
+            self.timeline.span("learner", op.name, self._op_start, now, step=self._steps, **op.args)
         self._op = None
         if op.name == "update":
             self._steps += 1
-            rnd.updates += 1
+        if op.on_end is not None:
+            op.on_end(now)  # may queue ops (and start one)
+        if self._op is not None:
+            return
         if self._ops:
             self._next_op(now)
-            return
-        if self.model.contention:
+        elif self.model.contention:
             self.sampler.set_factor(1.0, now)
-        if rnd.updates == rnd.expected:
-            self._round_trained(now)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl.admission import FCFS, POLICIES, Frontier, make_policy
+from rl.admission import FCFS, POLICIES, Frontier, ShuffledFCFS, make_policy, register_admission
 from rl.types import Request
 
 SETTINGS = settings(max_examples=100, deadline=None)
@@ -124,8 +124,22 @@ def test_duplicate_keys_rejected(cls):
 
 
 def test_make_policy():
-    assert set(POLICIES) == {"fcfs", "frontier"}
+    assert {"fcfs", "frontier", "shuffled"} <= set(POLICIES)
     assert isinstance(make_policy("fcfs"), FCFS)
     assert isinstance(make_policy("frontier"), Frontier)
-    with pytest.raises(ValueError, match=r"'lifo'; expected one of \['fcfs', 'frontier'\]"):
+    assert isinstance(make_policy("shuffled"), ShuffledFCFS)
+    with pytest.raises(ValueError, match=r"'lifo'; expected one of \[.*'fcfs', 'frontier'"):
         make_policy("lifo")
+
+
+def test_a_registered_policy_is_made_by_name_and_names_are_not_replaced():
+    @register_admission("test_lifo_policy")
+    class Lifo(FCFS):
+        pass
+
+    try:
+        assert isinstance(make_policy("test_lifo_policy"), Lifo)
+        with pytest.raises(ValueError, match="'fcfs' is already registered"):
+            register_admission("fcfs")(Lifo)
+    finally:
+        del POLICIES["test_lifo_policy"]

@@ -64,7 +64,7 @@ def test_typed_sections_report_their_own_checks():
     with pytest.raises(ConfigError) as e:
         check_config(config)
     assert e.value.problems == [
-        "config.driver: driver.mode='synk'; expected one of ('sync', 'cgp').",
+        "config.driver: driver.mode='synk'; expected one of ('sync', 'cgp', 'async').",
         "config.learner: optimizer.lr must be > 0; received 0.0.",
         "config.mesh: mesh.learner_tp must be >= 1; received 0.",
     ]

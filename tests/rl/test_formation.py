@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl.formation import FifoBatches, OrderedBatches, make_former
+from rl.formation import FORMERS, FifoBatches, OrderedBatches, make_former, register_former
 from rl.types import Completion, Group, Request
 
 SETTINGS = settings(max_examples=150, deadline=None)
@@ -161,6 +161,22 @@ def test_make_former():
     assert isinstance(ordered, OrderedBatches) and ordered.num_groups == 6
     with pytest.raises(ValueError, match=r"'lifo'; expected one of \['fifo', 'ordered'\]"):
         make_former("lifo", 4)  # type: ignore[arg-type]
+
+
+def test_a_registered_former_is_made_by_name_and_names_are_not_replaced():
+    made = []
+
+    @register_former("test_counting")
+    def counting(size, num_groups=None):
+        made.append((size, num_groups))
+        return FifoBatches(size, num_groups)
+
+    try:
+        assert isinstance(make_former("test_counting", 2, 4), FifoBatches) and made == [(2, 4)]
+        with pytest.raises(ValueError, match="'fifo' is already registered"):
+            register_former("fifo")(counting)
+    finally:
+        del FORMERS["test_counting"]
 
 
 @pytest.mark.parametrize(

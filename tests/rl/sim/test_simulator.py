@@ -223,8 +223,12 @@ def test_round_robin_and_shared_routing_both_finish():
 def test_bad_configs_say_what_they_got():
     with pytest.raises(ValueError, match=r"slots \(2\) must be >= group_size \(4\)"):
         small("sync", slots=2)
-    with pytest.raises(ValueError, match="mode='async'"):
+    with pytest.raises(ValueError, match=r"mode='lifo'; expected one of \('sync', 'cgp', 'async'"):
+        SimConfig(mode="lifo")
+    with pytest.raises(ValueError, match="mode='async' with batching='fifo'; expected 'ordered'"):
         SimConfig(mode="async")
+    with pytest.raises(ValueError, match="max_staleness=1 needs mode='async'"):
+        SimConfig(mode="cgp", max_staleness=1)
     with pytest.raises(ValueError, match=r"Mode 'cgp\+fcfs'"):
         sim_config("cgp+fcfs")
     with pytest.raises(ValueError, match="rounds must be >= 1; received 0"):

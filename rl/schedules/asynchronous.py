@@ -1,0 +1,215 @@
+"""`async`: bounded-staleness asynchrony (PipelineRL, AReaL, BiDiRL).
+
+The sampler keeps decoding ahead of the learner. Weights are published after every update (version
+v = updates applied), and the runtime swaps them into the running engine between decode steps, so
+an in-flight sequence carries on with its KV cache and its tokens record the versions that made
+them. Update k trains the logical groups kU..kU+U-1 (rounds of R prompts drawn in order, batches
+released in logical order, one update outstanding at a time). A request is submitted only once
+k <= v + s, k its update, s = `max_staleness`: AReaL's admission rule accepted + running <
+(s + v + 1) * U with U groups per update, written per request so that a short last batch keeps the
+bound. Every token an update trains was therefore produced by a policy at most s versions older
+than the one updated. s = 0 submits the next update's groups only after the previous publish: the
+on-policy schedule (with U = R it is `cgp` + `ordered`, bit for bit).
+
+Frontier admission matters here: with several versions' requests waiting, `frontier` starts the
+lowest (round, index) first, the groups the next update needs; `fcfs` starts them in arrival order.
+Rounds are bookkeeping (prompts are drawn R at a time; a round is done when its last update is);
+tail batching is not combined with async.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from rl.rounds import RoundPlan, RoundPlanner
+from rl.schedules.base import (
+    SCHEDULES,
+    Action,
+    Add,
+    Begin,
+    Publish,
+    RequestsOf,
+    RoundDone,
+    Submit,
+    Update,
+)
+from rl.types import Group, Request
+
+
+@dataclasses.dataclass
+class _Round:
+    plan: RoundPlan
+    first_update: int
+    expected: int
+    version: int | None = None  # the version when its first request was submitted
+    trained: list[Group] = dataclasses.field(default_factory=list)
+    updates: int = 0
+
+
+@SCHEDULES.register("async")
+class AsyncSchedule:
+    """Bounded-staleness asynchrony; see the module docstring."""
+
+    name = "async"
+
+    @staticmethod
+    def predict_round_s(
+        cfg: object,
+        *,
+        rollout_s: float,
+        train_s: float,
+        first_batch_s: float,
+        update_s: float,
+        publish_s: float,
+    ) -> float:
+        """Seconds per round from stage times (rl.plan), roughly: with s = 0 nothing overlaps
+        (sample, train and publish per update); with s >= 1 rounds overlap and the slower side
+        (sampling, or training plus a publish per update) sets the pace."""
+        publishes = publish_s * cfg.updates_per_round  # type: ignore[attr-defined]
+        if cfg.max_staleness == 0:  # type: ignore[attr-defined]
+            return rollout_s + train_s + publishes
+        return max(rollout_s, train_s + publishes)
+
+    def __init__(
+        self,
+        cfg: object,
+        *,
+        planner: RoundPlanner,
+        requests_of: RequestsOf,
+        version: int = 0,
+        rounds: int | None = None,
+        make_former: object = None,  # unused: async releases batches in logical order itself
+    ):
+        self.cfg = cfg
+        self.u: int = cfg.groups_per_update  # type: ignore[attr-defined]
+        self.s: int = cfg.max_staleness  # type: ignore[attr-defined]
+        self.planner, self.requests_of = planner, requests_of
+        self.stop = rounds  # no round at or past this one is planned
+        self._version = version
+        self._done = 0  # updates applied since the start
+        self._planned = 0  # updates planned (index of the next round's first update)
+        self._next_round: int | None = None
+        self._exhausted = False
+        self._waiting: collections.deque[tuple[Request, int]] = collections.deque()  # (req, update)
+        self._rounds: dict[int, _Round] = {}
+        self._need: dict[int, tuple[int, set[tuple[int, int]]]] = {}  # update -> (round, keys)
+        self._buf: dict[int, dict[tuple[int, int], Group]] = {}  # update -> arrived groups
+        self._next_update = 0  # the next update to release
+        self._outstanding: Update | None = None
+        self._publishing = False
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def updates_done(self) -> int:
+        return self._done
+
+    def begin(self, round: int) -> list[Action]:
+        """The runtime wants round `round`: submits what the bound allows (rounds run ahead of
+        `begin` on their own). StopIteration: the source ran out before `round`."""
+        if self._next_round is None:
+            self._next_round = round
+        elif round > self._next_round:
+            raise RuntimeError(
+                f"begin({round}) skips rounds; expected round {self._next_round} or an earlier one."
+            )
+        out = self._fill()
+        if round >= self._next_round:  # not planned: the source ran out or the run's end
+            raise StopIteration
+        return out
+
+    # ------------------------------------------------------------------ what may be submitted
+
+    def _plan_next(self) -> bool:
+        r = self._next_round
+        if self._exhausted or r is None or (self.stop is not None and r >= self.stop):
+            return False
+        try:
+            plan = self.planner.plan(r)
+        except StopIteration:
+            self._exhausted = True
+            return False
+        self.planner.finish(plan, [p.uid for p in plan.prompts])  # plain rounds: all trained
+        expected = -(-plan.target // self.u)
+        self._rounds[r] = _Round(plan, self._planned, expected)
+        for k in range(expected):
+            self._need[self._planned + k] = (r, set())
+        for req in self.requests_of(plan):
+            k = self._planned + req.index // self.u
+            self._need[k][1].add(req.key)
+            self._waiting.append((req, k))
+        self._planned += expected
+        self._next_round = r + 1
+        return True
+
+    def _fill(self) -> list[Action]:
+        """Submits every request whose update is within s of the updates applied."""
+        limit = self._done + self.s
+        by_round: dict[int, list[Request]] = {}
+        while True:
+            if not self._waiting:
+                if self._planned > limit or not self._plan_next():
+                    break
+                continue
+            req, k = self._waiting[0]
+            if k > limit:
+                break
+            self._waiting.popleft()
+            by_round.setdefault(req.round, []).append(req)
+        out: list[Action] = []
+        for r, reqs in by_round.items():
+            rnd = self._rounds[r]
+            if rnd.version is None:
+                rnd.version = self._version
+            out.append(Submit(r, tuple(reqs), None, self._version))
+        return out
+
+    # ------------------------------------------------------------------------ the learner side
+
+    def on_group(self, group: Group) -> list[Action]:
+        key = group.request.key
+        k = next(
+            (k for k in range(self._next_update, self._planned) if key in self._need[k][1]), None
+        )
+        if k is None:
+            raise RuntimeError(f"Group (round, uid)={key} was not submitted by this schedule.")
+        self._need[k][1].discard(key)
+        self._buf.setdefault(k, {})[key] = group
+        return self._release()
+
+    def _release(self) -> list[Action]:
+        k = self._next_update
+        if self._outstanding is not None or self._publishing or k not in self._need:
+            return []
+        round, missing = self._need[k]
+        if missing:
+            return []
+        del self._need[k]
+        batch = tuple(sorted(self._buf.pop(k, {}).values(), key=lambda g: g.request.index))
+        self._next_update += 1
+        self._outstanding = Update(round, batch, self._version)
+        return [Begin(1), Add(round, batch), self._outstanding]
+
+    def on_update_done(self) -> list[Action]:
+        up = self._outstanding
+        if up is None:
+            raise RuntimeError("on_update_done() with no update outstanding.")
+        self._outstanding = None
+        rnd = self._rounds[up.round]
+        rnd.trained.extend(up.batch)
+        rnd.updates += 1
+        self._done += 1
+        self._version += 1
+        self._publishing = True
+        out: list[Action] = []
+        if rnd.updates == rnd.expected:
+            del self._rounds[up.round]
+            out.append(RoundDone(rnd.plan, tuple(rnd.trained), rnd.version or 0))
+        return out + [Publish(up.round, self._version)]
+
+    def on_published(self) -> list[Action]:
+        self._publishing = False
+        return self._fill() + self._release()

@@ -1,0 +1,116 @@
+"""One config for a schedule, shared by the threaded driver and the simulator, and the mode names.
+
+A mode name is what the benchmarks and launch.simulate print: "sync", "cgp+<admission>+<batching>",
+"sync+tail", "cgp+<admission>+tail" (tail batching; cgp batches then form in completion order),
+"async+<admission>+s<max_staleness>".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from rl.admission import make_policy
+from rl.formation import make_former
+from rl.rounds import TailConfig
+from rl.schedules.base import SCHEDULES
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    """What a schedule needs: which mode, the policies it uses, the round and batch shape.
+
+    rl.driver.DriverConfig adds the runtime's fields (sampling, queue size), rl.sim.SimConfig the
+    simulated sampler's shape; both validate here.
+    """
+
+    prefix: ClassVar[str] = "schedule"  # how errors name the config ("driver" in DriverConfig)
+
+    mode: str = "cgp"  # sync | cgp | async, or a name registered in rl.schedules.SCHEDULES
+    admission: str = "frontier"  # a name in rl.admission.POLICIES: fcfs | frontier | shuffled
+    batching: str = "ordered"  # a name in rl.formation.FORMERS: fifo | ordered (cgp)
+    groups_per_round: int = 16  # R (P0 under tail batching)
+    groups_per_update: int = 2  # U; S = R / U updates per round
+    group_size: int = 8  # G samples per prompt
+    max_staleness: int = 0  # async: the sampler runs at most this many versions ahead
+    tail: TailConfig = TailConfig()  # tail batching (rl.rounds); off: plain rounds
+    epoch_size: int = 0  # prompts per epoch of the source (tail.epoch_end="flush"); 0: no epochs
+
+    def __post_init__(self):
+        if self.mode not in SCHEDULES:
+            raise ValueError(
+                f"{self.prefix}.mode={self.mode!r}; expected one of {tuple(SCHEDULES)}."
+            )
+        make_policy(self.admission)
+        make_former(self.batching, 1, 1)
+        if self.groups_per_update < 1 or self.groups_per_round % self.groups_per_update:
+            raise ValueError(
+                f"groups_per_round ({self.groups_per_round}) must be a positive multiple of "
+                f"groups_per_update ({self.groups_per_update})."
+            )
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1; received {self.group_size}.")
+        if self.epoch_size is None or self.epoch_size < 0:
+            raise ValueError(f"epoch_size must be >= 0 (0: no epochs); received {self.epoch_size}.")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0; received {self.max_staleness}.")
+        if self.mode != "async" and self.max_staleness:
+            raise ValueError(
+                f"max_staleness={self.max_staleness} needs mode='async'; received mode="
+                f"{self.mode!r} (sync and cgp are on-policy)."
+            )
+        if self.mode == "async":
+            if self.tail.enabled:
+                raise ValueError(
+                    "mode='async' with tail.enabled=True; expected tail batching off (async "
+                    "draws plain rounds)."
+                )
+            if self.batching != "ordered":
+                raise ValueError(
+                    f"mode='async' with batching={self.batching!r}; expected 'ordered' (update k "
+                    "trains logical groups kU..kU+U-1, which is what bounds the lag by "
+                    "max_staleness)."
+                )
+
+    @property
+    def updates_per_round(self) -> int:
+        return self.groups_per_round // self.groups_per_update
+
+    @property
+    def name(self) -> str:
+        """The mode name (see the module docstring)."""
+        if self.mode == "async":
+            return f"async+{self.admission}+s{self.max_staleness}"
+        if self.mode == "sync":
+            return "sync+tail" if self.tail.enabled else "sync"
+        if self.tail.enabled and self.batching == "fifo":  # what mode_fields reads back
+            return f"cgp+{self.admission}+tail"
+        return f"cgp+{self.admission}+{self.batching}" + ("+tail" if self.tail.enabled else "")
+
+
+def mode_fields(name: str) -> dict[str, Any]:
+    """The ScheduleConfig fields a mode name sets (mode, admission, batching, max_staleness,
+    tail.enabled as `tail_enabled`).
+
+    Raises:
+      ValueError: the name is not one of the forms in the module docstring.
+    """
+    parts = name.split("+")
+    out: dict[str, Any] = dict(tail_enabled=False, max_staleness=0)
+    if parts[-1] == "tail" and parts[0] in ("sync", "cgp"):
+        out["tail_enabled"] = True
+        parts = parts[:-1] + (["fifo"] if parts[0] == "cgp" else [])
+    if parts == ["sync"]:
+        out.update(mode="sync", admission="fcfs", batching="ordered")
+    elif len(parts) == 3 and parts[0] == "cgp":
+        out.update(mode="cgp", admission=parts[1], batching=parts[2])
+    elif len(parts) == 3 and parts[0] == "async" and parts[2][:1] == "s" and parts[2][1:].isdigit():
+        out.update(
+            mode="async", admission=parts[1], batching="ordered", max_staleness=int(parts[2][1:])
+        )
+    else:
+        raise ValueError(
+            f"Mode {name!r}; expected sync, cgp+<admission>+<batching>, sync+tail, "
+            "cgp+<admission>+tail or async+<admission>+s<max_staleness>."
+        )
+    return out

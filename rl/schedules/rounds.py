@@ -1,0 +1,212 @@
+"""The round schedules: one round in flight, weights published after the round's S updates.
+
+  sync  rollout all the round's groups, then train them in logical order (slime; the baseline).
+  cgp   complete-group pipelining (RolloutPipe): each complete group goes to the learner at once;
+        an update runs as soon as the batch former (`batching`, any registered name) releases U
+        groups. With `fifo` batches, and in a tail-batching short round whatever `batching` says
+        (its trained set is defined by completion order), cgp is RollPacker's stream trainer: each
+        arriving group is accumulated at once and the update applied when U groups are in.
+
+Rounds come from the rl.rounds.RoundPlanner: plain rounds, or with tail batching short rounds
+(launch ceil(eta R), train the first R to complete: a RoundCut goes with the Submit) and long rounds.
+`sync` and `cgp` + `ordered` perform the same updates on the same data.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+
+from rl.formation import BatchFormer, logical_batches, make_former
+from rl.rounds import RoundCut, RoundPlan, RoundPlanner
+from rl.schedules.base import (
+    SCHEDULES,
+    Action,
+    Add,
+    Begin,
+    Publish,
+    RequestsOf,
+    RoundDone,
+    Submit,
+    Update,
+)
+from rl.types import Group
+
+
+@dataclasses.dataclass
+class _Round:
+    plan: RoundPlan
+    version: int
+    stream: bool
+    former: BatchFormer | None
+    expected: int  # updates: ceil(target / U)
+    received: list[Group] = dataclasses.field(default_factory=list)
+    trained: list[Group] = dataclasses.field(default_factory=list)
+    updates: int = 0
+
+
+class RoundSchedule:
+    """One round at a time; subclasses say how arriving groups become updates."""
+
+    name = "rounds"
+
+    def __init__(
+        self,
+        cfg: object,
+        *,
+        planner: RoundPlanner,
+        requests_of: RequestsOf,
+        version: int = 0,
+        rounds: int | None = None,
+        make_former: Callable[..., BatchFormer] = make_former,
+    ):
+        self.cfg = cfg
+        self.make_former = make_former
+        self.u: int = cfg.groups_per_update  # type: ignore[attr-defined]
+        self.planner = planner
+        self.requests_of = requests_of
+        self._version = version
+        self._round: _Round | None = None
+        self._outstanding: collections.deque[Update] = collections.deque()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def open_round(self) -> int | None:
+        return None if self._round is None else self._round.plan.round
+
+    def begin(self, round: int) -> list[Action]:
+        """Plans round `round` (StopIteration: the source is exhausted and no prompt is queued)."""
+        if self._round is not None:
+            raise RuntimeError(
+                f"begin({round}) while round {self._round.plan.round} is still training."
+            )
+        plan = self.planner.plan(round)
+        cut = RoundCut(plan.target) if plan.aborted else None
+        stream = self._stream(cut)
+        expected = -(-plan.target // self.u)
+        self._round = _Round(
+            plan=plan,
+            version=self._version,
+            stream=stream,
+            former=self._former(stream, plan.target),
+            expected=expected,
+        )
+        requests = tuple(self.requests_of(plan))
+        return [Begin(expected), Submit(round, requests, cut, self._version)]
+
+    def _stream(self, cut: RoundCut | None) -> bool:
+        return False
+
+    def _former(self, stream: bool, target: int) -> BatchFormer | None:
+        return None
+
+    def on_group(self, group: Group) -> list[Action]:
+        rnd = self._round
+        if rnd is None or group.request.round != rnd.plan.round:
+            raise RuntimeError(
+                f"Group (round, uid)={group.request.key} arrived outside its round (open round: "
+                f"{None if rnd is None else rnd.plan.round})."
+            )
+        rnd.received.append(group)
+        return self._on_group(rnd, group)
+
+    def _on_group(self, rnd: _Round, group: Group) -> list[Action]:
+        raise NotImplementedError
+
+    def _update(self, rnd: _Round, batch: tuple[Group, ...]) -> Update:
+        up = Update(rnd.plan.round, batch, self._version)
+        self._outstanding.append(up)
+        return up
+
+    def on_update_done(self) -> list[Action]:
+        if not self._outstanding or self._round is None:
+            raise RuntimeError("on_update_done() with no update outstanding.")
+        rnd = self._round
+        rnd.trained.extend(self._outstanding.popleft().batch)
+        rnd.updates += 1
+        if rnd.updates < rnd.expected:
+            return []
+        if len(rnd.trained) != rnd.plan.target:
+            raise RuntimeError(
+                f"Round {rnd.plan.round} trained {len(rnd.trained)} groups in {rnd.updates} "
+                f"updates; expected {rnd.plan.target}."
+            )
+        self.planner.finish(rnd.plan, [g.request.uid for g in rnd.trained])
+        self._round = None
+        self._version += 1
+        done = RoundDone(rnd.plan, tuple(rnd.trained), rnd.version)
+        return [done, Publish(rnd.plan.round, self._version)]
+
+    def on_published(self) -> list[Action]:
+        return []  # the runtime begins the next round when it wants it
+
+
+@SCHEDULES.register("sync")
+class SyncSchedule(RoundSchedule):
+    """Rollout all, then train the round in logical order, U groups per update."""
+
+    name = "sync"
+
+    @staticmethod
+    def predict_round_s(
+        cfg: object,
+        *,
+        rollout_s: float,
+        train_s: float,
+        first_batch_s: float,
+        update_s: float,
+        publish_s: float,
+    ) -> float:
+        """Seconds per round from stage times (rl.plan): rollout, then training, then publish."""
+        return rollout_s + train_s + publish_s
+
+    def _on_group(self, rnd: _Round, group: Group) -> list[Action]:
+        if len(rnd.received) < rnd.plan.target:
+            return []
+        out: list[Action] = []
+        for batch in logical_batches(rnd.received, self.u):
+            out += [Add(rnd.plan.round, batch), self._update(rnd, batch)]
+        return out
+
+
+@SCHEDULES.register("cgp")
+class CgpSchedule(RoundSchedule):
+    """Complete-group pipelining; the stream trainer with completion-order batches."""
+
+    name = "cgp"
+
+    @staticmethod
+    def predict_round_s(
+        cfg: object,
+        *,
+        rollout_s: float,
+        train_s: float,
+        first_batch_s: float,
+        update_s: float,
+        publish_s: float,
+    ) -> float:
+        """Seconds per round from stage times (rl.plan): training starts with the first batch and
+        ends one update after the rollout at the earliest; then the publish."""
+        return max(rollout_s + update_s, first_batch_s + train_s) + publish_s
+
+    def _stream(self, cut: RoundCut | None) -> bool:
+        return cut is not None or self.cfg.batching == "fifo"  # type: ignore[attr-defined]
+
+    def _former(self, stream: bool, target: int) -> BatchFormer:
+        name = "fifo" if stream else self.cfg.batching  # type: ignore[attr-defined]
+        return self.make_former(name, self.u, target)
+
+    def _on_group(self, rnd: _Round, group: Group) -> list[Action]:
+        assert rnd.former is not None
+        r = rnd.plan.round
+        if rnd.stream:  # accumulate at once; an update per U groups
+            out: list[Action] = [Add(r, (group,))]
+            return out + [self._update(rnd, b) for b in rnd.former.add(group)]
+        out = []
+        for batch in rnd.former.add(group):
+            out += [Add(r, batch), self._update(rnd, batch)]
+        return out
