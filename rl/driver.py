@@ -270,6 +270,11 @@ class Driver:
         metrics.update(self._round_stats(plan, trained, self._stats0.pop(round)))
         for key in ("loss", "grad_norm", "clip_frac", "entropy", "kl"):
             metrics[key] = float(np.mean([m[key] for m in updates]))
+        tokens = np.asarray([m["tokens"] for m in updates])  # lag: token-weighted, and the max
+        metrics["lag_mean"] = float(
+            np.sum(tokens * [m["lag_mean"] for m in updates]) / tokens.sum()
+        )
+        metrics["lag_max"] = float(np.max([m["lag_max"] for m in updates]))
         return RoundResult(
             round=round,
             kind=plan.kind,
