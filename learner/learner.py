@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from learner.batching import Batch, make_batch
 from learner.config import LearnerConfig
 from learner.state import create_train_state, make_optimizer, make_schedule
-from learner.step import SUM_KEYS, Accum, accumulate, apply, float_leaf_names, zero_accum
+from learner.step import Accum, accumulate, apply, float_leaf_names, sum_keys, zero_accum
 from rl.advantages import get_advantage_estimator, zero_variance_groups
 from rl.models.sharding import Rules, axis_rules, current_rules, logical_to_spec
 from rl.types import Group
@@ -68,14 +68,17 @@ class Learner:
                 lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.shardings.params
             )(self.state.params)
         rep = NamedSharding(mesh, PartitionSpec())
+        keys = sum_keys(cfg)  # every metric the policy loss returns reaches update()'s metrics
         self._acc_shardings = Accum(
             grads=self.shardings.params,
             numerator=rep,
             denominator=rep,
-            sums=dict.fromkeys(SUM_KEYS, rep),
+            sums=dict.fromkeys(keys, rep),
         )
         kw = dict(graphdef=self.graphdef, cfg=cfg)
-        self._zero = jax.jit(zero_accum, out_shardings=self._acc_shardings)
+        self._zero = jax.jit(
+            functools.partial(zero_accum, keys=keys), out_shardings=self._acc_shardings
+        )
         self._accumulate = jax.jit(
             functools.partial(accumulate, **kw),
             donate_argnums=(0,),

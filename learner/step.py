@@ -35,8 +35,17 @@ from learner.state import TrainState
 from rl.aggregation import get_aggregation
 from rl.losses import get_policy_loss, kl_penalty
 
-_METRICS = ("clip_frac", "entropy", "kl", "ratio")
-SUM_KEYS = (*_METRICS, "tokens", "sequences")  # what Accum.sums holds
+_COUNTS = ("tokens", "sequences", "ess_w", "ess_w2")  # sums apply() does not average per token
+_ALWAYS = ("clip_frac", "entropy", "kl", "ratio", "logprob_diff_abs", "logprob_kl")
+SUM_KEYS = (*_ALWAYS, *_COUNTS)  # what Accum.sums holds at least
+
+
+def sum_keys(cfg: LearnerConfig) -> tuple[str, ...]:
+    """Accum.sums' keys for `cfg`: SUM_KEYS and every per-token metric its policy loss returns."""
+    loss = get_policy_loss(cfg.policy_loss)
+    x, a = jax.ShapeDtypeStruct((1, 2), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32)
+    _, m = jax.eval_shape(lambda lp, o, adv, mk: loss(lp, o, adv, mk, cfg.loss), x, x, a, x)
+    return tuple(dict.fromkeys((*SUM_KEYS, *sorted(m))))
 
 
 @jax.tree_util.register_dataclass
@@ -48,13 +57,14 @@ class Accum:
     sums: dict[str, jax.Array]  # token-summed metrics and counts
 
 
-def zero_accum(params: Any) -> Accum:
+def zero_accum(params: Any, keys: tuple[str, ...] = SUM_KEYS) -> Accum:
+    """An empty accumulator; `keys` (sum_keys(cfg)) fixes its structure for a jit's shardings."""
     zeros = jnp.zeros((), jnp.float32)
     return Accum(
         grads=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
         numerator=zeros,
         denominator=zeros,
-        sums=dict.fromkeys(SUM_KEYS, zeros),
+        sums=dict.fromkeys(keys, zeros),
     )
 
 
@@ -131,11 +141,23 @@ def accumulate(
         num, den = get_aggregation(cfg.aggregation)(
             loss, mask, norm_constant=cfg.norm_constant or None
         )
+        # Every per-token metric the loss returns, and the sampler/learner mismatch: delta =
+        # learner - sampler log-prob of each token (the learner's params are the same for all
+        # micro-batches of an update); w = exp(delta) gives the ESS, (w - 1) - delta >= 0 is the
+        # k3 estimate of KL(sampler || learner). On-policy, delta is only numerics (sampler dtype).
+        # (w is computed from delta clamped at 20 so that w^2 stays finite in float32.)
+        delta = jax.lax.stop_gradient(logp) - batch.behavior_logp
+        w = jnp.exp(jnp.where(mask > 0, jnp.minimum(delta, 20.0), 0.0))
         per_token = {
+            **m,
             "clip_frac": m.get("clip_frac", jnp.zeros_like(logp)),
             "kl": kl,
             "ratio": m.get("ratio", jnp.ones_like(logp)),
             "entropy": jnp.zeros_like(logp) if ent is None else ent,
+            "logprob_diff_abs": jnp.abs(delta),
+            "logprob_kl": w - 1.0 - jnp.minimum(delta, 20.0),
+            "ess_w": w,
+            "ess_w2": w * w,
         }
         sums = {k: jnp.sum(jnp.where(mask > 0, v, 0.0)) for k, v in per_token.items()}
         sums["tokens"] = jnp.sum(mask)
@@ -147,7 +169,7 @@ def accumulate(
         grads=jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc.grads, grads),
         numerator=acc.numerator + num,
         denominator=acc.denominator + den,
-        sums={k: acc.sums[k] + sums[k] for k in acc.sums},
+        sums={k: acc.sums.get(k, 0.0) + v for k, v in sums.items()},
     )
 
 
@@ -166,7 +188,9 @@ def apply(
         "lr": schedule(state.step),
         "tokens": acc.sums["tokens"],
         "sequences": acc.sums["sequences"],
-        **{k: acc.sums[k] / tokens for k in _METRICS},
+        # ESS = (sum w)^2 / (N sum w^2) over the update's tokens (PipelineRL), in (0, 1]
+        "ess": acc.sums["ess_w"] ** 2 / (tokens * jnp.maximum(acc.sums["ess_w2"], 1e-30)),
+        **{k: v / tokens for k, v in acc.sums.items() if k not in _COUNTS},
     }
     new = TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=state.rng)
     # A non-finite loss, gradient, parameter or optimizer state leaves the state as it was; the

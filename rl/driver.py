@@ -268,8 +268,8 @@ class Driver:
             num_slots=self.num_slots,
         )
         metrics.update(self._round_stats(plan, trained, self._stats0.pop(round)))
-        for key in ("loss", "grad_norm", "clip_frac", "entropy", "kl"):
-            metrics[key] = float(np.mean([m[key] for m in updates]))
+        for key in updates[0]:  # every metric the learner and its loss return: round means
+            metrics.setdefault(key, float(np.mean([m[key] for m in updates])))
         tokens = np.asarray([m["tokens"] for m in updates])  # lag: token-weighted, and the max
         metrics["lag_mean"] = float(
             np.sum(tokens * [m["lag_mean"] for m in updates]) / tokens.sum()

@@ -179,6 +179,44 @@ def test_later_updates_use_the_behavior_policy_not_the_updated_learner():
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
 
 
+def _shift_logprobs(group, c):
+    comps = tuple(
+        Completion(**{**x.__dict__, "logprobs": tuple(v - c for v in x.logprobs)})
+        for x in group.completions
+    )
+    return Group(request=group.request, completions=comps)
+
+
+@pytest.mark.parametrize(
+    "loss, keys",
+    [("tis_reinforce", {"is_weight"}), ("ppo_clip", {"clip_frac_low", "clip_frac_high"})],
+)
+def test_update_reports_every_loss_metric_the_sampler_mismatch_and_the_ess(loss, keys):
+    model = create_model(get_preset("tiny"), seed=3)
+    groups = _on_policy_groups(model, make_groups(2, seed=10))
+    cfg = LearnerConfig(optimizer=OptimizerConfig(lr=1e-3), micro_batch_rows=8, policy_loss=loss)
+
+    def update(gs):
+        learner = Learner(model, cfg, mesh=_single_mesh())
+        learner.begin_round(updates=1)
+        learner.add_groups(gs)
+        return learner.update()
+
+    m = update(groups)
+    assert keys <= set(m)  # the loss's own metrics reach the logs
+    assert m["logprob_diff_abs"] < 1e-5 and abs(m["logprob_kl"]) < 1e-6  # on-policy: numerics
+    assert m["ess"] == pytest.approx(1.0, abs=1e-5)
+    # The sampler reports log-probs c lower for group 0: delta = +c on its n1 tokens, 0 elsewhere.
+    c = 0.5
+    n1 = sum(len(x.tokens) for x in groups[0].completions)
+    n = n1 + sum(len(x.tokens) for x in groups[1].completions)
+    m = update([_shift_logprobs(groups[0], c), groups[1]])
+    w = np.exp(c)
+    assert m["logprob_diff_abs"] == pytest.approx(c * n1 / n, rel=1e-4)
+    assert m["logprob_kl"] == pytest.approx((w - 1 - c) * n1 / n, rel=1e-3)
+    assert m["ess"] == pytest.approx((n1 * w + n - n1) ** 2 / (n * (n1 * w * w + n - n1)), rel=1e-4)
+
+
 def test_nan_loss_stops_naming_step_and_metric_and_keeps_state():
     learner = Learner(
         create_model(get_preset("tiny")), LearnerConfig(micro_batch_rows=4), mesh=_single_mesh()

@@ -146,6 +146,9 @@ def test_async_with_staleness_trains_every_prompt_once_within_the_bound():
     for r in results:
         assert [g.request.index for g in r.groups] == [0, 1, 2, 3]  # logical order
         assert 0.0 <= r.metrics["lag_mean"] <= r.metrics["lag_max"] <= 2.0
+        # every metric of the learner and its loss reaches the round's (logged) metrics
+        logged = {"ess", "logprob_diff_abs", "logprob_kl", "clip_frac_low", "clip_frac_high"}
+        assert logged <= set(r.metrics) and 0.0 < r.metrics["ess"] <= 1.0 + 1e-6
 
 
 def test_cgp_fifo_trains_the_same_groups_as_sync():
