@@ -24,6 +24,13 @@ Modes:
                          and train the first R to complete, the rest wait in the long-prompt queue
                          until R of them make a long round; the epoch ends with a flush round.
                          cgp+frontier+tail forms batches in completion order (stream trainer).
+  async+{frontier,fcfs,shuffled}+s{1,2}
+                         bounded staleness (rl/schedules/asynchronous.py): weights published after
+                         every update and swapped into the running engine between decode steps;
+                         the sampler runs up to s versions ahead. fcfs admits in arrival order, which
+                         here is logical order (as frontier); shuffled is FCFS over requests that
+                         arrive in a random order (asynchronous clients), where frontier differs.
+                         These run their rounds back to back after the interleaved modes.
 Per mode: one warm-up round (compiles; reported, not timed), then the rest of the epoch (--rounds
 rounds for the plain modes; as many as the tail modes' planner makes), interleaved across the modes
 (round r of every mode in turn, the order rotated each round). The table gives per-mode means of
@@ -83,6 +90,10 @@ MODES = (
     "cgp+frontier+ordered",
     "sync+tail",
     "cgp+frontier+tail",
+    "async+frontier+s1",
+    "async+frontier+s2",
+    "async+fcfs+s2",
+    "async+shuffled+s2",
 )
 METRICS = (
     "rollout_to_train_end_s",
@@ -93,6 +104,10 @@ METRICS = (
     "trainer_compute_s",
     "sampler_tokens_per_s",
     "learner_tokens_per_s",
+    "lag_mean",
+    "lag_max",
+    "ess",
+    "logprob_diff_abs",
 )
 
 _JSON = flags.DEFINE_string("json", "", "Write the results here as JSON; empty: don't.")
@@ -242,6 +257,7 @@ def build(mode: str, max_length: int, max_prefill: int) -> tuple[LongTailDriver,
         weight_sync=DevicePutSync(learner.params, sampler_mesh),
         prompts=prompts(_SEED.value),
         reward_fn=parity_reward,
+        rounds=_ROUNDS.value + 1,  # async plans nothing past the epoch
     )
     return driver, engine
 
@@ -289,31 +305,49 @@ def run_modes(modes: list[str], max_length: int, max_prefill: int) -> dict[str, 
     """
     built: dict[str, tuple[LongTailDriver, Engine]] = {}
     warmup_s, compiles_warm, results = {}, {}, {m: [] for m in modes}
+    wall: dict[str, list[float]] = {m: [] for m in modes}  # each timed run_round call
     tail = {m: m.endswith("+tail") for m in modes}
+    rounds_modes = [m for m in modes if not m.startswith("async")]
 
     def active(m: str, r: int) -> bool:
         if tail[m]:
             return not built[m][0].planner.epoch_complete and r <= 4 * (_ROUNDS.value + 1)
         return r <= _ROUNDS.value
 
+    def timed(m: str, r: int) -> None:
+        start = time.perf_counter()
+        results[m].append(built[m][0].run_round(r))
+        wall[m].append(time.perf_counter() - start)
+
+    def warm(m: str) -> None:
+        start = time.perf_counter()
+        built[m] = driver, engine = build(m, max_length, max_prefill)
+        check_round(driver.run_round(0), tail[m])
+        warmup_s[m] = time.perf_counter() - start
+        compiles_warm[m] = compile_counts(driver, engine)
+        print(f"{m}: built and warmed up in {warmup_s[m]:.1f} s", flush=True)
+
     try:
-        for m in modes:
-            start = time.perf_counter()
-            built[m] = driver, engine = build(m, max_length, max_prefill)
-            check_round(driver.run_round(0), tail[m])
-            warmup_s[m] = time.perf_counter() - start
-            compiles_warm[m] = compile_counts(driver, engine)
-            print(f"{m}: built and warmed up in {warmup_s[m]:.1f} s", flush=True)
+        for m in rounds_modes:
+            warm(m)
         for r in itertools.count(1):
-            k = (r - 1) % len(modes)
-            running = [m for m in modes[k:] + modes[:k] if active(m, r)]
+            k = (r - 1) % len(rounds_modes)
+            running = [m for m in rounds_modes[k:] + rounds_modes[:k] if active(m, r)]
             if not running:
                 break
             for m in running:
-                results[m].append(built[m][0].run_round(r))
-        for m in modes:
+                timed(m, r)
+        for m in rounds_modes:
             if tail[m] and not built[m][0].planner.epoch_complete:
                 raise RuntimeError(f"{m}: the epoch did not end within {r} rounds.")
+        # An async sampler keeps decoding between run_round calls: its rounds run back to back
+        # (not interleaved with other modes, which it would slow down and profit from).
+        for m in modes:
+            if m.startswith("async"):
+                warm(m)
+                for r in range(1, _ROUNDS.value + 1):
+                    timed(m, r)
+                built[m][0].close()  # stops its sampler before the next mode
     finally:
         for driver, _ in built.values():
             driver.close()
@@ -335,6 +369,7 @@ def run_modes(modes: list[str], max_length: int, max_prefill: int) -> dict[str, 
             kinds=[r.kind for r in rs],
             groups_trained=groups,
             time_per_group_s=float(np.sum(per_round["rollout_to_train_end_s"])) / groups,
+            groups_per_s=groups / float(np.sum(wall[m])),  # throughput over its timed rounds
             short_round_response_len_max=float(np.mean(short)) if short else math.nan,
             aborted_prompts=int(sum(r.metrics["aborted_prompts"] for r in rs)),
             warmup_s=warmup_s[m],
@@ -382,7 +417,9 @@ def main(argv: list[str]) -> None:
         )
         r["speedup_vs_sync"] = base["rollout_to_train_end_s"] / r["rollout_to_train_end_s"]
         r["first_dispatch_ratio"] = r["first_dispatch_s"] / base["first_dispatch_s"]
-        r["same_tokens_as_sync"] = None if "+tail" in m else r["digests"] == base["digests"]
+        plain = ("+tail" not in m and not m.startswith("async+")) or m.endswith("+s0")
+        r["same_tokens_as_sync"] = r["digests"] == base["digests"] if plain else None
+        r["throughput_vs_sync"] = r["groups_per_s"] / base["groups_per_s"]
         r["tail_speedup_vs_sync"] = base["time_per_group_s"] / r["time_per_group_s"]
 
     lengths = np.asarray([response_length(u) for u in range(epoch_size())])
@@ -426,6 +463,23 @@ def main(argv: list[str]) -> None:
         "s/group: the timed rounds' summed r2t_end / groups they trained; tail_speedup: sync's "
         "s/group / the mode's; short-round max len: mean over plain/short rounds of the longest "
         "trained response; kinds: p(lain) s(hort) l(ong) f(lush)"
+    )
+    print(
+        f"{'mode':<22}{'groups/s':>9}{'vs sync':>8}{'1st disp':>9}{'ratio':>7}{'wait':>7}"
+        f"{'lag mean':>9}{'lag max':>8}{'ESS':>7}{'|dlogp|':>9}"
+    )
+    for m, r in out.items():
+        print(
+            f"{m:<22}{r['groups_per_s']:>9.2f}{r['throughput_vs_sync']:>7.2f}x"
+            f"{r['first_dispatch_s']:>9.3f}{r['first_dispatch_ratio']:>7.2f}"
+            f"{r['trainer_wait_ratio']:>7.2f}{r['lag_mean']:>9.2f}{r['lag_max']:>8.0f}"
+            f"{r['ess']:>7.3f}{r['logprob_diff_abs']:>9.4f}"
+        )
+    print(
+        "groups/s: groups trained / wall time of the timed run_round calls (async modes run their "
+        "rounds back to back, the others interleaved); lag: policy versions between a token's and "
+        "the updated params (round means of token means; max); ESS: (sum w)^2 / (N sum w^2), "
+        "w = pi_learner / mu_sampler; |dlogp|: mean |learner - sampler log-prob|"
     )
     for m, r in out.items():
         print(
