@@ -9,13 +9,16 @@ Comparison table (default): for each RolloutPipe setup (G = 8, U = 2, R in --set
 sync (slime-like: rollout all, then train), cgp+fcfs / cgp+frontier (complete-group pipelining,
 batches in completion order as RolloutPipe), cgp+shuffled (requests reach the engine in a random
 order, as slime's asynchronous submission; frontier is immune to it), sync+tail and
-cgp+frontier+tail (RollPacker tail batching, eta --eta), simulated with rl/sim on the stage-time
+cgp+frontier+tail (RollPacker tail batching, eta --eta), async+frontier+s{1,2} (bounded staleness:
+a publish after every update, the sampler up to s versions ahead) and async+shuffled+s2 (FCFS over
+requests arriving in a random order, where frontier differs), simulated with rl/sim on the stage-time
 model of --preset on --gpu (rl/sim/presets.py; or --profile's fitted model) and a long-tailed
 workload (rl/sim/workload.py). Every mode runs --rounds rounds of the same prompt stream; the
 figures are means over rounds. A second block ("paper balance") scales the learner so that sync's
 trainer waiting ratio is 50%, the balance RolloutPipe reports for slime (47-52%), and compares again.
 The JSON holds, per setup and mode, rollout_to_train_end_s, first_dispatch_s, trainer_wait_ratio,
-reduction_vs_sync (1 - r2t / sync's), time_per_group_s.
+reduction_vs_sync (1 - r2t / sync's), time_per_group_s, groups_per_s and throughput_vs_sync,
+lag_mean and lag_max.
 
 --validate PATH reads launch.bench_pipeline's JSON and simulates its workload (the same lengths per
 prompt, the same epoch, R, U, G, slots, steps per call) with --profile's model: per mode the real
@@ -48,6 +51,9 @@ MODES = (
     "cgp+frontier+fifo",
     "sync+tail",
     "cgp+frontier+tail",
+    "async+frontier+s1",
+    "async+frontier+s2",
+    "async+shuffled+s2",
 )
 
 _JSON = flags.DEFINE_string("json", "", "Write the results here as JSON; empty: don't.")
@@ -96,14 +102,24 @@ def print_modes(title: str, rows: dict[str, dict[str, float]]) -> None:
     print(title)
     print(
         f"  {'mode':<30}{'r2t_end s':>10}{'vs sync':>9}{'1st disp s':>11}{'wait':>7}"
-        f"{'rollout s':>10}{'train s':>9}{'s/group':>9}{'long rds':>9}"
+        f"{'rollout s':>10}{'train s':>9}{'s/group':>9}{'long rds':>9}{'groups/s':>9}"
+        f"{'vs sync':>8}{'vs cgp':>7}{'lag':>6}"
     )
+    cgp = rows.get("cgp+frontier+fifo", {}).get("groups_per_s", float("nan"))
     for m, r in rows.items():
         print(
             f"  {m:<30}{r['rollout_to_train_end_s']:>10.2f}{-r['reduction_vs_sync']:>+9.1%}"
             f"{r['first_dispatch_s']:>11.2f}{r['trainer_wait_ratio']:>7.2f}{r['rollout_s']:>10.2f}"
             f"{r['trainer_compute_s']:>9.2f}{r['time_per_group_s']:>9.3f}{r['long_rounds']:>9.0f}"
+            f"{r['groups_per_s']:>9.3f}{r['throughput_vs_sync']:>7.2f}x"
+            f"{r['groups_per_s'] / cgp:>6.2f}x{r['lag_mean']:>6.2f}"
         )
+    print(
+        "  groups/s: groups trained / time between round starts (the throughput; async rounds "
+        "overlap, so their r2t, 1st disp and s/group count from a round's first submission, which "
+        "precedes the previous round's end); vs cgp: vs cgp+frontier+fifo; lag: mean version lag "
+        "(simulated: the version at admission, an upper bound)"
+    )
 
 
 def workload_config() -> WorkloadConfig:

@@ -47,6 +47,12 @@ def summarize(result: SimResult, skip: int = 0) -> dict[str, Any]:
     }
     groups = sum(float(r["groups_trained"]) for r in rounds)
     out["time_per_group_s"] = sum(float(r["rollout_to_train_end_s"]) for r in rounds) / groups
+    # Throughput: groups over the time between round starts (publish included); the measure that
+    # stays meaningful when rounds overlap (async), where r2t windows overlap too.
+    out["groups_per_s"] = groups / sum(float(r["round_s"]) for r in rounds)
+    lags = [float(r["lag_mean"]) for r in rounds]
+    out["lag_mean"] = float(np.mean(lags)) if lags else math.nan
+    out["lag_max"] = max((float(r["lag_max"]) for r in rounds), default=math.nan)
     out["rounds"] = float(len(rounds))
     out["long_rounds"] = float(sum(r["kind"] in ("long", "flush") for r in rounds))
     out["per_round_r2t_s"] = [float(r["rollout_to_train_end_s"]) for r in rounds]
@@ -95,6 +101,7 @@ def run_modes(
     for r in out.values():
         r["reduction_vs_sync"] = 1.0 - r["rollout_to_train_end_s"] / base["rollout_to_train_end_s"]
         r["speedup_per_group_vs_sync"] = base["time_per_group_s"] / r["time_per_group_s"]
+        r["throughput_vs_sync"] = r["groups_per_s"] / base["groups_per_s"]
     return out
 
 

@@ -31,14 +31,19 @@ def test_simulate_writes_the_documented_keys(tmp_path):
         for setup in ("R8", "R16"):
             modes = result[block][setup]["modes"]
             assert list(modes)[0] == "sync" and "cgp+frontier+tail" in modes
+            assert {"async+frontier+s1", "async+frontier+s2", "async+shuffled+s2"} <= set(modes)
             for m in modes.values():
                 for key in (
                     "rollout_to_train_end_s",
                     "first_dispatch_s",
                     "trainer_wait_ratio",
                     "reduction_vs_sync",
+                    "groups_per_s",
+                    "throughput_vs_sync",
                 ):
                     assert isinstance(m[key], float)
+            for s in (1, 2):  # the staleness bound holds at paper scale too
+                assert 0 < modes[f"async+frontier+s{s}"]["lag_max"] <= s
     assert result["paper_balance"]["R8"]["modes"]["sync"]["trainer_wait_ratio"] == pytest.approx(
         0.5, abs=0.02
     )
