@@ -46,6 +46,12 @@ class Learner:
         rules: Rules | None = None,
         seed: int = 0,
     ):
+        if cfg.policy_loss == "decoupled_ppo" and cfg.old_logprobs != "sampler":
+            raise ValueError(
+                f"learner.policy_loss='decoupled_ppo' with learner.old_logprobs="
+                f"{cfg.old_logprobs!r}; expected 'sampler' (its behaviour weights need the "
+                "sampler's log-probs; the proximal policy is the learner's own)."
+            )
         self.cfg = cfg
         self.mesh = mesh
         self.rules = current_rules() if rules is None else rules

@@ -331,3 +331,52 @@ def tis_reinforce_loss(
         "clip_frac": jnp.where(valid_BxT & (ratio_BxT > cfg.tis_clip), 1.0, zero),
     }
     return jnp.where(valid_BxT, loss_BxT, zero), metrics
+
+
+@register_policy_loss("decoupled_ppo")
+def decoupled_ppo_loss(
+    logp_BxT: jax.Array,
+    old_logp_BxT: jax.Array,
+    adv_B: jax.Array,
+    mask_BxT: jax.Array,
+    cfg: LossConfig,
+) -> tuple[jax.Array, Metrics]:
+    """Decoupled PPO (AReaL) for stale data: the behaviour policy (the sampler's, `old_logp_BxT`;
+    use learner.old_logprobs="sampler") only weights, the proximal policy anchors the clip.
+
+    `loss = -w min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`, `r = exp(logp - logp_prox)`,
+    `w = sg(min(exp(logp_prox - old_logp), tis_clip))`. The proximal policy is the policy at the
+    start of the update: the learner takes one optimizer step per batch, so `logp_prox =
+    sg(logp)` (r = 1 in value, its gradient that of logp) and the gradient is `-w A d logp`.
+
+    Args:
+        logp_BxT: Log-probs of the sampled tokens under the policy being trained.
+        old_logp_BxT: The behaviour (sampler) log-probs of the same tokens.
+        adv_B: One advantage per sequence.
+        mask_BxT: 1 (or True) at response tokens, 0 at prompt and padding.
+        cfg: Uses `clip_low`, `clip_high` and `tis_clip` (the behaviour weight's cap).
+
+    Returns:
+        loss_BxT (0 where masked) and per-token metrics, 0 where masked: "behav_weight" (w),
+        "behav_clip_frac" (1 where the behaviour ratio exceeds tis_clip), "ratio" (r) and the
+        PPO clip fractions "clip_frac", "clip_frac_low", "clip_frac_high".
+    """
+    logp_BxT, old_logp_BxT, adv_B, valid_BxT = _check_inputs(
+        logp_BxT, old_logp_BxT, adv_B, mask_BxT
+    )
+    logp_BxT = jnp.where(valid_BxT, logp_BxT, 0.0)
+    prox_BxT = jax.lax.stop_gradient(logp_BxT)
+    behav_BxT = jnp.exp(jnp.where(valid_BxT, prox_BxT - old_logp_BxT, 0.0))
+    w_BxT = jnp.minimum(behav_BxT, cfg.tis_clip)
+    ratio_BxT = jnp.exp(logp_BxT - prox_BxT)
+    adv_BxT = jnp.broadcast_to(adv_B[:, None], ratio_BxT.shape)
+    loss_BxT, low_BxT, high_BxT = _clipped_objective(
+        ratio_BxT, adv_BxT, cfg.clip_low, cfg.clip_high
+    )
+    loss_BxT, metrics = _clipped_outputs(
+        w_BxT * loss_BxT, jax.lax.stop_gradient(ratio_BxT), low_BxT, high_BxT, valid_BxT
+    )
+    zero = jnp.zeros_like(loss_BxT)
+    metrics["behav_weight"] = jnp.where(valid_BxT, w_BxT, zero)
+    metrics["behav_clip_frac"] = jnp.where(valid_BxT & (behav_BxT > cfg.tis_clip), 1.0, zero)
+    return loss_BxT, metrics

@@ -217,6 +217,23 @@ def test_update_reports_every_loss_metric_the_sampler_mismatch_and_the_ess(loss,
     assert m["ess"] == pytest.approx((n1 * w + n - n1) ** 2 / (n * (n1 * w * w + n - n1)), rel=1e-4)
 
 
+def test_decoupled_ppo_needs_the_samplers_logprobs_and_reports_its_weights():
+    model = create_model(get_preset("tiny"), seed=3)
+    with pytest.raises(ValueError, match="old_logprobs='snapshot'; expected 'sampler'"):
+        Learner(model, LearnerConfig(policy_loss="decoupled_ppo"), mesh=_single_mesh())
+    cfg = LearnerConfig(
+        optimizer=OptimizerConfig(lr=1e-3),
+        micro_batch_rows=8,
+        policy_loss="decoupled_ppo",
+        old_logprobs="sampler",
+    )
+    learner = Learner(model, cfg, mesh=_single_mesh())
+    learner.begin_round(updates=1)
+    learner.add_groups(_on_policy_groups(model, make_groups(2, seed=10)))
+    m = learner.update()
+    assert m["behav_weight"] == pytest.approx(1.0, abs=1e-4) and m["behav_clip_frac"] == 0.0
+
+
 def test_nan_loss_stops_naming_step_and_metric_and_keeps_state():
     learner = Learner(
         create_model(get_preset("tiny")), LearnerConfig(micro_batch_rows=4), mesh=_single_mesh()

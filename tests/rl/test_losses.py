@@ -90,10 +90,26 @@ def _ref_tis_reinforce(logp, old, adv, mask, cfg):
     return loss, m
 
 
+def _ref_decoupled_ppo(logp, old, adv, mask, cfg):
+    keys = ("behav_weight", "behav_clip_frac", "ratio", "clip_frac")
+    loss, m = np.zeros((B, T)), {k: np.zeros((B, T)) for k in keys}
+    for b in range(B):
+        for t in range(T):
+            if mask[b, t]:
+                rb = math.exp(float(logp[b, t]) - float(old[b, t]))  # proximal = current params
+                w = min(rb, cfg.tis_clip)
+                ppo, clipped = _ref_clip(1.0, adv[b], cfg.clip_low, cfg.clip_high)
+                loss[b, t] = w * ppo
+                m["behav_weight"][b, t], m["behav_clip_frac"][b, t] = w, float(rb > cfg.tis_clip)
+                m["ratio"][b, t], m["clip_frac"][b, t] = 1.0, clipped
+    return loss, m
+
+
 LOSS_REFERENCES = {
     "ppo_clip": _ref_ppo_clip,
     "gspo": _ref_gspo,
     "tis_reinforce": _ref_tis_reinforce,
+    "decoupled_ppo": _ref_decoupled_ppo,
 }
 
 
@@ -302,6 +318,24 @@ def test_tis_weights_clamp_and_carry_no_gradient():
     np.testing.assert_allclose(metrics["is_weight"], w, **TOL)
     np.testing.assert_allclose(grad, -w * adv[:, None] * mask, **TOL)
     assert np.all(np.asarray(metrics["is_weight"]) >= 0)
+
+
+def test_decoupled_ppo_weights_by_the_behaviour_ratio_and_follows_tis_gradient():
+    """The proximal policy is the update's start: the gradient is -w A d logp with the truncated
+    behaviour weight, i.e. tis_reinforce's, while the loss value keeps the PPO form."""
+    logp, old, adv, mask = _batch(seed=4, scale=2.0)
+    cfg = LossConfig(tis_clip=5.0)
+
+    def grad_of(name):
+        def total(lp):
+            return jnp.sum(_loss(lp, old, adv, mask, name=name, cfg=cfg)[0])
+
+        return np.asarray(jax.jit(jax.grad(total))(logp))
+
+    w = np.where(mask, np.minimum(np.exp(np.where(mask, logp - old, 0.0)), 5.0), 0.0)
+    assert w.max() == 5.0 and (w[mask] < 5.0).any()
+    np.testing.assert_allclose(grad_of("decoupled_ppo"), -w * adv[:, None] * mask, **TOL)
+    np.testing.assert_allclose(grad_of("decoupled_ppo"), grad_of("tis_reinforce"), **TOL)
 
 
 @pytest.mark.parametrize("name", sorted(LOSS_REFERENCES))
