@@ -98,6 +98,8 @@ class Driver:
     Args:
       cfg: the schedule and runtime config.
       rounds: the run's last round + 1, if known (`async` plans no round past it).
+      barrier_every: `async`: after every this many rounds nothing of a later round is in flight
+        when run_round returns (pass the checkpoint interval: a resume then continues exactly).
       Others: the components (engine, learner, weight sync, prompt source, reward function).
     """
 
@@ -114,6 +116,7 @@ class Driver:
         clock: Callable[[], float] = time.monotonic,
         version: int = 0,
         rounds: int | None = None,
+        barrier_every: int = 0,
     ):
         from sampler.loop import (
             SamplerLoop,
@@ -129,7 +132,12 @@ class Driver:
             epoch_size=cfg.epoch_size or None,
         )
         self.schedule = make_schedule(
-            cfg, planner=self.planner, requests_of=self._requests, version=version, rounds=rounds
+            cfg,
+            planner=self.planner,
+            requests_of=self._requests,
+            version=version,
+            rounds=rounds,
+            barrier_every=barrier_every,
         )
         self.timeline = Timeline() if timeline is None else timeline
         self.clock = clock

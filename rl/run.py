@@ -245,13 +245,6 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
         sft_steps = _sft(config, learner, tokenizer, heldout_accuracy, writer, data.train, data_cfg)
         phases["sft_s"] = time.perf_counter() - t - phases["eval_s"]
     acc_before = heldout_accuracy(learner.params)
-    if first_round and driver_cfg.mode == "async":
-        raise ValueError(
-            f"Resuming at round {first_round} with driver.mode='async': an async checkpoint does "
-            "not hold the requests in flight (their prompts were drawn past the saved data "
-            "state), so the run would not continue exactly; expected a fresh run "
-            "(config.overwrite=True) or a sync/cgp mode."
-        )
     driver = Driver(
         driver_cfg,
         engine=engine,
@@ -261,6 +254,7 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
         reward_fn=reward,
         version=version,
         rounds=config.rounds,  # async plans no round past the run's last
+        barrier_every=config.checkpoint_every,  # async: nothing in flight at a checkpoint
     )
     if planner_state is not None:
         driver.planner.load_state_dict(planner_state)

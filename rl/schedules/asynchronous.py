@@ -15,6 +15,12 @@ Frontier admission matters here: with several versions' requests waiting, `front
 lowest (round, index) first, the groups the next update needs; `fcfs` starts them in arrival order.
 Rounds are bookkeeping (prompts are drawn R at a time; a round is done when its last update is);
 tail batching is not combined with async.
+
+Checkpoints: with `barrier_every` = k (the runtime passes its checkpoint interval), a round
+r with (r + 1) % k == 0 is a barrier: no prompt of a later round is drawn or submitted before the
+runtime begins round r + 1 (after round r is trained and checkpointed). A checkpoint taken there has nothing in flight (the data iterator has drawn exactly
+the rounds up to r), and since the uninterrupted run has the same barriers, a resume from it
+continues the exact trajectory. The price is a pipeline bubble every k rounds.
 """
 
 from __future__ import annotations
@@ -80,7 +86,11 @@ class AsyncSchedule:
         version: int = 0,
         rounds: int | None = None,
         make_former: object = None,  # unused: async releases batches in logical order itself
+        barrier_every: int = 0,
     ):
+        if barrier_every < 0:
+            raise ValueError(f"barrier_every must be >= 0 (0: none); received {barrier_every}.")
+        self.barrier_every = barrier_every
         self.cfg = cfg
         self.u: int = cfg.groups_per_update  # type: ignore[attr-defined]
         self.s: int = cfg.max_staleness  # type: ignore[attr-defined]
@@ -90,6 +100,7 @@ class AsyncSchedule:
         self._done = 0  # updates applied since the start
         self._planned = 0  # updates planned (index of the next round's first update)
         self._next_round: int | None = None
+        self._wanted = -1  # the latest round the runtime asked for (begin)
         self._exhausted = False
         self._waiting: collections.deque[tuple[Request, int]] = collections.deque()  # (req, update)
         self._rounds: dict[int, _Round] = {}
@@ -110,6 +121,7 @@ class AsyncSchedule:
     def begin(self, round: int) -> list[Action]:
         """The runtime wants round `round`: submits what the bound allows (rounds run ahead of
         `begin` on their own). StopIteration: the source ran out before `round`."""
+        self._wanted = max(self._wanted, round)
         if self._next_round is None:
             self._next_round = round
         elif round > self._next_round:
@@ -127,6 +139,8 @@ class AsyncSchedule:
         r = self._next_round
         if self._exhausted or r is None or (self.stop is not None and r >= self.stop):
             return False
+        if self.barrier_every and r % self.barrier_every == 0 and r > self._wanted:
+            return False  # round r - 1 is a barrier: round r waits for the runtime's begin(r)
         try:
             plan = self.planner.plan(r)
         except StopIteration:

@@ -101,6 +101,7 @@ def make_schedule(
     version: int = 0,
     rounds: int | None = None,
     make_former: Callable[..., object] | None = None,
+    barrier_every: int = 0,
 ) -> Schedule:
     """The schedule of `cfg.mode` (a rl.schedules.ScheduleConfig or a subclass).
 
@@ -112,8 +113,12 @@ def make_schedule(
       rounds: the run's last round + 1, if known (async does not plan past it).
       make_former: builds a batch former (name, U, groups); default rl.formation.make_former,
         whose registry holds the built-in and user-registered formers.
+      barrier_every: async: every this many rounds nothing of a later round is in flight (the
+        runtime's checkpoint interval, so a resume is exact); round schedules always are.
     """
-    kw = {} if make_former is None else {"make_former": make_former}
+    kw: dict[str, object] = {} if make_former is None else {"make_former": make_former}
+    if barrier_every:
+        kw["barrier_every"] = barrier_every
     return SCHEDULES.get(cfg.mode)(  # type: ignore[attr-defined]
         cfg, planner=planner, requests_of=requests_of, version=version, rounds=rounds, **kw
     )

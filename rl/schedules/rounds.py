@@ -60,6 +60,7 @@ class RoundSchedule:
         version: int = 0,
         rounds: int | None = None,
         make_former: Callable[..., BatchFormer] = make_former,
+        barrier_every: int = 0,  # one round in flight: every round is a barrier already
     ):
         self.cfg = cfg
         self.make_former = make_former
