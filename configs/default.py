@@ -17,9 +17,7 @@ from configs import base
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config = base.get_config()
     config.workdir = "runs/default"
-    # The SFT plateau's length depends on the seed: 450 steps with seed 2, 1400 with seed 0, over
-    # 675 with seed 1 (README). Seed 2 keeps the default run well inside 5 minutes.
-    config.seed = 2
+    config.seed = 0
     config.tokenizer = "byte"
     config.model.preset = "tiny"
     config.model.param_dtype = "float32"
@@ -29,6 +27,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model.d_model = 96
     config.model.head_dim = 24
     config.model.mlp_dim = 288
+    config.model.tie_embeddings = "untied"  # a separate output head (the tiny preset ties it)
     config.mesh.colocated = True  # one CPU device (or one GPU) shared by sampler and learner
     config.mesh.learner_devices = 1
     config.mesh.sampler_devices = 1
@@ -38,19 +37,27 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.task.name = "addition"
     config.task.digits = 3
     config.task.pad_operands = True  # "007+095=": each digit at a fixed position
-    config.task.reverse_answer = True  # "2010": units digit first, as the carry flows
+    # Operands and sum units digit first ("700+590=" -> "2010"): each answer digit sits at the same
+    # distance from the two digits it adds, which RoPE attention finds at once, and its carry comes
+    # from the digit just written. With only the sum reversed, the distance grows with the digit's
+    # index, and the from-scratch model sat on a plateau for 450-1400+ steps learning positions.
+    config.task.reverse_answer = True
+    config.task.reverse_operands = True
     config.task.train_size = 20000
 
-    config.sft.max_steps = 1500
-    config.sft.batch_size = 64
+    config.sft.max_steps = 1000  # a cap: seeds 0-4 reach the target in 200-350 steps
+    config.sft.batch_size = 128
     config.sft.lr = 1e-3
-    config.sft.eval_every = 50
-    config.sft.target_accuracy = 0.2
+    config.sft.warmup_steps = 100
+    config.sft.eval_every = 25
+    # The model leaves its plateau within ~50 steps; stopping at 20% left seed 3 at 26.5% with a
+    # near-uniform answer distribution (sampled reward 5%), from which 150 rounds reached 61.5%.
+    config.sft.target_accuracy = 0.5
 
     config.eval.heldout_size = 200
     config.eval.every_rounds = 25
 
-    config.rounds = 180
+    config.rounds = 200
     config.driver.mode = "cgp"
     config.driver.admission = "frontier"
     config.driver.batching = "ordered"
@@ -69,12 +76,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # The sampler's log-probs are the behaviour policy's (float32 on one device: equal to a snapshot's
     # to ~1e-6), so a round's later updates skip the snapshot forward pass.
     config.learner.old_logprobs = "sampler"
-    config.learner.optimizer.lr = 3e-4
+    config.learner.optimizer.lr = 2e-4
     config.learner.optimizer.warmup_steps = 60
-    config.learner.optimizer.schedule = "cosine"  # to 0 over the run's 720 updates (total_steps 0)
+    config.learner.optimizer.schedule = "cosine"  # to 0 over the run's 800 updates (total_steps 0)
     if arg == "smoke":
         config.workdir = "runs/default_smoke"
         config.sft.max_steps = 20
+        config.sft.warmup_steps = 5
         config.sft.eval_every = 10
         config.eval.heldout_size = 8
         config.eval.every_rounds = 1
