@@ -135,6 +135,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.driver.groups_per_update = 8  # U groups per optimizer update (S = R / U)
     config.driver.group_size = 8  # G samples per prompt
     config.driver.queue_size = 0  # complete groups buffered before the sampler blocks; 0: unbounded
+    config.driver.group_atomic = True  # False: per-sample admission of the G samples (slime/SGLang)
     config.driver.tail = ml_collections.ConfigDict()  # tail batching (RollPacker), rl/rounds.py
     config.driver.tail.enabled = (
         False  # short rounds over-provision; long prompts wait for long rounds

@@ -31,6 +31,10 @@ Modes:
                          here is logical order (as frontier); shuffled is FCFS over requests that
                          arrive in a random order (asynchronous clients), where frontier differs.
                          These run their rounds back to back after the interleaved modes.
+  async+{fcfs,shuffled}+s2+per-sample
+                         the same with per-sample admission (DriverConfig.group_atomic=False: the
+                         G samples of a prompt start one by one as slots free, one prefill each,
+                         as slime/SGLang do), the baseline of group-atomic frontier dispatch.
 Per mode: one warm-up round (compiles; reported, not timed), then the rest of the epoch (--rounds
 rounds for the plain modes; as many as the tail modes' planner makes), interleaved across the modes
 (round r of every mode in turn, the order rotated each round). The table gives per-mode means of
@@ -94,7 +98,10 @@ MODES = (
     "async+frontier+s2",
     "async+fcfs+s2",
     "async+shuffled+s2",
+    "async+fcfs+s2+per-sample",
+    "async+shuffled+s2+per-sample",
 )
+PER_SAMPLE = "+per-sample"  # an async mode's suffix: DriverConfig.group_atomic=False
 METRICS = (
     "rollout_to_train_end_s",
     "first_dispatch_s",
@@ -206,9 +213,11 @@ class LongTailDriver(Driver):
 
 def driver_config(mode: str) -> DriverConfig:
     """DriverConfig of a mode name (rl.schedules.mode_fields: "sync", "cgp+<admission>+<batching>",
-    "sync+tail", "cgp+<admission>+tail", "async+<admission>+s<max_staleness>")."""
+    "sync+tail", "cgp+<admission>+tail", "async+<admission>+s<max_staleness>"), an async one
+    optionally with the suffix "+per-sample" (group_atomic=False)."""
+    per_sample = mode.startswith("async+") and mode.endswith(PER_SAMPLE)
     try:
-        fields = mode_fields(mode)
+        fields = mode_fields(mode.removesuffix(PER_SAMPLE) if per_sample else mode)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     tail = fields.pop("tail_enabled")
@@ -220,8 +229,9 @@ def driver_config(mode: str) -> DriverConfig:
         sampling=SamplingParams(temperature=1.0, max_new_tokens=_MAX_NEW.value),
         tail=TailConfig(enabled=tail, eta=_ETA.value),
         epoch_size=epoch_size(),
+        group_atomic=not per_sample,
     )
-    if cfg.name != mode:
+    if cfg.name + (PER_SAMPLE if per_sample else "") != mode:
         raise app.UsageError(f"Mode {mode!r} builds a driver named {cfg.name!r}.")
     return cfg
 
@@ -432,12 +442,12 @@ def main(argv: list[str]) -> None:
         f"{jax.default_backend()}, {os.cpu_count()} CPU cores"
     )
     print(
-        f"{'mode':<22}{'rounds':>7}{'r2t_end s':>10}{'vs sync':>9}{'1st disp s':>11}{'ratio':>7}"
+        f"{'mode':<30}{'rounds':>7}{'r2t_end s':>10}{'vs sync':>9}{'1st disp s':>11}{'ratio':>7}"
         f"{'wait':>7}{'rollout s':>10}{'train s':>9}{'slot occ':>9}{'warm-up s':>10}"
     )
     for m, r in out.items():
         print(
-            f"{m:<22}{len(r['kinds']):>7}{r['rollout_to_train_end_s']:>10.3f}"
+            f"{m:<30}{len(r['kinds']):>7}{r['rollout_to_train_end_s']:>10.3f}"
             f"{-r['rollout_to_train_end_reduction']:>+9.1%}{r['first_dispatch_s']:>11.3f}"
             f"{r['first_dispatch_ratio']:>7.2f}{r['trainer_wait_ratio']:>7.2f}"
             f"{r['rollout_s']:>10.3f}{r['trainer_compute_s']:>9.3f}{r['slot_occupancy']:>9.2f}"
@@ -449,13 +459,13 @@ def main(argv: list[str]) -> None:
         "trainer_wait_ratio; train s: learner busy time in the window"
     )
     print(
-        f"{'mode':<22}{'groups':>7}{'s/group':>9}{'tail_speedup':>13}{'aborted':>8}"
+        f"{'mode':<30}{'groups':>7}{'s/group':>9}{'tail_speedup':>13}{'aborted':>8}"
         f"{'short-round max len':>20}  round kinds"
     )
     for m, r in out.items():
         kinds = "".join(k[0] for k in r["kinds"])
         print(
-            f"{m:<22}{r['groups_trained']:>7}{r['time_per_group_s']:>9.4f}"
+            f"{m:<30}{r['groups_trained']:>7}{r['time_per_group_s']:>9.4f}"
             f"{r['tail_speedup_vs_sync']:>12.2f}x{r['aborted_prompts']:>8}"
             f"{r['short_round_response_len_max']:>20.1f}  {kinds}"
         )
@@ -465,12 +475,12 @@ def main(argv: list[str]) -> None:
         "trained response; kinds: p(lain) s(hort) l(ong) f(lush)"
     )
     print(
-        f"{'mode':<22}{'groups/s':>9}{'vs sync':>8}{'1st disp':>9}{'ratio':>7}{'wait':>7}"
+        f"{'mode':<30}{'groups/s':>9}{'vs sync':>8}{'1st disp':>9}{'ratio':>7}{'wait':>7}"
         f"{'lag mean':>9}{'lag max':>8}{'ESS':>7}{'|dlogp|':>9}"
     )
     for m, r in out.items():
         print(
-            f"{m:<22}{r['groups_per_s']:>9.2f}{r['throughput_vs_sync']:>7.2f}x"
+            f"{m:<30}{r['groups_per_s']:>9.2f}{r['throughput_vs_sync']:>7.2f}x"
             f"{r['first_dispatch_s']:>9.3f}{r['first_dispatch_ratio']:>7.2f}"
             f"{r['trainer_wait_ratio']:>7.2f}{r['lag_mean']:>9.2f}{r['lag_max']:>8.0f}"
             f"{r['ess']:>7.3f}{r['logprob_diff_abs']:>9.4f}"
@@ -483,7 +493,7 @@ def main(argv: list[str]) -> None:
     )
     for m, r in out.items():
         print(
-            f"{m:<22}first batch (logical indices) {r['first_batch_indices']}, tokens same as "
+            f"{m:<30}first batch (logical indices) {r['first_batch_indices']}, tokens same as "
             f"sync: {r['same_tokens_as_sync']}, new compiles while timed: "
             f"{r['new_compiles_while_timed']}, r2t_end per round "
             f"{[round(x, 3) for x in r['per_round']['rollout_to_train_end_s']]}"

@@ -64,11 +64,14 @@ class DriverConfig(ScheduleConfig):
         0  # complete groups waiting for the learner before the sampler blocks; 0: no bound
     )
     poll_s: float = 0.2  # how often a waiting learner checks the sampler thread for an error
+    group_atomic: bool = True  # False: per-sample admission (sampler.loop; slime/SGLang's way)
 
     def __post_init__(self):
         super().__post_init__()
         if self.queue_size < 0:
             raise ValueError(f"queue_size must be >= 0; received {self.queue_size}.")
+        if not isinstance(self.group_atomic, bool):
+            raise ValueError(f"driver.group_atomic must be a bool; received {self.group_atomic!r}.")
 
 
 def driver_config_from(
@@ -155,6 +158,7 @@ class Driver:
             reward_fn=reward_fn,
             emit=self.queue.put,
             version=version,
+            group_atomic=cfg.group_atomic,
             timeline=self.timeline,
             clock=clock,
         )

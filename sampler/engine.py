@@ -320,11 +320,12 @@ class Engine:
         kv: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]],
         state: DecodeState,
         slots_G: jax.Array,
+        samples_G: jax.Array,
         ids: jax.Array,
         sampling: jax.Array,
         stop_ids: jax.Array,
     ) -> DecodeState:
-        """Everything that varies per request is traced: one compile per (bucket, group size)."""
+        """Everything that varies per request is traced: one compile per (bucket, slot count)."""
         g = slots_G.shape[0]
         prefix_k, prefix_v = kv
         bucket = prefix_k[0].shape[0]
@@ -340,7 +341,7 @@ class Engine:
         )
         seed, rnd, uid, max_new, length, last_token = (ids[i] for i in range(6))
         base = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), rnd), uid)
-        keys_G = jax.vmap(lambda s: jax.random.fold_in(base, s))(jnp.arange(g))
+        keys_G = jax.vmap(lambda s: jax.random.fold_in(base, s))(samples_G)
         fill = lambda arr, value: arr.at[slots_G].set(value)
         return DecodeState(
             cache=cache,
@@ -392,12 +393,27 @@ class Engine:
         state: DecodeState,
         slots: list[int] | tuple[int, ...],
         request: Request,
+        samples: list[int] | tuple[int, ...] | None = None,
     ) -> DecodeState:
-        """Copies one prompt's prefill into the request's G slots; sample i goes to slots[i]."""
+        """Copies one prompt's prefill into slots; sample samples[i] goes to slots[i].
+
+        `samples` (default: all G, 0..G-1) are the request's sample indices to start: per-sample
+        admission inserts one at a time. A sample's random stream depends on its index, not on
+        its slot, so its tokens are the same either way.
+        """
         p = request.params
-        if len(slots) != request.group_size:
+        samples = tuple(range(request.group_size)) if samples is None else tuple(samples)
+        if len(slots) != len(samples):
             raise ValueError(
-                f"bulk_insert got {len(slots)} slots for a group of {request.group_size}."
+                f"bulk_insert got {len(slots)} slots for {len(samples)} samples {list(samples)}; "
+                "expected one slot per sample."
+            )
+        if len(set(samples)) != len(samples) or not all(
+            0 <= i < request.group_size for i in samples
+        ):
+            raise ValueError(
+                f"bulk_insert samples must be distinct and in [0, {request.group_size}) (the "
+                f"group size of request uid={request.uid}); received {list(samples)}."
             )
         if len(set(slots)) != len(slots) or not all(0 <= s < self.config.max_slots for s in slots):
             raise ValueError(
@@ -427,6 +443,7 @@ class Engine:
             (prefix.k, prefix.v),
             state,
             jnp.asarray(slots, jnp.int32),
+            jnp.asarray(samples, jnp.int32),
             jnp.asarray(ids, jnp.int32),
             jnp.asarray(sampling),
             jnp.asarray(stop),

@@ -3,7 +3,11 @@
 Admission (an AdmissionPolicy) picks which waiting request starts when enough slots are free; the
 request's prompt is prefilled once and inserted into its G slots; the engine steps all slots; a
 finished response is rewarded; when all G responses of a request are rewarded the Group is emitted.
-Nothing partial is emitted. Runs synchronously (`step`, `run_until_idle`) or in a background
+Nothing partial is emitted. With `group_atomic=False` (per-sample admission, as slime/SGLang post
+each sample as its own request) a request is taken from the policy as soon as one slot is free and
+its samples start one by one, each with its own prefill, as slots free up; the samples of requests
+already taken start before the policy is asked again. Tokens are the same either way (a sample's
+random stream depends on its index, not its slot); only when each sample starts changes. Runs synchronously (`step`, `run_until_idle`) or in a background
 thread (`start`, `drain`, `close`); an error in the thread is re-raised to the caller.
 
 Thread-safety: `submit`, `abort`, `set_params` and the properties may be called from any thread.
@@ -13,6 +17,7 @@ blocks those calls.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import time
@@ -42,7 +47,7 @@ class _Sample:
 @dataclasses.dataclass
 class _Run:
     request: Request
-    slots: list[int]
+    slots: list[int | None]  # sample i's (last) slot; None: not started yet (per-sample admission)
     samples: list[_Sample]
     done: dict[int, Completion] = dataclasses.field(default_factory=dict)
     aborted: bool = False  # aborted, or its group is already emitted
@@ -79,6 +84,7 @@ class SamplerLoop:
         emit: EmitFn,
         version: int = 0,
         static_batching: bool = False,
+        group_atomic: bool = True,
         timeline: Any = None,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -89,11 +95,14 @@ class SamplerLoop:
         self.reward_fn = reward_fn
         self.emit = emit
         self.static_batching = static_batching  # baseline: refill only when every slot is free
+        self.group_atomic = group_atomic  # False: per-sample admission (see the module docstring)
+        self._partial: collections.deque[_Run] = collections.deque()  # runs with unstarted samples
         self.stats = SamplerStats()
         self._params, self._version = params, version
         self._pending_params: tuple[Any, int] | None = None
         self._state = engine.init_decode_state()
         self._slot_run: list[_Run | None] = [None] * engine.max_concurrent_decodes
+        self._slot_sample = [0] * engine.max_concurrent_decodes  # the sample index in each slot
         self._runs: dict[tuple[int, int], _Run] = {}
         self._to_free: list[int] = []
         self._cuts = RoundCuts()  # which complete groups of a cut round are emitted
@@ -160,8 +169,8 @@ class SamplerLoop:
 
     def _release_slots(self, run: _Run) -> None:
         """Frees the slots `run` still holds (before the next decode step)."""
-        for s in run.slots:
-            if self._slot_run[s] is run:
+        for s, r in enumerate(self._slot_run):
+            if r is run:
                 self._slot_run[s] = None
                 self._to_free.append(s)
 
@@ -232,30 +241,55 @@ class SamplerLoop:
         while True:
             with self._lock:
                 free = [i for i, r in enumerate(self._slot_run) if r is None]
-                request = self.admission.next(len(free))
-                if request is None:
+                taken = self._take(len(free))
+                if taken is None:
                     return
-                run = _Run(
-                    request=request,
-                    slots=free[: request.group_size],
-                    samples=[_Sample() for _ in range(request.group_size)],
-                )
-                for s in run.slots:
-                    self._slot_run[s] = run
-                self._runs[request.key] = run
-                self.stats.groups_admitted += 1
+                run, samples = taken
+                request = run.request
+                for i, s in zip(samples, free, strict=False):
+                    run.slots[i] = s
+                    self._slot_run[s], self._slot_sample[s] = run, i
+            slots = [run.slots[i] for i in samples]
             t0 = self.clock()
             prefix = self.engine.prefill(params, request.prompt)
-            self._state = self.engine.bulk_insert(prefix, self._state, run.slots, request)
+            self._state = self.engine.bulk_insert(prefix, self._state, slots, request, samples)
             t1 = self.clock()
-            for sample in run.samples:
-                sample.start = t1
+            for i in samples:
+                run.samples[i].start = t1
             if self.timeline is not None:
                 self.timeline.span(
                     "sampler/prefill", "prefill", t0, t1, round=request.round, uid=request.uid
                 )
             with self._lock:
                 self.stats.prefills += 1
+
+    def _take(self, free: int) -> tuple[_Run, list[int]] | None:
+        """The run and the sample indices to start in `free` slots now, or None (lock held)."""
+        if free < 1:
+            return None
+        if not self.group_atomic:
+            while self._partial and self._partial[0].aborted:  # aborted or emitted meanwhile
+                self._partial.popleft()
+            if self._partial:
+                run = self._partial[0]
+                i = run.slots.index(None)
+                if None not in run.slots[i + 1 :]:
+                    self._partial.popleft()
+                return run, [i]
+        # per-sample: any free slot takes the policy's next request, whatever its group size
+        fits = free if self.group_atomic else self.engine.max_concurrent_decodes
+        request = self.admission.next(fits)
+        if request is None:
+            return None
+        g = request.group_size
+        run = _Run(request=request, slots=[None] * g, samples=[_Sample() for _ in range(g)])
+        self._runs[request.key] = run
+        self.stats.groups_admitted += 1
+        if self.group_atomic:
+            return run, list(range(g))
+        if g > 1:
+            self._partial.append(run)
+        return run, [0]
 
     def _record(self, result: Any, version: int) -> list[tuple[_Run, int]]:
         """Appends produced tokens to their samples; returns the (run, sample) pairs that finished."""
@@ -269,7 +303,7 @@ class SamplerLoop:
                 run = self._slot_run[s]
                 if run is None:
                     continue  # free, or aborted while this call ran
-                i = run.slots.index(s)
+                i = self._slot_sample[s]
                 sample = run.samples[i]
                 for t in range(k):
                     if not result.valid[t, s]:
@@ -325,7 +359,12 @@ class SamplerLoop:
             del self._runs[r.key]
             if r.kept < r.group_size:  # response over-provisioning: cut the unfinished samples
                 for j, s in enumerate(run.slots):
-                    if j not in run.done and self._slot_run[s] is run:
+                    if (
+                        j not in run.done
+                        and s is not None
+                        and self._slot_run[s] is run
+                        and (self._slot_sample[s] == j)
+                    ):
                         self.stats.samples_cut += 1
                         self.stats.cut_sample_tokens += len(run.samples[j].tokens)
                 self._release_slots(run)

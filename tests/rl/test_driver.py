@@ -51,6 +51,7 @@ def build(
     micro_batch_rows=0,
     driver_cls=Driver,
     max_staleness=0,
+    group_atomic=True,
 ):
     lm, sm = make_meshes(MeshConfig(learner_devices=1, sampler_devices=1))
     model = create_model(get_preset("tiny", init_std=0.3), seed=seed)
@@ -78,6 +79,7 @@ def build(
         tail=tail or TailConfig(),
         epoch_size=epoch_size,
         max_staleness=max_staleness,
+        group_atomic=group_atomic,
     )
     return driver_cls(
         cfg,
@@ -117,6 +119,21 @@ def test_cgp_ordered_equals_sync(U):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for r in cgp:  # every token of round r was sampled by policy version r
         assert {v for g in r.groups for c in g.completions for v in c.versions} == {r.round}
+
+
+def test_per_sample_admission_trains_the_same_tokens_and_params_as_group_atomic():
+    """group_atomic=False starts samples one by one in other slots and steps (G = 3 on 4 slots);
+    on-policy rounds then train the same tokens into the same parameters."""
+    atomic, single = build("cgp", G=3), build("cgp", G=3, group_atomic=False)
+    a, s = run(atomic, rounds=2), run(single, rounds=2)
+    assert tokens_of(a) == tokens_of(s)
+    assert single.sampler.stats.prefills == 2 * 4 * 3  # one prefill per sample
+    for x, y in zip(
+        jax.tree.leaves(atomic.learner.params), jax.tree.leaves(single.learner.params), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(ValueError, match="group_atomic must be a bool; received 'no'"):
+        DriverConfig(group_atomic="no")
 
 
 def test_async_without_staleness_equals_cgp_ordered_and_sync_bitwise():
