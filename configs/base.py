@@ -136,6 +136,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.driver.group_size = 8  # G samples per prompt
     config.driver.queue_size = 0  # complete groups buffered before the sampler blocks; 0: unbounded
     config.driver.group_atomic = True  # False: per-sample admission of the G samples (slime/SGLang)
+    config.driver.recompute_kv = False  # async: re-prefill running samples on new weights (AReaL)
     config.driver.tail = ml_collections.ConfigDict()  # tail batching (RollPacker), rl/rounds.py
     config.driver.tail.enabled = (
         False  # short rounds over-provision; long prompts wait for long rounds

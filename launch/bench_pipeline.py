@@ -35,6 +35,10 @@ Modes:
                          the same with per-sample admission (DriverConfig.group_atomic=False: the
                          G samples of a prompt start one by one as slots free, one prefill each,
                          as slime/SGLang do), the baseline of group-atomic frontier dispatch.
+  async+frontier+s2+recompute
+                         recompute_kv=True (AReaL interruptible generation): at each weight swap the
+                         running samples are re-prefilled (prompt + tokens so far) with the new
+                         weights instead of continuing with the old KV cache.
 Per mode: one warm-up round (compiles; reported, not timed), then the rest of the epoch (--rounds
 rounds for the plain modes; as many as the tail modes' planner makes), interleaved across the modes
 (round r of every mode in turn, the order rotated each round). The table gives per-mode means of
@@ -100,8 +104,10 @@ MODES = (
     "async+shuffled+s2",
     "async+fcfs+s2+per-sample",
     "async+shuffled+s2+per-sample",
+    "async+frontier+s2+recompute",
 )
-PER_SAMPLE = "+per-sample"  # an async mode's suffix: DriverConfig.group_atomic=False
+# An async mode's optional suffix and the DriverConfig field it sets.
+SUFFIXES = {"+per-sample": ("group_atomic", False), "+recompute": ("recompute_kv", True)}
 METRICS = (
     "rollout_to_train_end_s",
     "first_dispatch_s",
@@ -214,10 +220,11 @@ class LongTailDriver(Driver):
 def driver_config(mode: str) -> DriverConfig:
     """DriverConfig of a mode name (rl.schedules.mode_fields: "sync", "cgp+<admission>+<batching>",
     "sync+tail", "cgp+<admission>+tail", "async+<admission>+s<max_staleness>"), an async one
-    optionally with the suffix "+per-sample" (group_atomic=False)."""
-    per_sample = mode.startswith("async+") and mode.endswith(PER_SAMPLE)
+    optionally with one suffix of SUFFIXES ("+per-sample": group_atomic=False, "+recompute":
+    recompute_kv=True)."""
+    suffix = next((x for x in SUFFIXES if mode.startswith("async+") and mode.endswith(x)), "")
     try:
-        fields = mode_fields(mode.removesuffix(PER_SAMPLE) if per_sample else mode)
+        fields = mode_fields(mode.removesuffix(suffix) if suffix else mode)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     tail = fields.pop("tail_enabled")
@@ -229,9 +236,9 @@ def driver_config(mode: str) -> DriverConfig:
         sampling=SamplingParams(temperature=1.0, max_new_tokens=_MAX_NEW.value),
         tail=TailConfig(enabled=tail, eta=_ETA.value),
         epoch_size=epoch_size(),
-        group_atomic=not per_sample,
+        **dict([SUFFIXES[suffix]] if suffix else []),
     )
-    if cfg.name + (PER_SAMPLE if per_sample else "") != mode:
+    if cfg.name + suffix != mode:
         raise app.UsageError(f"Mode {mode!r} builds a driver named {cfg.name!r}.")
     return cfg
 

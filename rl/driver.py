@@ -65,11 +65,19 @@ class DriverConfig(ScheduleConfig):
     )
     poll_s: float = 0.2  # how often a waiting learner checks the sampler thread for an error
     group_atomic: bool = True  # False: per-sample admission (sampler.loop; slime/SGLang's way)
+    recompute_kv: bool = False  # async: re-prefill running samples with each new version (AReaL)
 
     def __post_init__(self):
         super().__post_init__()
         if self.queue_size < 0:
             raise ValueError(f"queue_size must be >= 0; received {self.queue_size}.")
+        if not isinstance(self.recompute_kv, bool):
+            raise ValueError(f"driver.recompute_kv must be a bool; received {self.recompute_kv!r}.")
+        if self.recompute_kv and self.mode != "async":
+            raise ValueError(
+                f"driver.recompute_kv=True needs mode='async'; received mode={self.mode!r} "
+                "(round modes swap weights only between rounds, with nothing running)."
+            )
         if not isinstance(self.group_atomic, bool):
             raise ValueError(f"driver.group_atomic must be a bool; received {self.group_atomic!r}.")
 
@@ -159,6 +167,7 @@ class Driver:
             emit=self.queue.put,
             version=version,
             group_atomic=cfg.group_atomic,
+            recompute_kv=cfg.recompute_kv,
             timeline=self.timeline,
             clock=clock,
         )

@@ -426,17 +426,61 @@ class Engine:
                 f"uid={request.uid} has a prompt of {len(request.prompt)}."
             )
         self.validate(request)
+        return self._put(prefix, state, slots, samples, request, p.max_new_tokens)
+
+    def reprefill(
+        self,
+        params: Any,
+        state: DecodeState,
+        slot: int,
+        request: Request,
+        sample: int,
+        generated: tuple[int, ...] | list[int],
+    ) -> DecodeState:
+        """Recomputes a running sample's KV cache with `params` (AReaL interruptible generation).
+
+        The prompt and the `generated` tokens so far are prefilled again into `slot`, which then
+        continues as if it had decoded them with `params`: same random stream (the sample's key),
+        same end (prompt length - 1 + max_new_tokens). Sequences longer than max_prefill_length
+        use one prefill bucket of max_length.
+        """
+        tokens = (*request.prompt, *generated)
+        left = request.params.max_new_tokens - len(generated)
+        if left < 1:
+            raise ValueError(
+                f"reprefill: request uid={request.uid} sample {sample} has {len(generated)} tokens "
+                f"of max_new_tokens={request.params.max_new_tokens}; expected fewer (it is done)."
+            )
+        if not 0 <= slot < self.config.max_slots:
+            raise ValueError(
+                f"reprefill: slot must be in [0, {self.config.max_slots}); received {slot}."
+            )
+        self.validate(request)
+        bucket = next(
+            (b for b in self.config.buckets() if len(tokens) <= b), self.config.max_length
+        )
+        padded = np.zeros((bucket,), np.int32)
+        padded[: len(tokens)] = tokens
+        k, v = self._call(self._prefill, params, jnp.asarray(padded), bucket)
+        self.prefill_count += 1
+        prefix = Prefix(k=k, v=v, length=len(tokens), last_token=int(tokens[-1]))
+        return self._put(prefix, state, [slot], [sample], request, left)
+
+    def _put(
+        self,
+        prefix: Prefix,
+        state: DecodeState,
+        slots: list[int] | tuple[int, ...],
+        samples: tuple[int, ...] | list[int],
+        request: Request,
+        max_new: int,
+    ) -> DecodeState:
+        """Inserts `prefix` for samples[i] into slots[i]; `max_new` tokens may follow it."""
+        p = request.params
         stop = np.full((self.config.max_stop_tokens,), -1, np.int32)
         stop[: len(p.stop_token_ids)] = p.stop_token_ids
         c = self.config
-        ids = [
-            c.seed,
-            request.round,
-            request.uid,
-            p.max_new_tokens,
-            prefix.length,
-            prefix.last_token,
-        ]
+        ids = [c.seed, request.round, request.uid, max_new, prefix.length, prefix.last_token]
         sampling = np.asarray([p.temperature, p.top_k, p.top_p], np.float32)
         return self._call(
             self._insert,

@@ -7,7 +7,12 @@ Nothing partial is emitted. With `group_atomic=False` (per-sample admission, as 
 each sample as its own request) a request is taken from the policy as soon as one slot is free and
 its samples start one by one, each with its own prefill, as slots free up; the samples of requests
 already taken start before the policy is asked again. Tokens are the same either way (a sample's
-random stream depends on its index, not its slot); only when each sample starts changes. Runs synchronously (`step`, `run_until_idle`) or in a background
+random stream depends on its index, not its slot); only when each sample starts changes.
+
+New weights (`set_params`) are taken between decode steps; every token records the version that
+drew it. Running samples go on with their KV cache (PipelineRL), or, with `recompute_kv=True`
+(AReaL interruptible generation), are re-prefilled first, prompt + tokens so far, with the new
+weights: their next tokens and log-probs are then exactly the new policy's. Runs synchronously (`step`, `run_until_idle`) or in a background
 thread (`start`, `drain`, `close`); an error in the thread is re-raised to the caller.
 
 Thread-safety: `submit`, `abort`, `set_params` and the properties may be called from any thread.
@@ -65,6 +70,8 @@ class SamplerStats:
     tokens: int = 0  # response tokens produced
     generate_calls: int = 0
     slot_steps: int = 0  # slots x decode steps run (occupancy = tokens / slot_steps)
+    recomputes: int = 0  # recompute_kv: running samples re-prefilled after a weight swap
+    recomputed_tokens: int = 0  # the tokens those re-prefills covered (prompt + response so far)
 
     @property
     def occupancy(self) -> float:
@@ -85,6 +92,7 @@ class SamplerLoop:
         version: int = 0,
         static_batching: bool = False,
         group_atomic: bool = True,
+        recompute_kv: bool = False,
         timeline: Any = None,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -96,6 +104,7 @@ class SamplerLoop:
         self.emit = emit
         self.static_batching = static_batching  # baseline: refill only when every slot is free
         self.group_atomic = group_atomic  # False: per-sample admission (see the module docstring)
+        self.recompute_kv = recompute_kv  # re-prefill running samples when new weights come in
         self._partial: collections.deque[_Run] = collections.deque()  # runs with unstarted samples
         self.stats = SamplerStats()
         self._params, self._version = params, version
@@ -198,12 +207,15 @@ class SamplerLoop:
           Whether requests are still waiting or running.
         """
         with self._lock:
-            if self._pending_params is not None:
+            swapped = self._pending_params is not None
+            if swapped:
                 (self._params, self._version), self._pending_params = self._pending_params, None
             to_free, self._to_free = self._to_free, []
             params, version = self._params, self._version
         if to_free:
             self._state = self.engine.free(self._state, to_free)
+        if swapped and self.recompute_kv:
+            self._recompute(params)
         self._admit(params)
         if not any(r is not None for r in self._slot_run):
             return self.pending() > 0
@@ -262,6 +274,22 @@ class SamplerLoop:
                 )
             with self._lock:
                 self.stats.prefills += 1
+
+    def _recompute(self, params: Any) -> None:
+        """Re-prefills every running sample (prompt + its tokens so far) with `params`."""
+        with self._lock:
+            running = [
+                (s, run, self._slot_sample[s], tuple(run.samples[self._slot_sample[s]].tokens))
+                for s, run in enumerate(self._slot_run)
+                if run is not None
+            ]
+        for s, run, i, generated in running:
+            self._state = self.engine.reprefill(params, self._state, s, run.request, i, generated)
+        with self._lock:
+            self.stats.recomputes += len(running)
+            self.stats.recomputed_tokens += sum(
+                len(run.request.prompt) + len(g) for _, run, _, g in running
+            )
 
     def _take(self, free: int) -> tuple[_Run, list[int]] | None:
         """The run and the sample indices to start in `free` slots now, or None (lock held)."""
