@@ -252,6 +252,11 @@ class SamplerLoop:
                 return
         while True:
             with self._lock:
+                if self._pending_params is not None:
+                    # Weights published after this step took its params: what is admitted now
+                    # waits for them (the next step), so a request submitted after a publish never
+                    # runs on the weights before it (async's staleness bound counts on that).
+                    return
                 free = [i for i, r in enumerate(self._slot_run) if r is None]
                 taken = self._take(len(free))
                 if taken is None:

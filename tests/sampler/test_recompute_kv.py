@@ -1,5 +1,6 @@
-"""recompute_kv (AReaL interruptible generation): after a weight swap, running samples continue
-from a re-prefill with the new weights: the new policy's log-probs, nothing lost or doubled."""
+"""Weight swaps in a running sampler. recompute_kv (AReaL interruptible generation): running samples
+continue from a re-prefill with the new weights: the new policy's log-probs, nothing lost or
+doubled. And a request submitted after a publish never runs on the weights before it."""
 
 import jax
 import jax.numpy as jnp
@@ -97,3 +98,42 @@ def test_reprefill_rejects_a_finished_sample(engine, model):
     request = _request(n_new=3)
     with pytest.raises(ValueError, match="has 3 tokens of max_new_tokens=3; expected fewer"):
         engine.reprefill(params, state, 0, request, 0, (1, 2, 3))
+
+
+class _PublishDuringStep:
+    """An engine whose `free` runs a callback: a publish and a submission from another thread that
+    land after a step took its params and before it admits (deterministically)."""
+
+    def __init__(self, engine, on_free):
+        self._engine, self.on_free = engine, on_free
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def free(self, state, slots):
+        state = self._engine.free(state, slots)
+        self.on_free()
+        return state
+
+
+def test_a_request_submitted_after_a_publish_never_runs_on_the_older_weights(engine, model):
+    old = engine.load_params(model)
+    new = engine.load_params(create_model(get_preset("tiny", init_std=0.3), seed=1))
+    groups = []
+    late = _request(uid=7, group=2, n_new=4)
+
+    def publish_and_submit():
+        loop.set_params(new, version=1)
+        loop.submit([late])
+
+    wrapped = _PublishDuringStep(engine, publish_and_submit)
+    loop = SamplerLoop(
+        wrapped, old, admission=FCFS(), reward_fn=lambda r, c: 0.0, emit=groups.append
+    )
+    loop.submit([_request(uid=3, group=2, n_new=8)])
+    loop.step()
+    loop.abort([(0, 3)])  # the next step frees its slots: the publish lands inside that step
+    loop.run_until_idle(max_steps=50)
+    (group,) = groups
+    assert group.request.uid == 7
+    assert all(c.versions == (1,) * 4 for c in group.completions)
