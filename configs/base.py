@@ -127,7 +127,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.eval.every_rounds = 10  # RL rounds between held-out evaluations; 0: start and end only
 
     config.driver = ml_collections.ConfigDict()
-    config.driver.mode = "cgp"  # sync (rollout, then train) | cgp (pipelined) | async (rl.schedules)
+    config.driver.mode = "cgp"  # sync (rollout, then train) | cgp (pipelined) | async
     config.driver.max_staleness = 0  # async: sampler runs <= this many versions ahead; 0: on-policy
     config.driver.admission = "frontier"  # fcfs | frontier
     config.driver.batching = "ordered"  # fifo | ordered

@@ -1,20 +1,28 @@
-"""The default recipe, shortened, visibly learns: held-out accuracy rises by >= 10 points."""
+"""The default recipe on two seeds: the warm start leaves the SFT plateau within a fixed budget,
+then a shortened RL phase visibly learns. The recipe before the operand order and optimizer fix
+failed the budget on both seeds (seed 0 left the plateau at ~1400 steps, seed 1 after 675)."""
 
 import pytest
 
 from configs import default
 from rl.run import train
 
+SFT_BUDGET = 600  # steps; seeds 0-4 reached the 50% target in 250-325 (README); the cap is 1000
+
 
 @pytest.mark.slow
-def test_default_recipe_learns(tmp_path):
+@pytest.mark.parametrize("seed", [0, 1])
+def test_default_recipe_leaves_the_plateau_and_learns(tmp_path, seed):
     config = default.get_config()
     config.workdir = str(tmp_path)
-    config.rounds = 30  # 27.5% -> 42% measured; 20 rounds without warmup only reach 29%
+    config.seed = seed
+    config.sft.max_steps = SFT_BUDGET
+    config.rounds = 30  # seed 0: 70.5% -> 91.5%, seed 1: 65% -> 94.5% (measured)
     config.learner.optimizer.warmup_steps = (
         10  # of the 120 updates; the cosine decays over the rest
     )
     config.eval.every_rounds = 0
     summary = train(config, stdout=False)
-    assert summary["heldout_acc_before"] >= config.sft.target_accuracy  # the warm start reached it
-    assert summary["heldout_acc_after"] >= summary["heldout_acc_before"] + 0.10, summary
+    assert summary["sft_steps"] < SFT_BUDGET, summary  # stopped on reaching the target
+    assert summary["heldout_acc_before"] >= config.sft.target_accuracy, summary
+    assert summary["heldout_acc_after"] >= summary["heldout_acc_before"] + 0.15, summary

@@ -53,6 +53,10 @@ def test_default_run_trains_pipelined_rounds_and_writes_its_files(tmp_path):
     assert json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
     assert list((tmp_path / "tb").iterdir())
+    import matplotlib.image
+
+    assert summary["learning_curve"] == str(tmp_path / "learning_curve.png")
+    assert matplotlib.image.imread(summary["learning_curve"]).shape == (450, 1200, 4)
 
 
 @pytest.mark.parametrize("tail", [False, True], ids=["plain", "tail"])
