@@ -191,3 +191,16 @@ def test_kill_during_the_last_save_resumes_exactly_with_one_metrics_row_per_roun
     assert _tb_steps(workdir / "tb", "train/reward_mean") == [0, 1, 2]
     if damage == "bit_flipped":
         assert (workdir / "ckpt" / "damaged" / "3").is_dir()
+
+
+def test_countdown_smoke_run_scores_every_response_without_reward_errors(tmp_path):
+    from configs import countdown
+    from rl.run import train
+
+    config = countdown.get_config("smoke")
+    config.workdir = str(tmp_path)
+    summary = train(config, stdout=False)
+    assert len(summary["rounds"]) == config.rounds
+    # The verifier raises on a record without its numbers and target: such calls count as errors.
+    assert summary["reward_errors"] == 0 and summary["data"]["too_long"] == 0
+    assert (tmp_path / "learning_curve.png").exists()
