@@ -14,39 +14,27 @@ from configs import default
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    config = default.get_config()
-    config.workdir = "runs/countdown"
+    config = default.get_config(arg)  # ":smoke" shrinks the run as it does the default's
     config.task.name = "countdown"
     config.task.reward = "countdown"
     config.task.count = 3  # "7 3 5 -> 26:" -> "7*3+5"
     config.task.max_number = 20  # with 3 numbers and targets <= 100: ~17k distinct problems
     config.task.max_target = 100
     config.task.style = "compact"
-    config.task.train_size = 12000
     config.sampling.max_new_tokens = 16  # reference expressions: up to 10 characters + eos
     config.engine.max_length = 48
     config.engine.max_prefill_length = 24
     config.engine.steps_per_call = 8
     config.learner.min_length_bucket = 32
+    if arg == "smoke":
+        config.workdir = "runs/countdown_smoke"
+        config.task.train_size = 2000
+        return config
+    config.workdir = "runs/countdown"
+    config.task.train_size = 12000
     config.sft.max_steps = 1500
     config.sft.eval_every = 50
     config.sft.target_accuracy = 0.25
     config.rounds = 300
     config.eval.every_rounds = 50
-    if arg == "smoke":
-        config.workdir = "runs/countdown_smoke"
-        config.task.train_size = 2000
-        config.sft.max_steps = 20
-        config.sft.warmup_steps = 5
-        config.sft.eval_every = 10
-        config.eval.heldout_size = 8
-        config.eval.every_rounds = 1
-        config.rounds = 2
-        config.driver.groups_per_round = 4
-        config.driver.groups_per_update = 2
-        config.driver.group_size = 4
-        config.learner.micro_batch_rows = 8
-        config.learner.optimizer.warmup_steps = 1
-    elif arg:
-        raise ValueError(f"Unknown config argument {arg!r}; expected 'smoke' or nothing.")
     return config
