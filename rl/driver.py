@@ -340,5 +340,8 @@ class Driver:
             except BaseException:  # the original error is what the caller sees
                 pass
         else:
+            # Stop the sampler before the queue closes, so a group that work running ahead (async)
+            # finishes meanwhile is dropped; closing the queue then wakes a put blocked on it.
+            self.sampler.request_stop()
             self.queue.close()
             self.sampler.close()

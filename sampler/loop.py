@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from rl.admission import AdmissionPolicy
+from rl.queue import QueueClosed
 from rl.rounds import RoundCut, RoundCuts
 from rl.types import Completion, Group, Request
 from sampler.engine import Engine
@@ -426,7 +427,10 @@ class SamplerLoop:
                 self.step()
         except BaseException as e:  # surfaced to the caller by drain/close/submit
             with self._lock:
-                self._error = e
+                # Work running ahead (async) may finish while the run shuts down: once a stop is
+                # requested, a group the closed queue refuses is dropped, not an error.
+                if not (self._stop and isinstance(e, QueueClosed)):
+                    self._error = e
         finally:
             self._idle.set()
 
@@ -442,11 +446,15 @@ class SamplerLoop:
         with self._lock:
             self._raise_if_failed()
 
-    def close(self) -> None:
-        """Stops the loop thread (work in flight is dropped); re-raises a loop error."""
+    def request_stop(self) -> None:
+        """Asks the loop thread to stop after its current step; `close` waits for it."""
         with self._lock:
             self._stop = True
             self._wake.notify_all()
+
+    def close(self) -> None:
+        """Stops the loop thread (work in flight is dropped); re-raises a loop error."""
+        self.request_stop()
         if self._thread is not None:
             self._thread.join()
         with self._lock:

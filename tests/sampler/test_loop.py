@@ -256,3 +256,38 @@ def test_response_overprovisioning_keeps_the_first_g_to_finish(model):
     longest_kept = max(len(c.tokens) for c in group.completions)
     assert s.samples_cut >= 1  # this seed: one sample still running (one more finished late)
     assert s.cut_sample_tokens >= s.samples_cut * (longest_kept - 2)  # ran at least as long
+
+
+def test_a_group_refused_by_the_closed_queue_during_shutdown_is_dropped(engine, model):
+    """Async work running ahead can finish while the run closes: after request_stop, the closed
+    queue's refusal is no error; before it, the refusal surfaces as one."""
+    from rl.queue import QueueClosed
+
+    for stopping in (True, False):
+        in_emit, go = threading.Event(), threading.Event()
+
+        def emit(group, in_emit=in_emit, go=go):
+            in_emit.set()
+            go.wait(timeout=60)
+            raise QueueClosed("Cannot put group: the queue is closed.")
+
+        loop = SamplerLoop(
+            engine,
+            engine.load_params(model),
+            admission=FCFS(),
+            reward_fn=lambda r, c: 1.0,
+            emit=emit,
+        )
+        loop.start()
+        loop.submit([_req(1)])
+        assert in_emit.wait(timeout=120)
+        if stopping:
+            loop.request_stop()
+            go.set()
+            loop.close()  # no error
+        else:
+            go.set()
+            with pytest.raises(QueueClosed):
+                loop.drain(timeout=120)
+            with pytest.raises(QueueClosed):
+                loop.close()
