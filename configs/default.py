@@ -6,7 +6,7 @@ Expect:  a supervised warm start to >= 50% held-out greedy accuracy (250-325 ste
          rounds through the pipelined runtime (cgp + frontier + ordered); the final table and
          runs/default/summary.json give held-out accuracy before and after RL and the wall time by
          phase. Measured on 2 CPU cores over seeds 0-4: 52.5-70.5% -> 88.5-99.0% (median 97.0%)
-         in 114-201 s (README).
+         in 113-138 s (README).
 """
 
 import ml_collections
