@@ -259,12 +259,16 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     if planner_state is not None:
         driver.planner.load_state_dict(planner_state)
     rounds = []
-    gantt_since = None  # timeline_rounds 0: the whole run
+    # timeline.png draws rounds from `shown_from` on (timeline_rounds 0: the whole run)
+    shown_from = max(first_round, config.rounds - config.timeline_rounds)
+    if not config.timeline_rounds or shown_from == 0:
+        shown_from = None
+    gantt_since = None
     t_rl = time.perf_counter()
     try:
         for r in range(first_round, config.rounds):
-            if r == max(first_round, config.rounds - config.timeline_rounds):
-                gantt_since = driver.clock()  # timeline.png draws the run's last rounds
+            if r == shown_from:
+                gantt_since = driver.clock()
             bar = writer.progress(driver_cfg.groups_per_round, desc=f"round {r} groups")
             driver.on_group = lambda group, bar=bar: bar.update(1)
             try:
@@ -299,11 +303,11 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     trace = os.path.join(config.workdir, "timeline.json")
     gantt = os.path.join(config.workdir, "timeline.png")
     driver.timeline.write_chrome_trace(trace)
-    shown = config.rounds - max(first_round, config.rounds - config.timeline_rounds)
-    if gantt_since is None or shown == config.rounds:
-        gantt_title = f"{driver_cfg.name}: {config.rounds} rounds"
-    else:
-        gantt_title = f"{driver_cfg.name}: the last {shown} of {config.rounds} rounds"
+    gantt_title = f"{driver_cfg.name}: {config.rounds} rounds"
+    if gantt_since is not None:
+        gantt_title = (
+            f"{driver_cfg.name}: the last {config.rounds - shown_from} of {config.rounds} rounds"
+        )
     driver.timeline.write_gantt_png(gantt, title=gantt_title, since=gantt_since)
     curve = os.path.join(config.workdir, "learning_curve.png")
     write_learning_curve_png(

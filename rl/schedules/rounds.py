@@ -14,6 +14,7 @@ Rounds come from the rl.rounds.RoundPlanner: plain rounds, or with tail batching
 
 from __future__ import annotations
 
+import abc
 import collections
 import dataclasses
 from collections.abc import Callable
@@ -46,7 +47,7 @@ class _Round:
     updates: int = 0
 
 
-class RoundSchedule:
+class RoundSchedule(abc.ABC):
     """One round at a time; subclasses say how arriving groups become updates."""
 
     name = "rounds"
@@ -115,8 +116,9 @@ class RoundSchedule:
         rnd.received.append(group)
         return self._on_group(rnd, group)
 
+    @abc.abstractmethod
     def _on_group(self, rnd: _Round, group: Group) -> list[Action]:
-        raise NotImplementedError
+        """The actions a group arriving in round `rnd` leads to (`rnd.received` includes it)."""
 
     def _update(self, rnd: _Round, batch: tuple[Group, ...]) -> Update:
         up = Update(rnd.plan.round, batch, self._version)
