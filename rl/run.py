@@ -264,7 +264,7 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     if not config.timeline_rounds or shown_from == 0:
         shown_from = None
     gantt_since = None
-    t_rl = time.perf_counter()
+    t_rl, eval_at_rl = time.perf_counter(), phases["eval_s"]
     try:
         for r in range(first_round, config.rounds):
             if r == shown_from:
@@ -276,6 +276,8 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
             finally:
                 bar.close()
             metrics = {"round": float(r), **result.metrics, **_reward_counts(reward, reward_seen)}
+            # RL time so far without evaluation: the x axis of "time to reach X% held-out"
+            metrics["rl_elapsed_s"] = time.perf_counter() - t_rl - (phases["eval_s"] - eval_at_rl)
             if config.eval.every_rounds and (r + 1) % config.eval.every_rounds == 0:
                 metrics["heldout_acc"] = heldout_accuracy(learner.params)
             writer.write(r, metrics, prefix="train")
