@@ -20,6 +20,7 @@ INSTALL_REQUIRES = [
     "tqdm>=4.70",
     "tensorboardX>=2.6.5",
     "matplotlib>=3.11",
+    "math-verify>=0.9.0",  # symbolic checks of math answers that are not one number
 ]
 
 EXTRAS = {

@@ -107,7 +107,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.data.train_path = ""  # gsm8k | math: the training JSONL file (required for them)
     config.data.heldout_path = ""  # held-out JSONL file; "": hold out a seeded slice of train_path
     config.data.on_error = "skip"  # malformed rows: skip (counted, file:line logged) | raise
-    config.data.numeric_answers_only = False  # drop rows whose answer is not one number
+    # Drop rows whose answer is not one number (the "gsm8k" reward reads numbers only; "math"
+    # checks other answers symbolically).
+    config.data.numeric_answers_only = False
     config.data.template = "plain"  # prompt template: plain | chat (the tokenizer's chat template)
     config.data.system = ""  # chat template's system message; "": no system turn
     config.data.instruction = ""  # text put before each question

@@ -3,9 +3,9 @@
 Inputs are local: the model as a Hugging Face directory (`huggingface-cli download
 Qwen/Qwen2.5-Math-1.5B-Instruct --local-dir /models/Qwen2.5-Math-1.5B-Instruct`) and MATH-style
 JSONL rows {"problem", "solution": "... \\boxed{<answer>} ..."} (e.g. the MATH train split, and
-MATH-500 as the held-out file). Rows whose boxed answer is not one number ("\\sqrt{2}",
-"(1, 2)") are dropped and counted: the "math" verifier compares numbers. Use an Instruct
-checkpoint: its eos is the chat turn's end, where a base model's would be <|endoftext|>.
+MATH-500 as the held-out file). Every row is kept: answers that are not one number
+("\\sqrt{2}", "(1, 2)") are checked symbolically by the "math" verifier (math-verify). Use an
+Instruct checkpoint: its eos is the chat turn's end, where a base model's would be <|endoftext|>.
 
 Launch (8 GPUs: learner fsdp=4, sampler data=4):
   python -m launch.train --config=configs/math_qwen.py \
@@ -32,10 +32,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.workdir = "runs/math_qwen"
     config.model.preset = "qwen2.5-1.5b"  # shapes only; the weights come from model.hf_path
     config.task.name = "math"
-    config.task.reward = "math"  # the last \boxed{} (else the last number), compared as numbers
+    config.task.reward = "math"  # the last \boxed{}: numbers exactly, other answers symbolically
     config.data.system = SYSTEM  # Qwen2.5-Math's chain-of-thought system prompt
     config.data.instruction = ""
-    config.data.numeric_answers_only = True
+    config.data.numeric_answers_only = False  # non-numeric answers are verified symbolically
     config.sampling.max_new_tokens = 2048
     config.engine.max_length = 2560  # within Qwen2.5-Math's 4096 positions
     config.engine.max_slots = 128  # 512 responses in four waves (KV cache of longer responses)

@@ -128,23 +128,43 @@ def numbers_equal(a: str | Number | None, b: str | Number | None, *, rel_tol: fl
 def math_reward(response_text: str, answer: str | Number) -> float:
     """1.0 if the last `\\boxed{}` answer (or, with no box, the last number) equals `answer`.
 
-    A box's content may be "x = ..."; the part after the last "=" is compared. An unparsable box
-    scores 0.0 (there is no fallback to other numbers once the response has boxed an answer).
+    A numeric `answer` is compared as a number (exact fractions, see `numbers_equal`); a box
+    that is not one number ("\\sqrt{4}") is then checked symbolically. An `answer` that is not
+    one number ("\\frac{\\pi}{2}", "(1, 2)", "x^2+1") is compared symbolically with the box's
+    content (`rl.rewards.symbolic.symbolic_equal`, math-verify); a response with no box scores
+    0.0 against it. A box's content may be "x = ..."; the part after the last "=" is compared.
+    An unparsable box scores 0.0 (there is no fallback to other numbers once a box is given).
 
     Args:
         response_text: The decoded response.
-        answer: The reference number, e.g. 42, "3/4" or "\\frac{3}{4}".
+        answer: The reference answer, e.g. 42, "3/4", "\\frac{3}{4}" or "2\\sqrt{2}".
 
     Returns:
         1.0 or 0.0.
 
     Raises:
-        ValueError: If `answer` is not a number.
+        ValueError: If `answer` is neither a number nor a parsable LaTeX expression.
     """
-    if _as_value(answer)[0] is None:
-        raise ValueError(f"math_reward: the answer must be a number; received {answer!r}.")
+    # Imported here: sympy and the LaTeX parser take a second, which numeric tasks never need.
+    from rl.rewards.symbolic import parse_latex, symbolic_equal
+
     boxed = extract_boxed(response_text)
+    if _as_value(answer)[0] is None:
+        if not isinstance(answer, str) or not parse_latex(answer):
+            raise ValueError(
+                f"math_reward: the answer must be a number or a LaTeX expression; received "
+                f"{answer!r}."
+            )
+        if boxed is None:
+            return 0.0
+        return (
+            1.0
+            if symbolic_equal(boxed, answer) or symbolic_equal(boxed.rsplit("=", 1)[-1], answer)
+            else 0.0
+        )
     got = boxed.rsplit("=", 1)[-1] if boxed is not None else extract_last_number(response_text)
+    if boxed is not None and parse_number(got) is None:
+        return 1.0 if symbolic_equal(got, str(answer)) else 0.0
     return 1.0 if numbers_equal(got, answer) else 0.0
 
 

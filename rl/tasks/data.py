@@ -12,7 +12,8 @@
   rendered prompt is longer than `max_prompt_tokens` are dropped and counted the same way (the
   engine would refuse them mid-run, as veRL's filter_overlong_prompts), and so, with
   `numeric_answers_only`, are rows whose answer is not one number (MATH's "\\sqrt{2}" or
-  "(1, 2)": the "math" and "gsm8k" verifiers compare numbers).
+  "(1, 2)"; the "gsm8k" verifier compares numbers only, while "math" checks such answers
+  symbolically, so a math run needs no filter).
 
 Records keep their loaders' fields and are renumbered 0..n-1 within each split.
 """

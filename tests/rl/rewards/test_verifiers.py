@@ -100,8 +100,32 @@ def test_math_reward():
     assert v.math_reward("The answer is 1,234. Done in 5 steps", 1234) == 0.0  # last number: 5
     assert v.math_reward("It is 7, i.e. 1,234.", 1234) == 1.0
     assert v.math_reward("\\boxed{seven} but 7", 7) == 0.0  # a box is never second-guessed
-    with pytest.raises(ValueError, match="received 'sqrt'"):
-        v.math_reward("1", "sqrt")
+    with pytest.raises(ValueError, match="number or a LaTeX expression; received ' '"):
+        v.math_reward("1", " ")
+    with pytest.raises(ValueError, match="received None"):
+        v.math_reward("1", None)
+
+
+def test_math_reward_symbolic():
+    """Answers that are not one number are checked with math-verify, not dropped."""
+    # fractions and LaTeX \frac, against a numeric reference (the box is not one number)
+    assert v.math_reward("\\boxed{\\frac{6}{4}}", "3/2") == 1.0
+    assert v.math_reward("\\boxed{\\sqrt{4}}", 2) == 1.0
+    assert v.math_reward("\\boxed{\\sqrt{5}}", 2) == 0.0
+    # non-numeric references: radicals, pi, expressions, intervals, tuples, sets
+    assert v.math_reward("so \\boxed{\\frac{\\pi}{2}}", "\\pi/2") == 1.0
+    assert v.math_reward("\\boxed{2\\sqrt{2}}", "\\sqrt{8}") == 1.0
+    assert v.math_reward("\\boxed{\\dfrac{\\sqrt{3}}{2}}", "\\frac{\\sqrt3}{2}") == 1.0
+    assert v.math_reward("\\boxed{(x+1)^2}", "x^2+2x+1") == 1.0
+    assert v.math_reward("\\boxed{x^2+2x+2}", "x^2+2x+1") == 0.0
+    assert v.math_reward("\\boxed{y = 2\\sqrt{2}}", "2\\sqrt{2}") == 1.0
+    assert v.math_reward("\\boxed{[1, 2)}", "[1,2)") == 1.0
+    assert v.math_reward("\\boxed{(1, 2]}", "[1,2)") == 0.0
+    assert v.math_reward("\\boxed{\\{2, 1\\}}", "\\{1,2\\}") == 1.0
+    assert v.math_reward("\\boxed{\\frac{\\pi}{3}}", "\\pi/2") == 0.0
+    # no box: only numbers are read from free text, so a symbolic reference scores 0
+    assert v.math_reward("the answer is pi/2", "\\pi/2") == 0.0
+    assert v.math_reward("\\boxed{}", "\\sqrt{2}") == 0.0
 
 
 def test_gsm8k_reward():
