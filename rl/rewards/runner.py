@@ -1,16 +1,25 @@
 """RewardRunner: a text reward function made into the sampler's RewardFn, with a timeout.
 
 `RewardRunner(fn, decode=tokenizer.decode)(request, completion)` decodes the completion's tokens
-and calls `fn(request, text)` on a worker thread, waiting at most `timeout_s`. A reward that
+and calls `fn(request, text)` on a worker, waiting at most `timeout_s` once a worker has taken the
+call. `submit(request, completion)` does the same without waiting: it returns a Future of the
+score at once, so the sampler loop scores finished samples while it keeps decoding. A reward that
 raises, returns something other than a finite number, or runs past the timeout scores 0.0 and is
 counted (`stats()`); the first of each kind is logged with an example, the rest only counted, so
 one bad reward function or dataset row never stops the sampler and never floods the log.
 
-Python threads cannot be killed: a call past its timeout is abandoned, its thread running on
-until the function returns. A fresh worker takes its place at once, so capacity is kept; the
-workers are daemon threads, so a hung call does not block interpreter exit. Stuck threads still
-take their share of the GIL, so more than `max_stuck` of them at once raises a RuntimeError
-rather than letting them pile up.
+`workers` calls run at once, each on one worker lane. Two backends:
+
+- `backend="thread"` (default; any callable, closures and lambdas too): the call runs on a
+  thread. Python threads cannot be killed: a call past its timeout is abandoned, its thread
+  running on until the function returns, and a fresh thread takes its place at once, so capacity
+  is kept; the threads are daemons, so a hung call does not block interpreter exit. Stuck threads
+  still take their share of the GIL, so more than `max_stuck` of them at once fails the call with
+  a RuntimeError rather than letting them pile up.
+- `backend="process"` (a picklable `fn`: a module-level function, e.g. a registered reward):
+  each lane owns a worker process (started with "spawn", so no JAX state is forked). A call past
+  its timeout kills the process and a fresh one replaces it, so a hung CPU-bound verifier (a
+  sympy simplification that never ends) costs one timeout, never a stuck thread or the GIL.
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
+import multiprocessing
+import pickle
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -28,20 +39,136 @@ from absl import logging
 from rl.rewards.registry import TextRewardFn
 from rl.types import Completion, Request
 
+BACKENDS = ("thread", "process")
+_STARTUP_TIMEOUT_S = 300.0  # a spawned worker imports the reward's module; not billed to a call
+
 
 @dataclasses.dataclass(eq=False)
 class _Job:
     request: Request
     tokens: Sequence[int]
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
-    abandoned: bool = False  # timed out while running: its thread leaves once the call returns
+
+
+class _Timeout(Exception):
+    """A call ran past timeout_s (internal: turned into a 0.0 score)."""
+
+
+class _ThreadWorker:
+    """Runs calls on one daemon thread; a call past its timeout abandons the thread."""
+
+    def __init__(self, runner: RewardRunner, name: str):
+        self.runner = runner
+        self.inbox: queue.SimpleQueue[tuple[_Job, concurrent.futures.Future] | None] = (
+            queue.SimpleQueue()
+        )
+        self.abandoned = False
+        threading.Thread(target=self._main, name=name, daemon=True).start()
+
+    def _main(self) -> None:
+        runner = self.runner
+        while (item := self.inbox.get()) is not None:
+            job, result = item
+            try:
+                result.set_result(runner.fn(job.request, runner.decode(job.tokens)))
+            except BaseException as e:  # handed to the lane, which scores 0.0
+                result.set_exception(e)
+            with runner._lock:
+                if self.abandoned:  # a replacement already took this worker's place
+                    runner._stuck -= 1
+                    return
+
+    def call(self, job: _Job, timeout_s: float) -> Any:
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        self.inbox.put((job, result))
+        done, _ = concurrent.futures.wait([result], timeout=timeout_s)
+        if not done:  # (not result.result(timeout): fn's own TimeoutError is an error, not this)
+            raise _Timeout
+        return result.result()
+
+    def stop(self) -> None:
+        self.inbox.put(None)
+
+
+def _process_main(conn: Any, fn: TextRewardFn) -> None:
+    """A reward worker process: answers (request, text) messages until None or a closed pipe."""
+    conn.send(("ready", None))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        request, text = message
+        try:
+            reply = ("ok", fn(request, text))
+        except BaseException as e:
+            reply = ("error", e)
+        try:
+            conn.send(reply)
+        except Exception:  # an unpicklable value or exception: sent as its repr
+            kind, value = reply
+            conn.send(("error", RuntimeError(f"unpicklable {kind} result {value!r}")))
+
+
+class _ProcessWorker:
+    """Runs calls in one spawned process; a call past its timeout kills the process."""
+
+    def __init__(self, runner: RewardRunner, name: str):
+        self.runner = runner
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_process_main, args=(child, runner.fn), name=name, daemon=True
+        )
+        self.process.start()
+        child.close()
+        if not self.conn.poll(_STARTUP_TIMEOUT_S):
+            self.kill()
+            raise RuntimeError(
+                f"Reward worker process {name} did not start within {_STARTUP_TIMEOUT_S} s."
+            )
+        self.conn.recv()  # "ready"
+
+    def call(self, job: _Job, timeout_s: float) -> Any:
+        text = self.runner.decode(job.tokens)
+        self.conn.send((job.request, text))
+        if not self.conn.poll(timeout_s):
+            raise _Timeout
+        try:
+            kind, value = self.conn.recv()
+        except (EOFError, OSError):
+            raise RuntimeError("the reward worker process died during the call") from None
+        if kind == "error":
+            raise value
+        return value
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(timeout=10.0)
+        self.conn.close()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.process.join(timeout=5.0)
+        if self.process.is_alive():
+            self.kill()
+        else:
+            self.conn.close()
 
 
 class RewardRunner:
     """Calls a text reward function with a timeout; errors and timeouts score 0.0 and are counted.
 
-    Thread-safe: may be called from several threads at once (up to `workers` calls then run in
-    parallel; the timeout includes any wait for a free worker).
+    Thread-safe: `submit` and calls may come from several threads at once; up to `workers` calls
+    run in parallel, the rest wait in a queue (the timeout starts when a worker takes a call).
     """
 
     def __init__(
@@ -52,6 +179,7 @@ class RewardRunner:
         timeout_s: float = 5.0,
         workers: int = 4,
         max_stuck: int = 32,
+        backend: str = "thread",
     ):
         """Starts the workers.
 
@@ -59,59 +187,59 @@ class RewardRunner:
             fn: `fn(request, completion_text) -> float`, e.g. `rl.rewards.get_reward("math")`.
             decode: Turns a completion's tokens into the text `fn` reads.
             timeout_s: How long one call (decode and `fn`) may take before it scores 0.0.
-            workers: Worker threads kept available.
-            max_stuck: Abandoned calls that may still be running at once before a timeout raises.
+            workers: Calls run at once (worker threads or processes).
+            max_stuck: thread backend: abandoned calls that may still be running at once before
+                a timeout raises.
+            backend: "thread" or "process" (see the module docstring).
         """
         if not (timeout_s > 0 and math.isfinite(timeout_s)):
             raise ValueError(f"timeout_s must be a finite number > 0; received {timeout_s}.")
-        if workers < 1:
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be >= 1; received {workers}.")
         if max_stuck < 0:
             raise ValueError(f"max_stuck must be >= 0; received {max_stuck}.")
-        self.fn, self.decode = fn, decode
-        self.timeout_s, self.workers, self.max_stuck = timeout_s, workers, max_stuck
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}.")
         self.name = getattr(fn, "__qualname__", repr(fn))
+        if backend == "process":
+            try:
+                pickle.dumps(fn)
+            except Exception as e:
+                raise ValueError(
+                    f"backend='process' sends the reward function to worker processes, but "
+                    f"{self.name} cannot be pickled ({e}); expected a module-level function "
+                    "(e.g. a registered reward), or backend='thread'."
+                ) from None
+        self.fn, self.decode, self.backend = fn, decode, backend
+        self.timeout_s, self.workers, self.max_stuck = timeout_s, workers, max_stuck
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._calls = self._errors = self._timeouts = self._stuck = self._replaced = 0
         self._logged: set[str] = set()
         self._closed = False
         self._spawned = 0
-        for _ in range(workers):
-            self._spawn()
+        for i in range(workers):
+            threading.Thread(target=self._lane, name=f"reward-lane-{i}", daemon=True).start()
 
     # ------------------------------------------------------------------------------ the sampler
 
-    def __call__(self, request: Request, completion: Completion) -> float:
-        """The reward of a finished completion: `fn(request, decode(tokens))`, or 0.0 on failure."""
+    def submit(self, request: Request, completion: Completion) -> concurrent.futures.Future:
+        """Queues the call and returns at once: a Future of the score (0.0 on failure).
+
+        The Future raises only when the runner cannot score at all: it was closed with the call
+        still queued, or too many calls are stuck (thread backend, see `max_stuck`).
+        """
         job = _Job(request, completion.tokens)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"RewardRunner({self.name}) is closed; expected an open one.")
             self._calls += 1
         self._jobs.put(job)
-        done, _ = concurrent.futures.wait([job.future], timeout=self.timeout_s)
-        if not done:
-            self._abandon(job)
-            return 0.0
-        error = job.future.exception()
-        if error is not None:
-            self._count_error(
-                "exception", "Reward %s raised on request uid=%d round=%d: %r", request, error
-            )
-            return 0.0
-        value = job.future.result()
-        reward = _as_finite_float(value)
-        if reward is None:
-            self._count_error(
-                "invalid value",
-                "Reward %s returned an invalid value for request uid=%d round=%d: %r; expected "
-                "a finite real number",
-                request,
-                value,
-            )
-            return 0.0
-        return reward
+        return job.future
+
+    def __call__(self, request: Request, completion: Completion) -> float:
+        """The reward of a finished completion: `fn(request, decode(tokens))`, or 0.0 on failure."""
+        return self.submit(request, completion).result()
 
     # --------------------------------------------------------------------------------- counters
 
@@ -136,7 +264,7 @@ class RewardRunner:
                 "errors": self._errors,
                 "timeouts": self._timeouts,
                 "stuck": self._stuck,
-                "replaced": self._replaced,  # workers started to stand in for stuck ones
+                "replaced": self._replaced,  # workers started to stand in for stuck/killed ones
             }
 
     def close(self) -> None:
@@ -156,55 +284,105 @@ class RewardRunner:
 
     # --------------------------------------------------------------------------------- internals
 
-    def _spawn(self) -> None:
-        self._spawned += 1
-        name = f"reward-{self.name}-{self._spawned}"
-        threading.Thread(target=self._work, name=name, daemon=True).start()
+    def _worker(self) -> _ThreadWorker | _ProcessWorker:
+        with self._lock:
+            self._spawned += 1
+            name = f"reward-{self.name}-{self._spawned}"
+        cls = _ProcessWorker if self.backend == "process" else _ThreadWorker
+        return cls(self, name)
 
-    def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            if not job.future.set_running_or_notify_cancel():
-                continue  # timed out while queued
-            try:
-                value = self.fn(job.request, self.decode(job.tokens))
-            except BaseException as e:  # handed to the caller, which scores 0.0 or re-raises
-                job.future.set_exception(e)
-            else:
-                job.future.set_result(value)
-            with self._lock:
-                if job.abandoned:  # a replacement already took this worker's place
-                    self._stuck -= 1
-                    return
+    def _lane(self) -> None:
+        """One worker lane: takes queued calls one at a time and scores them."""
+        try:
+            worker = self._worker()  # started now, so a process's start-up is not a call's wait
+        except Exception:
+            worker = None  # started again (and its error reported) on the first call
+        try:
+            while (job := self._jobs.get()) is not None:
+                if not job.future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    if worker is None:
+                        worker = self._worker()
+                    job.future.set_result(self._score(worker, job))
+                except _Timeout:
+                    try:
+                        worker = self._replace(worker, job)
+                    except BaseException as e:
+                        job.future.set_exception(e)
+                    else:
+                        job.future.set_result(0.0)
+                except BaseException as e:  # the runner itself failed: the caller sees it
+                    job.future.set_exception(e)
+                if isinstance(worker, _ProcessWorker) and not worker.alive():
+                    worker.kill()  # crashed (e.g. killed by the OS): a fresh one next call
+                    worker = None
+        finally:
+            if worker is not None:
+                worker.stop()
 
-    def _abandon(self, job: _Job) -> None:
-        """Counts a timeout; a running call is abandoned and a fresh worker replaces its thread."""
+    def _score(self, worker: _ThreadWorker | _ProcessWorker, job: _Job) -> float:
+        """The call's score: its value, or 0.0 (counted) for an error or an invalid value."""
+        try:
+            value = worker.call(job, self.timeout_s)
+        except _Timeout:
+            raise
+        except Exception as error:
+            self._count_error(
+                "exception", "Reward %s raised on request uid=%d round=%d: %r", job.request, error
+            )
+            return 0.0
+        reward = _as_finite_float(value)
+        if reward is None:
+            self._count_error(
+                "invalid value",
+                "Reward %s returned an invalid value for request uid=%d round=%d: %r; expected "
+                "a finite real number",
+                job.request,
+                value,
+            )
+            return 0.0
+        return reward
+
+    def _replace(
+        self, worker: _ThreadWorker | _ProcessWorker, job: _Job
+    ) -> _ThreadWorker | _ProcessWorker | None:
+        """Counts a timeout and replaces the worker that ran past it (killed or abandoned)."""
         with self._lock:
             self._timeouts += 1
             first = "timeout" not in self._logged
             self._logged.add("timeout")
-            running = not job.future.cancel() and not job.future.done()
-            if running:
+        if first:
+            how = (
+                "the worker process killed"
+                if self.backend == "process"
+                else "the call abandoned (its thread runs on: threads cannot be killed)"
+            )
+            logging.warning(
+                "Reward %s took over timeout_s=%s on request uid=%d round=%d; scored 0.0 and %s. "
+                "Later timeouts are only counted: see RewardRunner.stats().",
+                self.name,
+                self.timeout_s,
+                job.request.uid,
+                job.request.round,
+                how,
+            )
+        if isinstance(worker, _ProcessWorker):
+            worker.kill()
+        else:
+            with self._lock:
                 if self._stuck >= self.max_stuck:
                     raise RuntimeError(
                         f"Reward {self.name}: {self._stuck + 1} calls are stuck past timeout_s="
                         f"{self.timeout_s} (threads cannot be killed); expected at most "
                         f"max_stuck={self.max_stuck}. The last was request uid={job.request.uid}."
                     )
-                job.abandoned = True
+                worker.abandoned = True
                 self._stuck += 1
-                self._replaced += 1
-                if not self._closed:
-                    self._spawn()
-        if first:
-            logging.warning(
-                "Reward %s took over timeout_s=%s on request uid=%d round=%d; scored 0.0 and the "
-                "call abandoned (its thread runs on: threads cannot be killed). Later timeouts "
-                "are only counted: see RewardRunner.stats().",
-                self.name,
-                self.timeout_s,
-                job.request.uid,
-                job.request.round,
-            )
+        with self._lock:
+            self._replaced += 1
+            closed = self._closed
+        return None if closed else self._worker()
 
     def _count_error(self, kind: str, message: str, request: Request, detail: Any) -> None:
         with self._lock:

@@ -165,3 +165,60 @@ def test_close_and_arguments():
         RewardRunner(lambda r, t: 1.0, decode=decode, timeout_s=0)
     with pytest.raises(ValueError, match="workers must be >= 1; received 0"):
         RewardRunner(lambda r, t: 1.0, decode=decode, workers=0)
+
+
+def _sleep_20ms(request: Request, text: str) -> float:
+    time.sleep(0.02)
+    return 1.0
+
+
+def test_submit_returns_at_once_and_calls_run_in_parallel():
+    with RewardRunner(_sleep_20ms, decode=decode, timeout_s=5.0, workers=4) as run:
+        run(_request(), _completion("warm"))  # the lanes are up
+        start = time.monotonic()
+        futures = [run.submit(_request(uid=i), _completion("a")) for i in range(8)]
+        submitted = time.monotonic() - start
+        assert [f.result() for f in futures] == [1.0] * 8
+        elapsed = time.monotonic() - start
+    assert submitted < 0.02  # no submit waited for a call
+    assert elapsed < 8 * 0.02  # 4 lanes: two waves of 20 ms, not eight calls in a row
+
+
+def test_the_timeout_starts_when_a_worker_takes_the_call():
+    # One lane, six 20 ms calls queued at once: the last waits 100 ms, past timeout_s, yet each
+    # call takes only 20 ms of it, so none times out.
+    with RewardRunner(_sleep_20ms, decode=decode, timeout_s=0.08, workers=1) as run:
+        futures = [run.submit(_request(uid=i), _completion("a")) for i in range(6)]
+        assert [f.result() for f in futures] == [1.0] * 6
+        assert run.timeouts == 0
+
+
+def _spin(request: Request, text: str) -> float:
+    """A CPU-bound verifier that never returns on "spin" (holds the GIL in its process)."""
+    while text == "spin":
+        pass
+    if text == "boom":
+        raise KeyError("answer")
+    return float(len(text))
+
+
+def test_process_backend_kills_a_hung_cpu_bound_call_and_keeps_capacity(warnings):
+    with RewardRunner(_spin, decode=decode, timeout_s=0.5, workers=1, backend="process") as run:
+        assert run(_request(), _completion("ab")) == 2.0
+        start = time.monotonic()
+        assert run(_request(uid=41), _completion("spin")) == 0.0
+        assert time.monotonic() - start < 5.0
+        # the one lane's process was killed and replaced: the next calls are served
+        assert run(_request(), _completion("abc")) == 3.0
+        assert run(_request(uid=42), _completion("boom")) == 0.0
+        stats = run.stats()
+    assert stats == {"calls": 4, "errors": 1, "timeouts": 1, "stuck": 0, "replaced": 1}
+    assert any("uid=41" in w and "process killed" in w for w in warnings)
+    assert any("uid=42" in w and "KeyError('answer')" in w for w in warnings)
+
+
+def test_process_backend_needs_a_picklable_function():
+    with pytest.raises(ValueError, match="cannot be pickled .* expected a module-level function"):
+        RewardRunner(lambda r, t: 1.0, decode=decode, backend="process")
+    with pytest.raises(ValueError, match=r"backend='gpu'; expected one of \('thread', 'process'\)"):
+        RewardRunner(_spin, decode=decode, backend="gpu")
