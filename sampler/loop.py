@@ -3,7 +3,15 @@
 Admission (an AdmissionPolicy) picks which waiting request starts when enough slots are free; the
 request's prompt is prefilled once and inserted into its G slots; the engine steps all slots; a
 finished response is rewarded; when all G responses of a request are rewarded the Group is emitted.
-Nothing partial is emitted. With `group_atomic=False` (per-sample admission, as slime/SGLang post
+Nothing partial is emitted.
+
+Rewards run off the decode thread when `reward_fn` has a `submit(request, completion) -> Future`
+(`rl.rewards.RewardRunner`): a finished sample is handed to the reward workers and decoding goes
+on. Everything but the reward is settled when the sample finishes, as with an inline reward: which
+samples a group keeps, the round cuts, the aborts they trigger and the freed slots; groups are
+emitted in the order they completed, each once its rewards are in. So a slow verifier delays a
+group's emission (throughput), never a decode step, and the groups, their order and their tokens
+are those of an inline `reward_fn`. With `group_atomic=False` (per-sample admission, as slime/SGLang post
 each sample as its own request) a request is taken from the policy as soon as one slot is free and
 its samples start one by one, each with its own prefill, as slots free up; the samples of requests
 already taken start before the policy is asked again. Tokens are the same either way (a sample's
@@ -23,6 +31,7 @@ blocks those calls.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import threading
 import time
@@ -55,8 +64,31 @@ class _Run:
     request: Request
     slots: list[int | None]  # sample i's (last) slot; None: not started yet (per-sample admission)
     samples: list[_Sample]
-    done: dict[int, Completion] = dataclasses.field(default_factory=dict)
+    # finished samples, each with its reward's Future
+    done: dict[int, tuple[Completion, concurrent.futures.Future]] = dataclasses.field(
+        default_factory=dict
+    )
     aborted: bool = False  # aborted, or its group is already emitted
+
+
+@dataclasses.dataclass(frozen=True)
+class _Complete:
+    """A complete group whose rewards may still be running: emitted once they are all in."""
+
+    request: Request
+    done: tuple[tuple[Completion, concurrent.futures.Future], ...]
+
+    def ready(self) -> bool:
+        return all(f.done() for _, f in self.done)
+
+    def group(self) -> Group:
+        """The Group (waits for the rewards; a reward runner's failure is raised here)."""
+        return Group(
+            request=self.request,
+            completions=tuple(
+                dataclasses.replace(c, reward=float(f.result())) for c, f in self.done
+            ),
+        )
 
 
 @dataclasses.dataclass
@@ -116,6 +148,8 @@ class SamplerLoop:
         self._runs: dict[tuple[int, int], _Run] = {}
         self._to_free: list[int] = []
         self._cuts = RoundCuts()  # which complete groups of a cut round are emitted
+        self._scoring: collections.deque[_Complete] = collections.deque()  # completion order
+        self._submit_reward = getattr(reward_fn, "submit", None)  # off the decode thread
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._idle = threading.Event()
@@ -195,9 +229,9 @@ class SamplerLoop:
             return sum(r is not None for r in self._slot_run)
 
     def pending(self) -> int:
-        """Requests waiting or running."""
+        """Requests waiting, running, or complete with rewards still running."""
         with self._lock:
-            return len(self.admission) + len(self._runs)
+            return len(self.admission) + len(self._runs) + len(self._scoring)
 
     # ----------------------------------------------------------------------------- the loop itself
 
@@ -219,13 +253,33 @@ class SamplerLoop:
             self._recompute(params)
         self._admit(params)
         if not any(r is not None for r in self._slot_run):
+            self._emit_scored(wait=True)  # nothing to decode: wait for rewards still running
             return self.pending() > 0
         self._state, result = self.engine.generate(params, self._state)
         result = jax.device_get(result)
         finished = self._record(result, version)
-        groups = [g for g in (self._reward(run, s) for run, s in finished) if g is not None]
-        groups = self._apply_cuts(groups)
-        for g in groups:
+        complete = [g for g in (self._finish(run, s) for run, s in finished) if g is not None]
+        with self._lock:
+            self._scoring.extend(self._apply_cuts(complete))
+        self._emit_scored(wait=False)
+        return self.pending() > 0
+
+    def _emit_scored(self, *, wait: bool) -> None:
+        """Emits the complete groups whose rewards are in, in completion order.
+
+        Args:
+          wait: wait for the oldest group's rewards (when there is nothing to decode meanwhile);
+            those behind it are emitted only if theirs are in.
+        """
+        while True:
+            with self._lock:
+                head = self._scoring[0] if self._scoring else None
+            if head is None or not (wait or head.ready()):
+                return
+            g, wait = head.group(), False  # waits for the oldest group only
+            with self._lock:
+                self._scoring.popleft()
+                self.stats.groups_emitted += 1
             if self.timeline is not None:
                 self.timeline.instant(
                     "sampler/groups",
@@ -235,9 +289,6 @@ class SamplerLoop:
                     uid=g.request.uid,
                 )
             self.emit(g)
-        with self._lock:
-            self.stats.groups_emitted += len(groups)
-            return len(self.admission) + len(self._runs) > 0
 
     def run_until_idle(self, max_steps: int | None = None) -> None:
         """Steps until nothing waits or runs (synchronous use)."""
@@ -362,14 +413,23 @@ class SamplerLoop:
                         break
         return finished
 
-    def _apply_cuts(self, groups: list[Group]) -> list[Group]:
-        with self._lock:
-            groups, abort, refused = self._cuts.apply(groups)
-            self._abort_locked(abort)
-            self.stats.groups_cut += refused
+    def _apply_cuts(self, groups: list[_Complete]) -> list[_Complete]:
+        """The complete groups the round cuts accept; aborts what a full cut leaves (lock held)."""
+        groups, abort, refused = self._cuts.apply(groups)
+        self._abort_locked(abort)
+        self.stats.groups_cut += refused
         return groups
 
-    def _reward(self, run: _Run, i: int) -> Group | None:
+    def _score(self, request: Request, completion: Completion) -> concurrent.futures.Future:
+        """The reward's Future: submitted to the reward workers, or computed here (inline)."""
+        if self._submit_reward is not None:
+            return self._submit_reward(request, completion)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(float(self.reward_fn(request, completion)))
+        return future
+
+    def _finish(self, run: _Run, i: int) -> _Complete | None:
+        """Records sample i of `run` as finished (its reward started); its group if complete."""
         r, sample = run.request, run.samples[i]
         stop = bool(sample.tokens) and sample.tokens[-1] in r.params.stop_token_ids
         completion = Completion(
@@ -382,11 +442,14 @@ class SamplerLoop:
             versions=tuple(sample.versions),
             finish_reason="stop" if stop else "length",
         )
-        reward = float(self.reward_fn(r, completion))
         with self._lock:
             if run.aborted:
                 return None
-            run.done[i] = dataclasses.replace(completion, reward=reward)
+        reward = self._score(r, completion)
+        with self._lock:
+            if run.aborted:
+                return None
+            run.done[i] = (completion, reward)
             if len(run.done) < r.kept:
                 return None
             run.aborted = True  # emitted: later finishers of this run are dropped
@@ -402,7 +465,7 @@ class SamplerLoop:
                         self.stats.samples_cut += 1
                         self.stats.cut_sample_tokens += len(run.samples[j].tokens)
                 self._release_slots(run)
-        return Group(request=r, completions=tuple(run.done[j] for j in sorted(run.done)))
+        return _Complete(request=r, done=tuple(run.done[j] for j in sorted(run.done)))
 
     # ------------------------------------------------------------------------------------ threaded
 
@@ -418,7 +481,11 @@ class SamplerLoop:
             while True:
                 with self._lock:
                     while not self._stop and not (
-                        len(self.admission) or self._runs or self._to_free or self._pending_params
+                        len(self.admission)
+                        or self._runs
+                        or self._scoring
+                        or self._to_free
+                        or self._pending_params
                     ):
                         self._idle.set()
                         self._wake.wait()

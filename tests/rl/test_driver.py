@@ -365,3 +365,52 @@ def test_stream_trainer_accumulates_during_rollout_and_updates_once():
     ]
     assert len(micro) == 4  # one accumulation per arriving group
     assert micro[0] < max(slot_ends)  # training began before the rollout ended
+
+
+def _slow_parity(request, text):
+    """parity_reward's value from a verifier that takes 1-8 ms, varying by prompt and sample."""
+    time.sleep(0.001 * (1 + (request.uid * 7 + len(text) * 3) % 8))
+    return float(text[0] % 2)
+
+
+@pytest.mark.parametrize(
+    "mode,batching,tail",
+    [
+        ("cgp", "fifo", None),
+        ("cgp", "ordered", TailConfig(enabled=True, eta=1.5, long_max_new_tokens=10)),
+    ],
+    ids=["fifo", "ordered-tail"],
+)
+def test_rewards_off_the_decode_thread_train_the_same_groups_in_the_same_order(
+    mode, batching, tail
+):
+    """A RewardRunner scores finished samples on worker threads while decoding goes on, its calls
+    returning out of order; the groups (and their order), tokens, rewards and trained parameters
+    are those of the inline reward, bitwise."""
+    from rl.rewards import RewardRunner
+
+    runner = RewardRunner(_slow_parity, decode=tuple, timeout_s=30.0, workers=3)
+    inline = build(mode, batching, U=2, tail=tail, epoch_size=14 if tail else 0)
+    offloaded = build(mode, batching, U=2, tail=tail, epoch_size=14 if tail else 0,
+                      reward_fn=runner)  # fmt: skip
+    try:
+        a, b = run(inline, rounds=4), run(offloaded, rounds=4)
+    finally:
+        runner.close()
+    assert runner.calls > 0 and runner.timeouts == runner.errors == 0
+    assert offloaded.sampler._submit_reward is not None  # the off-thread path ran
+
+    def trained(results):
+        return [
+            [(g.request.uid, c.sample, c.tokens, c.reward) for g in r.groups for c in g.completions]
+            for r in results
+        ]
+
+    assert trained(a) == trained(b)
+    assert [r.kind for r in a] == [r.kind for r in b]
+    for x, y in zip(
+        jax.tree.leaves(inline.learner.params),
+        jax.tree.leaves(offloaded.learner.params),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
