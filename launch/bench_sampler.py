@@ -12,10 +12,17 @@ mode produces exactly the same number of tokens per sample. Everything is compil
 pass over the same workload before anything is timed; the warm-up time is reported separately.
 Expect, on the default workload, one prefill per group and continuous about 2x static (2.1x fewer
 generate calls; the seconds are noisier than the call counts on a shared CPU).
+
+With --verifier_sleep_ms=5, two more continuous rows score every sample with a verifier that
+sleeps 5 ms per call, through a RewardRunner: "inline" calls it on the decode thread (the loop
+waits for each reward, as before rewards moved off it), "offloaded" hands it to the runner's
+--reward_workers workers (`RewardRunner.submit`) and keeps decoding; the last line prints
+offloaded / inline tokens/s. Both emit the same groups with the same tokens (checked).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from typing import Any
@@ -26,6 +33,7 @@ from absl import app, flags
 
 from rl.admission import FCFS
 from rl.models import create_model, get_preset
+from rl.rewards import RewardRunner
 from rl.types import Group, Request, SamplingParams
 from sampler.engine import Engine, EngineConfig
 from sampler.loop import SamplerLoop
@@ -47,6 +55,10 @@ _NOCACHE_GROUPS = flags.DEFINE_integer(
 )
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs of each loop mode; the median counts.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds the workload, the model init and the sampler.")
+_VERIFIER_MS = flags.DEFINE_float(
+    "verifier_sleep_ms", 0.0, "> 0: add rows with a verifier sleeping this long per call."
+)
+_REWARD_WORKERS = flags.DEFINE_integer("reward_workers", 4, "RewardRunner workers (offloaded).")
 _ALL_FLAGS = (
     _GROUPS,
     _GROUP_SIZE,
@@ -61,7 +73,15 @@ _ALL_FLAGS = (
     _NOCACHE_GROUPS,
     _REPEATS,
     _SEED,
+    _VERIFIER_MS,
+    _REWARD_WORKERS,
 )
+
+
+def sleepy_verifier(request: Request, text: str, *, sleep_s: float) -> float:
+    """A slow verifier: sleeps `sleep_s`, then scores 1.0 for an even-length response."""
+    time.sleep(sleep_s)
+    return float(len(text) % 2 == 0)
 
 
 def make_workload(rng: np.random.Generator) -> list[Request]:
@@ -81,14 +101,16 @@ def make_workload(rng: np.random.Generator) -> list[Request]:
     ]
 
 
-def run_loop(engine: Engine, params: Any, requests: list[Request], static: bool) -> dict[str, Any]:
+def run_loop(
+    engine: Engine, params: Any, requests: list[Request], static: bool, reward_fn: Any = None
+) -> dict[str, Any]:
     """Runs the workload through a fresh SamplerLoop; checks every response has its drawn length."""
     groups: list[Group] = []
     loop = SamplerLoop(
         engine,
         params,
         admission=FCFS(),
-        reward_fn=lambda r, c: 0.0,
+        reward_fn=reward_fn or (lambda r, c: 0.0),
         emit=groups.append,
         static_batching=static,
     )
@@ -113,7 +135,29 @@ def run_loop(engine: Engine, params: Any, requests: list[Request], static: bool)
         prefills_per_group=s.prefills / s.groups_emitted,
         generate_calls=s.generate_calls,
         outputs={g.request.uid: tuple(c.tokens for c in g.completions) for g in groups},
+        order=[g.request.uid for g in groups],
+        rewards=[c.reward for g in groups for c in g.completions],
     )
+
+
+def run_verifier_rows(engine: Engine, params: Any, requests: list[Request]) -> dict[str, Any]:
+    """The slow-verifier rows: the same RewardRunner called inline vs submitted (median runs)."""
+    fn = functools.partial(sleepy_verifier, sleep_s=_VERIFIER_MS.value / 1000)
+    runner = RewardRunner(fn, decode=lambda t: "x" * len(t), workers=_REWARD_WORKERS.value)
+    inline = lambda r, c: runner(r, c)  # no `submit`: the loop waits for each reward
+    runs: dict[str, list[dict[str, Any]]] = {"inline": [], "offloaded": []}
+    try:
+        for _ in range(_REPEATS.value):
+            runs["inline"].append(run_loop(engine, params, requests, False, inline))
+            runs["offloaded"].append(run_loop(engine, params, requests, False, runner))
+    finally:
+        runner.close()
+    out = {k: sorted(v, key=lambda r: r["seconds"])[len(v) // 2] for k, v in runs.items()}
+    a, b = out["inline"], out["offloaded"]
+    if (a["outputs"], a["order"], a["rewards"]) != (b["outputs"], b["order"], b["rewards"]):
+        raise RuntimeError("Offloaded rewards changed the groups, their order or their rewards.")
+    out["all"] = {k: [r["seconds"] for r in v] for k, v in runs.items()}
+    return out
 
 
 def run_nocache(model: Any, requests: list[Request], rows: int, max_length: int) -> dict[str, Any]:
@@ -172,6 +216,7 @@ def main(argv: list[str]) -> None:
         sorted(runs[s], key=lambda r: r["seconds"])[len(runs[s]) // 2] for s in (False, True)
     )
     noc = run_nocache(model, nocache_requests, _SLOTS.value, max_length)
+    verifier = run_verifier_rows(engine, params, requests) if _VERIFIER_MS.value > 0 else None
     compiles = engine.compile_counts()
     mismatched = sum(cont["outputs"][u] != stat["outputs"][u] for u in cont["outputs"])
     # Cross-check of the baseline: static batching that fills every slot (slots // G groups a
@@ -189,6 +234,10 @@ def main(argv: list[str]) -> None:
         ("static", len(requests), stat, f"{stat['occupancy']:.2f}", stat["generate_calls"]),
         ("nocache", len(nocache_requests), noc, "-", "-"),
     ]
+    if verifier is not None:
+        for name in ("inline", "offloaded"):
+            r = verifier[name]
+            rows.append((name, len(requests), r, f"{r['occupancy']:.2f}", r["generate_calls"]))
     print(
         f"workload: {len(requests)} groups x {_GROUP_SIZE.value} samples, {_SLOTS.value} slots, "
         f"lengths median {np.median(lengths):.0f} / p75 {np.percentile(lengths, 75):.0f} / "
@@ -218,6 +267,14 @@ def main(argv: list[str]) -> None:
     print(f"compiles after warm-up {compiles_warm}, after timing {compiles}")
     print(f"warm-up (compiles + one continuous pass): {warmup_seconds:.1f} s")
     print(f"continuous vs static outputs: {mismatched} of {len(requests)} groups differ")
+    if verifier is not None:
+        ratio = rate(verifier["offloaded"]) / rate(verifier["inline"])
+        print(
+            f"verifier sleeping {_VERIFIER_MS.value:g} ms per call: offloaded "
+            f"({_REWARD_WORKERS.value} workers) / inline tokens/s = {ratio:.2f} (continuous "
+            f"without a verifier: {rate(cont) / rate(verifier['inline']):.2f}); same groups, "
+            "order and rewards"
+        )
 
     if _JSON.value:
         result = dict(
@@ -246,6 +303,15 @@ def main(argv: list[str]) -> None:
             compile_counts=compiles,
             new_compiles_while_timed=sum(compiles.values()) - sum(compiles_warm.values()),
             groups_with_different_outputs=mismatched,
+            verifier=None
+            if verifier is None
+            else dict(
+                sleep_ms=_VERIFIER_MS.value,
+                inline_tokens_per_s=rate(verifier["inline"]),
+                offloaded_tokens_per_s=rate(verifier["offloaded"]),
+                offloaded_vs_inline=rate(verifier["offloaded"]) / rate(verifier["inline"]),
+                seconds=verifier["all"],
+            ),
             lengths=dict(
                 median=float(np.median(lengths)),
                 p75=float(np.percentile(lengths, 75)),
