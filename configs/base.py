@@ -55,7 +55,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.learner.advantage = "grpo"  # grpo | drgrpo | rloo
     config.learner.dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal
     config.learner.old_logprobs = "snapshot"  # later updates of a round: snapshot | sampler
-    config.learner.temperature = 1.0  # must equal the sampling temperature
     config.learner.micro_batch_rows = 16  # sequences per micro-batch (divisible by fsdp)
     config.learner.min_length_bucket = 32  # sequence lengths pad to powers of two from here
     config.learner.entropy_metric = True  # per-token policy entropy as a metric
@@ -66,6 +65,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.learner.optimizer.total_steps = 0  # cosine horizon (updates); 0: the whole run
     config.learner.optimizer.weight_decay = 0.0  # AdamW decoupled weight decay
     config.learner.optimizer.grad_clip_norm = 1.0  # global-norm clipping; 0: off
+    config.learner.optimizer.end_lr_ratio = 0.0  # cosine: final lr / peak lr
+    config.learner.optimizer.b1 = 0.9  # Adam first-moment decay
+    config.learner.optimizer.b2 = 0.999  # Adam second-moment decay
+    config.learner.optimizer.eps = 1e-8  # Adam denominator epsilon
     config.learner.loss = ml_collections.ConfigDict()
     config.learner.loss.clip_low = 0.2  # PPO ratio clip below 1
     config.learner.loss.clip_high = 0.28  # PPO ratio clip above 1 (DAPO clip-higher)
@@ -101,6 +104,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.task.train_size = 20000  # synthetic training problems (never in the held-out split)
     config.task.reward = "exact"  # a name in rl.rewards.REWARDS: exact | math | gsm8k | countdown
     config.task.reward_timeout_s = 5.0  # a reward call past this scores 0 and is counted
+    # Reward calls run at once, off the decode thread (rl.rewards.RewardRunner).
+    config.task.reward_workers = 4
+    # thread (any function) | process (a registered, picklable one; a hung call is
+    # killed: for CPU-bound verifiers such as sympy)
+    config.task.reward_backend = "thread"
 
     # Local data for the JSONL tasks, and the prompt format of every task (rl/tasks/data.py).
     config.data = ml_collections.ConfigDict()
@@ -139,6 +147,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.driver.queue_size = 0  # complete groups buffered before the sampler blocks; 0: unbounded
     config.driver.group_atomic = True  # False: per-sample admission of the G samples (slime/SGLang)
     config.driver.recompute_kv = False  # async: re-prefill running samples on new weights (AReaL)
+    config.driver.poll_s = 0.2  # how often a waiting learner checks the sampler for an error
     config.driver.tail = ml_collections.ConfigDict()  # tail batching (RollPacker), rl/rounds.py
     config.driver.tail.enabled = (
         False  # short rounds over-provision; long prompts wait for long rounds
@@ -151,7 +160,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.driver.tail.response_eta = 1.0  # > 1: ceil(eta_r * G) samples, keep the first G (biased)
 
     config.sampling = ml_collections.ConfigDict()
-    config.sampling.temperature = 1.0  # must equal learner.temperature
+    # The one temperature: the sampler draws with it and the loss recomputes log-probs with it
+    # (0: greedy sampling, log-probs at 1.0).
+    config.sampling.temperature = 1.0
     config.sampling.top_k = 0  # 0: off
     config.sampling.top_p = 1.0  # 1.0: off
     config.sampling.max_new_tokens = 512  # response length cap
@@ -161,6 +172,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.engine.max_length = 1024  # KV positions per slot: prompt + response
     config.engine.max_prefill_length = 512  # longest prompt
     config.engine.steps_per_call = 8  # decode steps fused per generate call
+    config.engine.min_prefill_bucket = 16  # prompts pad to powers of two from here
+    config.engine.max_stop_tokens = 4  # stop token ids per request
+    config.engine.cache_dtype = ""  # KV cache dtype; "": the model's compute dtype
+    # Per-device bytes for params + KV cache, checked when the engine is built; 0: the
+    # device's own limit.
+    config.engine.memory_budget_bytes = 0
     config.sampler_dtype = (
         "bfloat16"  # dtype of the weights published to the sampler; "": as trained
     )

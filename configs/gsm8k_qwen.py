@@ -84,7 +84,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.learner.policy_loss = "ppo_clip"
     config.learner.advantage = "grpo"
     config.learner.aggregation = "token_mean"  # DAPO / veRL token-mean
-    config.learner.temperature = 1.0
     config.learner.micro_batch_rows = 16  # divisible by fsdp
     config.learner.min_length_bucket = 256
     config.learner.optimizer.lr = 1e-6

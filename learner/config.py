@@ -21,9 +21,9 @@ class OptimizerConfig:
     warmup_steps: int = 0  # linear warmup from 0
     total_steps: int = 0  # cosine: decay horizon in updates, > warmup_steps
     end_lr_ratio: float = 0.0  # cosine: final lr / peak lr
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
+    b1: float = 0.9  # Adam first-moment decay
+    b2: float = 0.999  # Adam second-moment decay
+    eps: float = 1e-8  # Adam denominator epsilon
     weight_decay: float = 0.0  # AdamW decoupled decay
     grad_clip_norm: float = 1.0  # global-norm clipping; 0 turns it off
 
@@ -59,7 +59,8 @@ class LearnerConfig:
     old_logprobs: str = (
         "snapshot"  # later updates of a round: behaviour params snapshot | sampler's
     )
-    temperature: float = 1.0  # the sampling temperature: log-probs are of softmax(logits / T)
+    # log-probs are of softmax(logits / T); a run sets it from config.sampling.temperature
+    temperature: float = 1.0
     micro_batch_rows: int = 16  # sequences per micro-batch (rows are padded up to it)
     min_length_bucket: int = 32  # sequence lengths pad to powers of two from here
     entropy_metric: bool = True  # compute the policy entropy per token (one more pass over V)
@@ -89,12 +90,22 @@ class LearnerConfig:
             )
 
 
-def learner_config_from(cfg: Mapping[str, Any], *, total_updates: int = 0) -> LearnerConfig:
+def learner_config_from(
+    cfg: Mapping[str, Any], *, total_updates: int = 0, temperature: float = 1.0
+) -> LearnerConfig:
     """LearnerConfig from a `config.learner` ConfigDict (nested `optimizer` and `loss` dicts).
 
     A cosine schedule with `optimizer.total_steps` 0 decays over `total_updates`, the updates the
-    whole run will make (rl.run passes rounds x updates per round).
+    whole run will make (rl.run passes rounds x updates per round). `temperature` is the sampling
+    temperature (`config.sampling.temperature`): the loss recomputes the sampler's log-probs, so
+    there is one temperature, read from there; greedy sampling (0) scores log-probs at 1.0.
     """
+    if "temperature" in cfg:
+        raise ValueError(
+            "config.learner.temperature is not a field: the learner uses "
+            "config.sampling.temperature (one temperature for sampling and the loss); expected "
+            "--config.sampling.temperature instead."
+        )
     optimizer = dict(cfg.get("optimizer", {}))
     if optimizer.get("schedule") == "cosine" and not optimizer.get("total_steps"):
         optimizer["total_steps"] = total_updates
@@ -108,5 +119,6 @@ def learner_config_from(cfg: Mapping[str, Any], *, total_updates: int = 0) -> Le
     return LearnerConfig(
         optimizer=OptimizerConfig(**optimizer),
         loss=LossConfig(**dict(cfg.get("loss", {}))),
+        temperature=temperature if temperature > 0 else 1.0,
         **fields,
     )

@@ -34,6 +34,24 @@ class ConfigError(ValueError):
         super().__init__(message)
 
 
+# Fields that are not where a user may look for them: path -> (the field to set instead, why).
+MOVED = {
+    "config.learner.temperature": (
+        "config.sampling.temperature",
+        "one temperature for sampling and the loss",
+    )
+}
+
+
+def _moved(path: str) -> str | None:
+    """The message for a field in MOVED ("config.learner has no field 'temperature'; ..")."""
+    if path not in MOVED:
+        return None
+    where, _, key = path.rpartition(".")
+    target, why = MOVED[path]
+    return f"{where} has no field {key!r}; expected {target} ({why})."
+
+
 def _near(key: str, keys: list[str], where: str) -> str:
     near = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
     return f"did you mean {where}.{near[0]}?" if near else f"expected one of {sorted(keys)}."
@@ -49,6 +67,8 @@ def closest_field(config: Any, path: str) -> str | None:
     Returns:
       The message, or None when `path` is a field.
     """
+    if moved := _moved(f"config.{path}"):
+        return moved
     node, where = config, "config"
     for key in path.split("."):
         if not hasattr(node, "keys"):
@@ -63,7 +83,9 @@ def _unknown_fields(config: Any, schema: Mapping[str, Any], where: str = "config
     """One line per field of `config` that `schema` (nested dicts of known names) lacks."""
     out = []
     for key in config:
-        if key not in schema:
+        if moved := _moved(f"{where}.{key}"):
+            out.append(moved)
+        elif key not in schema:
             out.append(f"{where} has no field {key!r}; {_near(key, list(schema), where)}")
         elif isinstance(schema[key], Mapping) and hasattr(config[key], "keys"):
             out += _unknown_fields(config[key], schema[key], f"{where}.{key}")
@@ -93,7 +115,7 @@ def _schema() -> dict[str, Any]:
         "sampling": names(SamplingParams, "stop_token_ids"),
         "engine": names(EngineConfig, "seed"),
         "mesh": names(MeshConfig),
-        "learner": names(LearnerConfig),
+        "learner": names(LearnerConfig, "temperature"),  # set from sampling.temperature
     }
     for section, fields in typed.items():
         schema[section] = {**fields, **schema.get(section, {})}
@@ -155,6 +177,7 @@ def check_config(config: Any) -> None:
     from rl.models.sharding import normalize_rules
     from rl.models.summary import tokenizer_from
     from rl.rewards import get_reward
+    from rl.rewards.runner import BACKENDS as REWARD_BACKENDS
     from rl.tasks.data import data_config_from
     from rl.types import SamplingParams
     from sampler.engine import EngineConfig
@@ -197,6 +220,10 @@ def check_config(config: Any) -> None:
         )
     p.build("task.reward", lambda: get_reward(config.task.reward))
     p.positive(config.task, "task.", "reward_timeout_s", "seconds")
+    p.integer(config.task, "task.", "reward_workers", 1, "reward calls run at once")
+    backend = config.task.get("reward_backend", "thread")
+    if backend not in REWARD_BACKENDS:
+        p.add(f"config.task.reward_backend={backend!r}; expected one of {REWARD_BACKENDS}.")
     if config.task.get("name") in SYNTHETIC_TASKS:
         p.integer(config.task, "task.", "train_size", 1, "synthetic training problems")
         p.integer(config.task, "task.", "digits", 1, "operand digits")
@@ -220,6 +247,7 @@ def check_config(config: Any) -> None:
             lambda: learner_config_from(
                 config.learner,
                 total_updates=total or (warmup if isinstance(warmup, int) else 0) + 1,
+                temperature=sampling.temperature if sampling is not None else 1.0,
             ),
         )
     if clean("mesh"):
@@ -227,13 +255,6 @@ def check_config(config: Any) -> None:
         meshes = p.build("mesh", lambda: make_meshes(mesh)) if mesh is not None else None
 
     # Rules between sections.
-    if learner is not None and sampling is not None:
-        if sampling.temperature > 0 and learner.temperature != sampling.temperature:
-            p.add(
-                f"config.learner.temperature={learner.temperature} differs from "
-                f"config.sampling.temperature={sampling.temperature}; expected them equal (the "
-                "loss recomputes the sampler's log-probs)."
-            )
     if engine is not None and driver is not None:
         launched = math.ceil(driver.tail.response_eta * driver.group_size)
         if launched > engine.max_slots:

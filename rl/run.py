@@ -175,12 +175,8 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     learner_cfg = learner_config_from(
         config.learner,
         total_updates=total_updates or config.learner.optimizer.warmup_steps + 1,
+        temperature=sampling.temperature,  # one temperature: the loss recomputes the sampler's
     )
-    if learner_cfg.temperature != config.sampling.temperature and config.sampling.temperature > 0:
-        raise ValueError(
-            f"learner.temperature ({learner_cfg.temperature}) must equal sampling.temperature "
-            f"({config.sampling.temperature}): the loss recomputes the sampler's log-probs."
-        )
     learner = Learner(model, learner_cfg, mesh=learner_mesh, rules=rules, seed=config.seed)
     engine = Engine(
         model, EngineConfig(**config.engine, seed=config.seed), mesh=sampler_mesh, rules=rules
@@ -195,6 +191,8 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
             get_reward(config.task.reward),
             decode=tokenizer.decode,
             timeout_s=config.task.reward_timeout_s,
+            workers=config.task.reward_workers,
+            backend=config.task.reward_backend,
         )
         for _ in range(2)
     )

@@ -20,7 +20,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
-    max_new_tokens: int = 256
+    max_new_tokens: int = 512  # response length cap
     stop_token_ids: tuple[int, ...] = ()  # the stop token is part of the response
 
     def __post_init__(self):

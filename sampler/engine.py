@@ -39,11 +39,11 @@ from sampler.sampling import sample_tokens
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    max_slots: int = 32  # max_concurrent_decodes
-    max_length: int = 512  # KV positions per slot: prompt + response
-    max_prefill_length: int = 256  # longest prompt
+    max_slots: int = 64  # max_concurrent_decodes
+    max_length: int = 1024  # KV positions per slot: prompt + response
+    max_prefill_length: int = 512  # longest prompt
     min_prefill_bucket: int = 16  # prompts are padded to powers of two from here (few compiles)
-    steps_per_call: int = 4  # decode steps fused into one generate call (host overhead / k)
+    steps_per_call: int = 8  # decode steps fused into one generate call (host overhead / k)
     max_stop_tokens: int = 4  # stop ids per request
     cache_dtype: str = ""  # KV cache dtype; empty: the model's compute dtype
     seed: int = 0  # root of every request's random stream

@@ -29,8 +29,8 @@ class ScheduleConfig:
     mode: str = "cgp"  # sync | cgp | async, or a name registered in rl.schedules.SCHEDULES
     admission: str = "frontier"  # a name in rl.admission.POLICIES: fcfs | frontier | shuffled
     batching: str = "ordered"  # a name in rl.formation.FORMERS: fifo | ordered (cgp)
-    groups_per_round: int = 16  # R (P0 under tail batching)
-    groups_per_update: int = 2  # U; S = R / U updates per round
+    groups_per_round: int = 64  # R (P0 under tail batching)
+    groups_per_update: int = 8  # U; S = R / U updates per round
     group_size: int = 8  # G samples per prompt
     max_staleness: int = 0  # async: the sampler runs at most this many versions ahead
     tail: TailConfig = TailConfig()  # tail batching (rl.rounds); off: plain rounds

@@ -35,7 +35,7 @@ def test_every_bad_field_is_named_in_one_pass_with_received_and_expected():
     config.driver.group_size = 16  # > engine.max_slots = 8
     config.sampling.max_new_tokens = 40  # >= engine.max_length = 32: no room for a prompt
     config.engine.max_prefill_length = 16
-    config.sampling.temperature = 0.7  # learner.temperature is 1.0
+    config.task.reward_backend = "gpu"
     config.sampler_dtype = "float8"
     config.sft.eval_every = 0
     with pytest.raises(ConfigError) as e:
@@ -46,7 +46,7 @@ def test_every_bad_field_is_named_in_one_pass_with_received_and_expected():
         "config.checkpoint_every=-1; expected an integer >= 0",
         "config.driver.group_size=16 (16 samples per group) exceeds config.engine.max_slots=8",
         "config.sampling.max_new_tokens=40 leaves no room for a prompt in config.engine.max_length=32",
-        "config.learner.temperature=1.0 differs from config.sampling.temperature=0.7",
+        "config.task.reward_backend='gpu'; expected one of ('thread', 'process')",
         "config.sampler_dtype='float8'; expected one of",
         "config.sft.eval_every=0; expected an integer >= 1",
     ]
@@ -123,3 +123,16 @@ def test_train_stops_on_prompts_that_do_not_fit_before_the_workdir_is_touched(tm
     ):
         train(config, stdout=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_learner_temperature_points_to_the_sampling_one():
+    config = smoke.get_config()
+    with config.unlocked():
+        config.learner.temperature = 0.7
+    with pytest.raises(ConfigError) as e:
+        check_config(config)
+    assert e.value.problems == [
+        "config.learner has no field 'temperature'; expected config.sampling.temperature (one "
+        "temperature for sampling and the loss)."
+    ]
+    assert closest_field(smoke.get_config(), "learner.temperature") == e.value.problems[0]
