@@ -92,7 +92,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # tb/, ckpt/, pictures) replaces them only with overwrite; otherwise it stops before any work.
     config.overwrite = False
     config.task = ml_collections.ConfigDict()
-    config.task.name = "addition"  # addition | countdown (synthetic) | gsm8k | math (local JSONL)
+    # A name in rl.tasks.registry.TASKS: addition | countdown (generated) | gsm8k | math (local
+    # JSONL), or one registered with rl.tasks.register_task; its options are config.task.<option>
+    # (the built-in ones below; an option left out takes the task's registered default).
+    config.task.name = "addition"
     config.task.digits = 3  # addition: operands of up to this many digits
     config.task.pad_operands = False  # addition: zero-padded "007+095=" -> "0102"
     config.task.reverse_answer = False  # addition: the sum least-significant digit first ("2010")

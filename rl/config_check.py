@@ -18,8 +18,6 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-SYNTHETIC_TASKS = ("addition", "countdown")
-
 
 class ConfigError(ValueError):
     """Bad config fields: `problems` holds one line per field."""
@@ -100,6 +98,7 @@ def _schema() -> dict[str, Any]:
     from rl.driver import DriverConfig
     from rl.losses import LossConfig
     from rl.rounds import TailConfig
+    from rl.tasks.registry import TASKS
     from rl.types import SamplingParams
     from sampler.engine import EngineConfig
 
@@ -110,6 +109,9 @@ def _schema() -> dict[str, Any]:
         return {k: tree(v) for k, v in node.items()} if hasattr(node, "items") else None
 
     schema = tree(base.get_config())
+    # config.task holds the options of every registered task (a user's too), not only base's
+    options = {name: None for task in TASKS.values() for name in task.options}
+    schema["task"] = {**options, **schema["task"]}
     typed = {
         "driver": names(DriverConfig, "sampling", "epoch_size"),
         "sampling": names(SamplingParams, "stop_token_ids"),
@@ -179,6 +181,7 @@ def check_config(config: Any) -> None:
     from rl.rewards import get_reward
     from rl.rewards.runner import BACKENDS as REWARD_BACKENDS
     from rl.tasks.data import data_config_from
+    from rl.tasks.registry import TASKS
     from rl.types import SamplingParams
     from sampler.engine import EngineConfig
 
@@ -224,9 +227,9 @@ def check_config(config: Any) -> None:
     backend = config.task.get("reward_backend", "thread")
     if backend not in REWARD_BACKENDS:
         p.add(f"config.task.reward_backend={backend!r}; expected one of {REWARD_BACKENDS}.")
-    if config.task.get("name") in SYNTHETIC_TASKS:
-        p.integer(config.task, "task.", "train_size", 1, "synthetic training problems")
-        p.integer(config.task, "task.", "digits", 1, "operand digits")
+    task = TASKS.get(config.task.get("name"), None)
+    if task is not None and task.source == "generate":
+        p.integer(config.task, "task.", "train_size", 1, "generated training problems")
 
     # Sampling, engine, driver, learner, mesh: the typed configs' own checks.
     sampling = engine = driver = learner = mesh = meshes = None
@@ -309,8 +312,8 @@ def check_config(config: Any) -> None:
             if not (isinstance(target, int | float) and 0 <= target <= 1):
                 p.add(f"config.sft.target_accuracy={target!r}; expected a number in [0, 1].")
             size, batch = config.task.get("train_size", 0), sft.get("batch_size", 0)
-            synthetic = data is not None and data.task in SYNTHETIC_TASKS
-            if synthetic and isinstance(batch, int) and isinstance(size, int) and batch > size > 0:
+            generated = data is not None and data.source == "generate"
+            if generated and isinstance(batch, int) and isinstance(size, int) and batch > size > 0:
                 p.add(
                     f"config.sft.batch_size={batch} exceeds config.task.train_size={size}; "
                     "expected at most the training problems."

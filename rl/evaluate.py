@@ -9,6 +9,7 @@ import numpy as np
 
 from rl.admission import FCFS
 from rl.models.tokenizer import Tokenizer
+from rl.tasks.pipeline import DEFAULT_META_FIELDS, record_meta
 from rl.tasks.templates import Template, render_prompt
 from rl.types import Group, Request, SamplingParams
 
@@ -32,11 +33,13 @@ def evaluate(
     template: Template = "plain",
     system: str | None = None,
     instruction: str = "",
+    meta_fields: Sequence[str] = DEFAULT_META_FIELDS,
 ) -> dict[str, float]:
     """Greedy accuracy over `records`, and pass@k with k samples at `temperature` when k > 1.
 
     A response is correct when `reward_fn` gives it a reward >= 1. Prompts are rendered with
-    `template`, `system` and `instruction` as in training (rl.tasks.templates.render_prompt).
+    `template`, `system` and `instruction` as in training (rl.tasks.templates.render_prompt);
+    each request's meta holds the record's `meta_fields` (the task's, as in training).
 
     Returns:
       {"accuracy": fraction correct greedily, "pass@k": fraction with >= 1 of k correct (k > 1)}.
@@ -62,7 +65,7 @@ def evaluate(
                 ),
                 group_size=group_size,
                 params=sampling,
-                meta={k_: r[k_] for k_ in ("answer", "numbers", "target") if k_ in r},
+                meta=record_meta({"id": i, **r}, meta_fields),
             )
             for i, r in enumerate(records)
         )

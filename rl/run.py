@@ -183,7 +183,13 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     )
     sync = DevicePutSync(learner.params, sampler_mesh, dtype=config.sampler_dtype, rules=rules)
     prompts = iter(
-        prompt_dataset(data.train, tokenizer, seed=config.seed, **data_cfg.prompt_kwargs)
+        prompt_dataset(
+            data.train,
+            tokenizer,
+            seed=config.seed,
+            meta_fields=data_cfg.meta_fields,
+            **data_cfg.prompt_kwargs,
+        )
     )
     # Rollouts and evaluation get their own runners, so each counts its own errors and timeouts.
     reward, eval_reward = (
@@ -232,6 +238,7 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
             tokenizer,
             eval_reward,
             max_new_tokens=config.sampling.max_new_tokens,
+            meta_fields=data_cfg.meta_fields,
             **data_cfg.prompt_kwargs,
         )["accuracy"]
         phases["eval_s"] += time.perf_counter() - t

@@ -1,10 +1,11 @@
 """The train and held-out records of a run's task, and how its prompts are rendered.
 
-`load_task(data_config_from(config), tokenizer, max_prompt_tokens=n)` returns a `TaskData`:
+`load_task(data_config_from(config), tokenizer, max_prompt_tokens=n)` returns a `TaskData`. The
+task is a name in the registry (rl/tasks/registry.py), which holds its loader and options:
 
-- synthetic tasks ("addition", "countdown"): `train_size` training problems and `heldout_size`
-  held-out ones, split by the seed (rl/tasks/synthetic.py);
-- local JSONL ("gsm8k", "math", rl/tasks/jsonl.py): the rows of `train_path`. The held-out split
+- generated tasks ("addition", "countdown", rl/tasks/synthetic.py): `train_size` training problems
+  and `heldout_size` held-out ones, split by the seed;
+- file tasks ("gsm8k", "math", rl/tasks/jsonl.py): the rows of `train_path`. The held-out split
   is the first `heldout_size` rows of `heldout_path` (0: all of them) or, with no
   `heldout_path`, `heldout_size` rows of the train file drawn with the seed and removed from
   the training rows. A malformed row is skipped and counted, its `file:line` logged (the first
@@ -15,7 +16,7 @@
   "(1, 2)"; the "gsm8k" verifier compares numbers only, while "math" checks such answers
   symbolically, so a math run needs no filter).
 
-Records keep their loaders' fields and are renumbered 0..n-1 within each split.
+Records keep their loaders' fields and are numbered 0..n-1 ("id") within each split.
 """
 
 from __future__ import annotations
@@ -29,12 +30,9 @@ from absl import logging
 
 from rl.models.tokenizer import Tokenizer
 from rl.rewards.verifiers import parse_number
-from rl.tasks import jsonl, synthetic
+from rl.tasks.registry import get_task
 from rl.tasks.templates import check_template, render_prompt
 
-SYNTHETIC_TASKS = ("addition", "countdown")
-JSONL_TASKS = ("gsm8k", "math")
-TASKS = SYNTHETIC_TASKS + JSONL_TASKS
 MAX_REPORTED = 5  # dropped rows named (file:line) in the log, per reason and file
 
 
@@ -42,42 +40,25 @@ MAX_REPORTED = 5  # dropped rows named (file:line) in the log, per reason and fi
 class DataConfig:
     """Where a run's problems come from and how their prompts are written."""
 
-    task: str = "addition"  # one of TASKS
-    seed: int = 0  # synthetic problems and splits; the held-out slice of a JSONL train file
-    digits: int = 3  # addition: operands of up to this many digits
-    pad_operands: bool = False  # addition: zero-padded operands and sum ("007+095=" -> "0102")
-    reverse_answer: bool = False  # addition: the sum written least-significant digit first
-    reverse_operands: bool = False  # addition: the operands written least-significant digit first
-    count: int = 4  # countdown: numbers per problem
-    max_number: int = 100  # countdown: numbers are uniform in [1, max_number]
-    max_target: int = 0  # countdown: bound on the target and every intermediate value; 0: none
-    style: str = "words"  # countdown: question wording, words (TinyZero) | compact ("3 5 2 -> 16:")
-    train_size: int = 20000  # synthetic training problems (JSONL: every row of train_path)
-    heldout_size: int = 200  # held-out problems (JSONL with heldout_path: the first N rows; 0: all)
-    train_path: str = ""  # JSONL tasks: the local training file
-    heldout_path: str = ""  # JSONL tasks: a held-out file; "": a seeded slice of train_path
-    on_error: str = "skip"  # malformed JSONL rows: skip (counted, file:line logged) | raise
-    numeric_answers_only: bool = False  # JSONL: drop rows whose answer is not one number
+    task: str = "addition"  # a name in rl.tasks.registry.TASKS
+    # The task's options (config.task.<option>); those left out take the task's defaults.
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    seed: int = 0  # synthetic problems and splits; the held-out slice of a file task's train file
+    train_size: int = 20000  # generated tasks: training problems (file tasks: every row)
+    heldout_size: int = 200  # held-out problems (file tasks with heldout_path: the first N; 0: all)
+    train_path: str = ""  # file tasks: the local training file
+    heldout_path: str = ""  # file tasks: a held-out file; "": a seeded slice of train_path
+    on_error: str = (
+        "skip"  # malformed rows of a file task: skip (counted, file:line logged) | raise
+    )
+    numeric_answers_only: bool = False  # file tasks: drop rows whose answer is not one number
     template: str = "plain"  # plain | chat (the tokenizer's chat template)
     system: str = ""  # chat template's system message; "": none
     instruction: str = ""  # text put before each question
 
     def __post_init__(self) -> None:
-        if self.task not in TASKS:
-            raise ValueError(f"config.task.name={self.task!r}; expected one of {TASKS}.")
+        object.__setattr__(self, "options", get_task(self.task).resolve(dict(self.options)))
         check_template(self.template, self.system or None)
-        if self.task == "countdown" and (
-            self.count < 2 or self.max_number < 1 or self.max_target < 0
-        ):
-            raise ValueError(
-                f"config.task: countdown needs count >= 2, max_number >= 1 and max_target >= 0 "
-                f"(0: no bound); received count={self.count}, max_number={self.max_number}, "
-                f"max_target={self.max_target}."
-            )
-        if self.style not in synthetic.COUNTDOWN_STYLES:
-            raise ValueError(
-                f"config.task.style={self.style!r}; expected one of {synthetic.COUNTDOWN_STYLES}."
-            )
         if self.on_error not in ("skip", "raise"):
             raise ValueError(f"config.data.on_error={self.on_error!r}; expected 'skip' or 'raise'.")
         if self.heldout_size < 0 or (self.heldout_size == 0 and not self.heldout_path):
@@ -85,11 +66,21 @@ class DataConfig:
                 f"config.eval.heldout_size={self.heldout_size}; expected > 0 (0 means all rows of "
                 "config.data.heldout_path, and needs one)."
             )
-        if self.task in JSONL_TASKS and not self.train_path:
+        if self.source == "file" and not self.train_path:
             raise ValueError(
-                f"config.task.name={self.task!r} reads a local JSONL file, but config.data."
+                f"config.task.name={self.task!r} reads a local file, but config.data."
                 "train_path is empty; expected e.g. --config.data.train_path=/data/gsm8k/train.jsonl."
             )
+
+    @property
+    def source(self) -> str:
+        """How the task's records come: generate | file (rl.tasks.registry)."""
+        return get_task(self.task).source
+
+    @property
+    def meta_fields(self) -> tuple[str, ...]:
+        """The record fields the task's reward reads (copied into each request's meta)."""
+        return get_task(self.task).meta_fields
 
     @property
     def prompt_kwargs(self) -> dict[str, Any]:
@@ -118,24 +109,21 @@ _DATA_FIELDS = (
 
 
 def data_config_from(config: Any) -> DataConfig:
-    """The DataConfig of a run config: `config.task`, `config.data`, `config.eval.heldout_size`."""
+    """The DataConfig of a run config: `config.task`, `config.data`, `config.eval.heldout_size`.
+
+    The task's options are read from `config.task` (options of other tasks there are ignored).
+    """
     data = dict(config.data) if "data" in config else {}
     unknown = set(data) - set(_DATA_FIELDS)
     if unknown:
         raise ValueError(
             f"Unknown config.data fields {sorted(unknown)}; expected some of {_DATA_FIELDS}."
         )
+    task = get_task(config.task.name)
     return DataConfig(
-        task=config.task.name,
+        task=task.name,
+        options={k: config.task[k] for k in task.options if k in config.task},
         seed=config.seed,
-        digits=config.task.digits,
-        pad_operands=config.task.pad_operands,
-        reverse_answer=config.task.reverse_answer,
-        reverse_operands=config.task.reverse_operands,
-        count=config.task.count,
-        max_number=config.task.max_number,
-        max_target=config.task.max_target,
-        style=config.task.style,
         train_size=config.task.train_size,
         heldout_size=config.eval.heldout_size,
         **data,
@@ -151,26 +139,26 @@ class TaskData:
     counts: dict[str, int]  # train_rows, heldout_rows, skipped_malformed, too_long, non_numeric
 
 
-def _synthetic(cfg: DataConfig, split: str, n: int) -> list[dict[str, Any]]:
-    if cfg.task == "addition":
-        return synthetic.addition_records(
-            n,
-            digits=cfg.digits,
-            seed=cfg.seed,
-            split=split,
-            pad=cfg.pad_operands,
-            reverse=cfg.reverse_answer,
-            reverse_operands=cfg.reverse_operands,
+def _generated(cfg: DataConfig, split: str, n: int) -> list[dict[str, Any]]:
+    records = get_task(cfg.task).load(split, n, seed=cfg.seed, **cfg.options)
+    _check_records(cfg, records, f"{split} split")
+    return list(records)
+
+
+def _check_records(cfg: DataConfig, records: Any, where: str) -> None:
+    """A task loader's output: a sequence of mappings, each with a string "question"."""
+    if not isinstance(records, Sequence) or isinstance(records, str):
+        raise ValueError(
+            f"Task {cfg.task!r} returned {type(records).__name__} for its {where}; expected a "
+            "list of records (mappings with a string 'question')."
         )
-    return synthetic.countdown_records(
-        n,
-        count=cfg.count,
-        max_number=cfg.max_number,
-        max_target=cfg.max_target or None,
-        seed=cfg.seed,
-        split=split,
-        style=cfg.style,
-    )
+    for k, r in enumerate(records):
+        if not isinstance(r, Mapping) or not isinstance(r.get("question"), str):
+            got = sorted(r) if isinstance(r, Mapping) else type(r).__name__
+            raise ValueError(
+                f"Task {cfg.task!r}, {where}, record {k}: expected a mapping with a string "
+                f"'question'; received {got}."
+            )
 
 
 def _report(what: str, file: str, lines: Sequence[int], count: int, detail: str) -> None:
@@ -183,12 +171,14 @@ def _jsonl(
     cfg: DataConfig, path: str, tokenizer: Tokenizer, max_prompt_tokens: int, counts: dict
 ) -> list[dict[str, Any]]:
     """The usable rows of one JSONL file, dropped ones counted and reported with file:line."""
-    load = jsonl.load_gsm8k if cfg.task == "gsm8k" else jsonl.load_math
-    rows = load(path, on_error=cfg.on_error)
-    counts["skipped_malformed"] += rows.skipped
+    rows = get_task(cfg.task).load(path, on_error=cfg.on_error, **cfg.options)
+    _check_records(cfg, rows, path)
+    skipped = getattr(rows, "skipped", 0)  # jsonl.LoadedRecords counts and numbers the rows
+    counts["skipped_malformed"] += skipped
     kept, too_long, non_numeric = [], [], []
-    for record, line in zip(rows, rows.lines or range(1, len(rows) + 1), strict=True):
-        if cfg.numeric_answers_only and parse_number(record["answer"]) is None:
+    for record, line in zip(rows, getattr(rows, "lines", None) or range(1, len(rows) + 1),
+                            strict=True):  # fmt: skip
+        if cfg.numeric_answers_only and parse_number(record.get("answer")) is None:
             non_numeric.append(line)
         elif max_prompt_tokens and len(cfg.render(record, tokenizer)) > max_prompt_tokens:
             too_long.append(line)
@@ -204,7 +194,7 @@ def _jsonl(
                 f"over {max_prompt_tokens} tokens")  # fmt: skip
     if not kept:
         raise ValueError(
-            f"{path}: no usable rows ({len(rows)} well-formed, {rows.skipped} malformed, "
+            f"{path}: no usable rows ({len(rows)} well-formed, {skipped} malformed, "
             f"{len(too_long)} with prompts over {max_prompt_tokens} tokens, {len(non_numeric)} "
             "with non-numeric answers); expected at least one."
         )
@@ -247,9 +237,9 @@ def load_task(cfg: DataConfig, tokenizer: Tokenizer, *, max_prompt_tokens: int =
         FileNotFoundError: A JSONL path that does not exist.
     """
     counts = dict.fromkeys(("skipped_malformed", "too_long", "non_numeric"), 0)
-    if cfg.task in SYNTHETIC_TASKS:
-        train = _synthetic(cfg, "train", cfg.train_size)
-        heldout = _synthetic(cfg, "heldout", cfg.heldout_size)
+    if cfg.source == "generate":
+        train = _generated(cfg, "train", cfg.train_size)
+        heldout = _generated(cfg, "heldout", cfg.heldout_size)
         if max_prompt_tokens:
             _check_synthetic_lengths(cfg, train + heldout, tokenizer, max_prompt_tokens)
     else:
@@ -269,7 +259,7 @@ def load_task(cfg: DataConfig, tokenizer: Tokenizer, *, max_prompt_tokens: int =
             out[pick] = True
             heldout = [r for r, o in zip(train, out, strict=True) if o]
             train = [r for r, o in zip(train, out, strict=True) if not o]
-        train, heldout = _renumber(train), _renumber(heldout)
+    train, heldout = _renumber(train), _renumber(heldout)
     counts = {"train_rows": len(train), "heldout_rows": len(heldout), **counts}
     logging.info("Task %s: %s", cfg.task, counts)
     return TaskData(train=train, heldout=heldout, counts=counts)

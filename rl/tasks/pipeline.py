@@ -36,6 +36,7 @@ from rl.models.tokenizer import Tokenizer
 from rl.tasks.templates import Template, check_template, render_prompt
 from rl.types import UID_LIMIT, Prompt
 
+# The built-in tasks' fields; a run passes its task's own (rl.tasks.registry, Task.meta_fields).
 DEFAULT_META_FIELDS = ("answer", "numbers", "target")
 
 
@@ -54,7 +55,8 @@ def _check_records(records: Sequence[Mapping[str, Any]]) -> None:
             )
 
 
-def _meta(record: Mapping[str, Any], meta_fields: Sequence[str]) -> dict[str, Any]:
+def record_meta(record: Mapping[str, Any], meta_fields: Sequence[str]) -> dict[str, Any]:
+    """A record's "id" and those of `meta_fields` it has (lists become tuples): a prompt's meta."""
     meta = {"id": record["id"]}
     for f in meta_fields:
         if f in record:
@@ -124,7 +126,7 @@ def prompt_dataset(
             record, tokenizer, template=template, system=system, instruction=instruction
         )
         return Prompt(
-            uid=(epoch * n + k) % UID_LIMIT, tokens=tokens, meta=_meta(record, meta_fields)
+            uid=(epoch * n + k) % UID_LIMIT, tokens=tokens, meta=record_meta(record, meta_fields)
         )
 
     ds = grain.MapDataset.source(range(n))

@@ -170,3 +170,25 @@ def test_the_learner_reads_the_sampling_temperature():
         config.learner.temperature = 0.7
     with pytest.raises(ValueError, match="learner uses config.sampling.temperature"):
         learner_config_from(config.learner)
+
+
+def test_data_config_and_task_option_defaults_are_base_py_s():
+    import dataclasses
+
+    from rl.tasks.data import DataConfig
+    from rl.tasks.registry import get_task
+
+    config = importlib.import_module("configs.base").get_config()
+    where = {"task": "task.name", "seed": "seed", "train_size": "task.train_size",
+             "heldout_size": "eval.heldout_size"}  # fmt: skip
+    for f in dataclasses.fields(DataConfig):
+        if f.name == "options":
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        assert _section(config, where.get(f.name, f"data.{f.name}")) == default, f.name
+    assert set(config.data) == {f.name for f in dataclasses.fields(DataConfig)} - set(where) - {
+        "options"
+    }
+    for name in ("addition", "countdown", "gsm8k", "math"):  # the built-in tasks' options
+        for option, default in get_task(name).options.items():
+            assert config.task[option] == default, (name, option)

@@ -31,7 +31,9 @@ def write(path, rows, bad_at: int | None = None) -> str:
 
 
 def test_synthetic_task_is_the_generators_records():
-    data = load_task(DataConfig(task="addition", digits=2, train_size=50, heldout_size=7), TOK)
+    data = load_task(
+        DataConfig(task="addition", options={"digits": 2}, train_size=50, heldout_size=7), TOK
+    )
     assert data.train == addition_records(50, digits=2, seed=0, split="train")
     assert data.heldout == addition_records(7, digits=2, seed=0, split="heldout")
     assert data.counts["train_rows"] == 50 and data.counts["heldout_rows"] == 7
@@ -110,7 +112,9 @@ def test_jsonl_errors_name_the_file_and_line(tmp_path):
 def test_config_errors():
     with pytest.raises(ValueError, match="config.data.train_path is empty"):
         DataConfig(task="gsm8k")
-    with pytest.raises(ValueError, match=r"config.task.name='mmlu'; expected one of"):
+    with pytest.raises(
+        ValueError, match=r"config.task.name='mmlu'; expected one of \['addition', "
+    ):
         DataConfig(task="mmlu")
     with pytest.raises(ValueError, match="heldout_size=0"):
         DataConfig(task="gsm8k", train_path="x.jsonl", heldout_size=0)
@@ -132,6 +136,51 @@ def test_countdown_options_reach_the_generator():
     assert data.train == countdown_records(30, **kw)
     assert data.heldout == countdown_records(5, split="heldout", **kw)
     with pytest.raises(ValueError, match=r"countdown needs count >= 2.*received count=1"):
-        DataConfig(task="countdown", count=1)
+        DataConfig(task="countdown", options={"count": 1})
     with pytest.raises(ValueError, match=r"config.task.style='long'; expected one of"):
-        DataConfig(task="countdown", style="long")
+        DataConfig(task="countdown", options={"style": "long"})
+    with pytest.raises(ValueError, match=r"\['digits'\] are not options of task 'countdown'"):
+        DataConfig(task="countdown", options={"digits": 2})
+
+
+def test_a_registered_task_needs_no_edit_to_the_library(monkeypatch):
+    """A generated task with its own option and meta field: loaded, checked, its meta copied."""
+    from rl.tasks.pipeline import prompt_dataset
+    from rl.tasks.registry import TASKS, register_task
+
+    monkeypatch.delitem(TASKS, "parity", raising=False)
+
+    @register_task("parity", options={"bits": 4}, meta_fields=("answer", "ones"))
+    def parity(split, n, *, seed, bits):
+        rows = [[(seed + i * 7 + j * 3 + (split == "heldout")) % 2 for j in range(bits)]
+                for i in range(n)]  # fmt: skip
+        return [{"question": "".join(map(str, r)) + ":", "answer": str(sum(r) % 2),
+                 "ones": sum(r), "unused": "x"} for r in rows]  # fmt: skip
+
+    config = base.get_config()
+    config.task.name, config.task.train_size, config.eval.heldout_size = "parity", 6, 2
+    with config.unlocked():
+        config.task.bits = 5
+    cfg = data_config_from(config)
+    assert cfg.options == {"bits": 5} and cfg.meta_fields == ("answer", "ones")
+    data = load_task(cfg, TOK)
+    assert [len(r["question"]) for r in data.train] == [6] * 6 and len(data.heldout) == 2
+    assert [r["id"] for r in data.train] == list(range(6))
+    prompt = next(iter(prompt_dataset(data.train, TOK, shuffle=False, meta_fields=cfg.meta_fields)))
+    assert prompt.meta == {
+        "id": 0,
+        "answer": data.train[0]["answer"],
+        "ones": data.train[0]["ones"],
+    }
+    assert DataConfig(task="parity").options == {"bits": 4}  # the registered default
+
+    @register_task("broken", options={})
+    def broken(split, n, *, seed):
+        return [{"prompt": "no question"}] * n
+
+    monkeypatch.setitem(TASKS, "broken", TASKS.pop("broken"))
+    with pytest.raises(ValueError, match=r"Task 'broken', train split, record 0: expected a mapping "
+                       r"with a string 'question'; received \['prompt'\]"):  # fmt: skip
+        load_task(DataConfig(task="broken"), TOK)
+    with pytest.raises(ValueError, match="already registered"):
+        register_task("parity")(parity)
