@@ -107,7 +107,8 @@ def test_real_model_config_smoke_runs_on_local_checkpoint_and_jsonl(module, fami
         expected = {"train_rows": 9, "heldout_rows": 3, "skipped_malformed": 1, "non_numeric": 0}
     else:  # no held-out file: a seeded slice of the train file
         config.data.train_path = _write_jsonl(tmp_path / "train.jsonl", MATH_ROWS)
-        expected = {"train_rows": 4, "heldout_rows": 4, "skipped_malformed": 0, "non_numeric": 1}
+        # every row kept: the "math" reward checks "2\sqrt{2}" symbolically
+        expected = {"train_rows": 5, "heldout_rows": 4, "skipped_malformed": 0, "non_numeric": 0}
 
     summary = train(config, stdout=False)
 
