@@ -53,7 +53,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         0.0  # seq_mean_token_sum_norm: Dr. GRPO constant (max response length)
     )
     config.learner.advantage = "grpo"  # grpo | drgrpo | rloo
-    config.learner.dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal
     config.learner.old_logprobs = "snapshot"  # later updates of a round: snapshot | sampler
     config.learner.temperature = 1.0  # must equal the sampling temperature
     config.learner.micro_batch_rows = 16  # sequences per micro-batch (divisible by fsdp)
@@ -137,6 +136,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.driver.queue_size = 0  # complete groups buffered before the sampler blocks; 0: unbounded
     config.driver.group_atomic = True  # False: per-sample admission of the G samples (slime/SGLang)
     config.driver.recompute_kv = False  # async: re-prefill running samples on new weights (AReaL)
+    # DAPO dynamic sampling (sync, cgp): discard groups whose rewards are all equal and draw fresh
+    # prompts in their place until the round has R informative groups
+    config.driver.dynamic_sampling = False
+    config.driver.max_oversample = 3.0  # dynamic sampling: prompts drawn per round <= this * R
     config.driver.tail = ml_collections.ConfigDict()  # tail batching (RollPacker), rl/rounds.py
     config.driver.tail.enabled = (
         False  # short rounds over-provision; long prompts wait for long rounds

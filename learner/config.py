@@ -55,7 +55,6 @@ class LearnerConfig:
         0.0  # seq_mean_token_sum_norm: the Dr. GRPO constant (max response length)
     )
     advantage: str = "grpo"  # rl.advantages.ADVANTAGE_ESTIMATORS
-    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
     old_logprobs: str = (
         "snapshot"  # later updates of a round: behaviour params snapshot | sampler's
     )

@@ -29,7 +29,7 @@ from learner.batching import Batch, make_batch
 from learner.config import LearnerConfig
 from learner.state import create_train_state, make_optimizer, make_schedule
 from learner.step import Accum, accumulate, apply, float_leaf_names, sum_keys, zero_accum
-from rl.advantages import get_advantage_estimator, zero_variance_groups
+from rl.advantages import get_advantage_estimator
 from rl.models.sharding import Rules, axis_rules, current_rules, logical_to_spec
 from rl.types import Group
 
@@ -103,7 +103,6 @@ class Learner:
         self._pending_rows = 0
         self._behavior: Any = None
         self.updates_in_round = 0
-        self.groups_dropped = 0  # dynamic sampling
         self.groups_in_update = 0
 
     @contextlib.contextmanager
@@ -155,19 +154,13 @@ class Learner:
         for i, g in enumerate(groups):
             by_size.setdefault(len(g.completions), []).append(i)
         advantages: list[np.ndarray] = [np.empty(0)] * len(groups)
-        keep = [True] * len(groups)
         estimator = get_advantage_estimator(self.cfg.advantage)
         for idx in by_size.values():  # one estimator call per group size, not per group
             rewards = np.asarray([groups[i].rewards for i in idx], np.float32)
             adv = np.asarray(estimator(rewards))
-            flat = np.asarray(zero_variance_groups(rewards)) if self.cfg.dynamic_sampling else None
             for row, i in enumerate(idx):
                 advantages[i] = adv[row]
-                keep[i] = flat is None or not bool(flat[row])
-        for g, adv, k in zip(groups, advantages, keep, strict=True):
-            if not k:
-                self.groups_dropped += 1
-                continue
+        for g, adv in zip(groups, advantages, strict=True):
             self._pending.append((g, tuple(float(a) for a in adv)))
             self._pending_rows += len(g.completions)
             self.groups_in_update += 1
@@ -221,8 +214,8 @@ class Learner:
         self._flush()
         if self._acc is None:
             raise ValueError(
-                f"update() with no groups accumulated ({self.groups_dropped} dropped by dynamic "
-                "sampling); expected at least one group with response tokens."
+                "update() with no groups accumulated; expected at least one group with response "
+                "tokens (the schedule gives every Update a non-empty batch)."
             )
         step = self.step
         with self._on_mesh():
@@ -246,7 +239,6 @@ class Learner:
                 "state are unchanged). Expected finite values: lower learner.optimizer.lr."
             )
         metrics["groups"] = float(self.groups_in_update)
-        metrics["groups_dropped"] = float(self.groups_dropped)
         self.groups_in_update = 0
         self.updates_in_round += 1
         return metrics

@@ -255,33 +255,6 @@ def test_nan_loss_stops_naming_step_and_metric_and_keeps_state():
         np.testing.assert_array_equal(a, b)
 
 
-def test_dynamic_sampling_drops_zero_variance_groups():
-    learner = Learner(
-        create_model(get_preset("tiny")),
-        LearnerConfig(micro_batch_rows=4, dynamic_sampling=True),
-        mesh=_single_mesh(),
-    )
-    learner.begin_round(updates=1)
-    same, mixed = make_groups(2, seed=5)
-    same = Group(
-        request=same.request,
-        completions=tuple(Completion(**{**c.__dict__, "reward": 1.0}) for c in same.completions),
-    )
-    mixed = Group(
-        request=mixed.request,
-        completions=tuple(
-            Completion(**{**c.__dict__, "reward": float(i % 2)})
-            for i, c in enumerate(mixed.completions)
-        ),
-    )
-    learner.add_groups([same, mixed])
-    m = learner.update()
-    assert m["groups"] == 1 and m["groups_dropped"] == 1 and m["sequences"] == 4
-    learner.add_groups([same])
-    with pytest.raises(ValueError, match="no groups accumulated .*2 dropped by dynamic sampling"):
-        learner.update()
-
-
 def test_published_weights_equal_learner_params_in_sampler_dtype():
     model = create_model(get_preset("tiny"))
     lm, sm = make_meshes(
