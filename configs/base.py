@@ -46,13 +46,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     config.learner = ml_collections.ConfigDict()
     config.learner.policy_loss = "ppo_clip"  # ppo_clip | gspo | tis_reinforce
-    config.learner.aggregation = (
-        "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
-    )
+    config.learner.aggregation = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
     config.learner.norm_constant = (
         0.0  # seq_mean_token_sum_norm: Dr. GRPO constant (max response length)
     )
     config.learner.advantage = "grpo"  # grpo | drgrpo | rloo
+    config.learner.overlong_filter = False  # DAPO: truncated responses get no loss (rl/overlong.py)
     config.learner.old_logprobs = "snapshot"  # later updates of a round: snapshot | sampler
     config.learner.temperature = 1.0  # must equal the sampling temperature
     config.learner.micro_batch_rows = 16  # sequences per micro-batch (divisible by fsdp)
@@ -71,6 +70,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.learner.loss.tis_clip = 5.0  # tis_reinforce: importance weight cap c
     config.learner.loss.kl_coef = 0.0  # KL-to-reference coefficient; 0: no reference model
     config.learner.loss.kl_estimator = "k3"  # k1 | k2 | k3
+
+    # DAPO soft overlong punishment (rl/overlong.py): a reward term falling linearly from 0 at
+    # max_new_tokens - cache_tokens response tokens to -factor at max_new_tokens (and truncation)
+    config.overlong = ml_collections.ConfigDict()
+    config.overlong.cache_tokens = 0  # L_cache; 0: off
+    config.overlong.factor = 1.0  # the penalty at max_new_tokens
 
     config.tokenizer = ""  # "byte" or a local tokenizer directory; default: model.hf_path
 

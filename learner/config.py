@@ -55,6 +55,7 @@ class LearnerConfig:
         0.0  # seq_mean_token_sum_norm: the Dr. GRPO constant (max response length)
     )
     advantage: str = "grpo"  # rl.advantages.ADVANTAGE_ESTIMATORS
+    overlong_filter: bool = False  # DAPO: truncated responses (finish_reason "length") get no loss
     old_logprobs: str = (
         "snapshot"  # later updates of a round: behaviour params snapshot | sampler's
     )
@@ -78,6 +79,10 @@ class LearnerConfig:
             raise ValueError(
                 "learner.aggregation='seq_mean_token_sum_norm' needs norm_constant > 0 (the maximum "
                 f"response length); received {self.norm_constant}."
+            )
+        if not isinstance(self.overlong_filter, bool):
+            raise ValueError(
+                f"learner.overlong_filter must be a bool; received {self.overlong_filter!r}."
             )
         if not self.temperature > 0:
             raise ValueError(f"learner.temperature must be > 0; received {self.temperature}.")

@@ -104,6 +104,8 @@ class Learner:
         self._behavior: Any = None
         self.updates_in_round = 0
         self.groups_in_update = 0
+        self._tokens_in_update = 0  # loss tokens accumulated since the last update (host count)
+        self._filtered_in_update = 0  # overlong filter: truncated sequences masked out
 
     @contextlib.contextmanager
     def _on_mesh(self) -> Iterator[None]:
@@ -178,6 +180,12 @@ class Learner:
             rows=self.cfg.micro_batch_rows,
             min_length_bucket=self.cfg.min_length_bucket,
         )
+        if self.cfg.overlong_filter:  # DAPO: truncated responses get no loss (row i: completion i)
+            rows = [c.finish_reason == "length" for g in groups for c in g.completions]
+            truncated = np.flatnonzero(rows)
+            batch.loss_mask[truncated] = 0.0
+            self._filtered_in_update += len(truncated)
+        self._tokens_in_update += batch.num_tokens
         self._accumulate_batch(batch)
 
     def _batch_shardings(self, batch: Batch) -> Batch:
@@ -218,12 +226,21 @@ class Learner:
                 "tokens (the schedule gives every Update a non-empty batch)."
             )
         step = self.step
-        with self._on_mesh():
-            self.state, metrics = self._apply(self.state, self._acc)
-        self._acc = None
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        if metrics["tokens"] == 0:
-            raise ValueError(f"Update {step}: the accumulated batch holds no response tokens.")
+        filtered, self._filtered_in_update = self._filtered_in_update, 0
+        tokens, self._tokens_in_update = self._tokens_in_update, 0
+        if tokens == 0 and filtered:  # every response truncated and filtered: no gradient, no step
+            shapes = jax.eval_shape(self._apply, self.state, self._acc)[1]
+            self._acc = None
+            metrics = dict.fromkeys(shapes, 0.0)
+            metrics.update(lr=float(self.schedule(step)), nonfinite_leaf=-1.0)
+        else:
+            with self._on_mesh():
+                self.state, metrics = self._apply(self.state, self._acc)
+            self._acc = None
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            if metrics["tokens"] == 0:
+                raise ValueError(f"Update {step}: the accumulated batch holds no response tokens.")
+        metrics["overlong_filtered"] = float(filtered)  # truncated sequences masked out
         for name in ("loss", "grad_norm"):
             if not math.isfinite(metrics[name]):
                 raise FloatingPointError(

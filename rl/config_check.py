@@ -154,6 +154,7 @@ def check_config(config: Any) -> None:
     from rl.models.config import DTYPES
     from rl.models.sharding import normalize_rules
     from rl.models.summary import tokenizer_from
+    from rl.overlong import OverlongPenalty
     from rl.rewards import get_reward
     from rl.tasks.data import data_config_from
     from rl.types import SamplingParams
@@ -196,6 +197,19 @@ def check_config(config: Any) -> None:
             f"model's vocab_size ({model.vocab_size}); expected the tokenizer of the same model."
         )
     p.build("task.reward", lambda: get_reward(config.task.reward))
+    if clean("overlong") and config.overlong.cache_tokens:
+        cap = config.sampling.get("max_new_tokens", 0)
+        penalty = p.build(
+            "overlong",
+            lambda: OverlongPenalty(
+                get_reward, cache_tokens=config.overlong.cache_tokens, factor=config.overlong.factor
+            ),
+        )
+        if penalty is not None and isinstance(cap, int) and penalty.cache_tokens > cap:
+            p.add(
+                f"config.overlong.cache_tokens={penalty.cache_tokens} exceeds "
+                f"config.sampling.max_new_tokens={cap}; expected at most the response cap."
+            )
     p.positive(config.task, "task.", "reward_timeout_s", "seconds")
     if config.task.get("name") in SYNTHETIC_TASKS:
         p.integer(config.task, "task.", "train_size", 1, "synthetic training problems")

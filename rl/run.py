@@ -24,6 +24,7 @@ from rl.metrics import MetricsWriter
 from rl.models.build import build_model
 from rl.models.sharding import normalize_rules
 from rl.models.summary import tokenizer_from
+from rl.overlong import OverlongPenalty
 from rl.rewards import RewardRunner, get_reward
 from rl.tasks.data import DataConfig, data_config_from, load_task
 from rl.tasks.pipeline import prompt_dataset
@@ -82,6 +83,15 @@ def _reward_counts(runner: RewardRunner, seen: dict[str, int]) -> dict[str, floa
     out = {f"reward_{k}": float(stats[k] - seen.get(k, 0)) for k in ("errors", "timeouts")}
     seen.update(stats)
     return out
+
+
+def _shaped(reward: RewardRunner, config: Any) -> Any:
+    """The rollout reward: the task's, plus DAPO's soft overlong punishment when configured."""
+    if not config.overlong.cache_tokens:
+        return reward
+    return OverlongPenalty(
+        reward, cache_tokens=config.overlong.cache_tokens, factor=config.overlong.factor
+    )
 
 
 def _sft(
@@ -251,7 +261,7 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
         learner=learner,
         weight_sync=sync,
         prompts=prompts,
-        reward_fn=reward,
+        reward_fn=_shaped(reward, config),
         version=version,
         rounds=config.rounds,  # async plans no round past the run's last
         barrier_every=config.checkpoint_every,  # async: nothing in flight at a checkpoint

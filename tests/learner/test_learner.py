@@ -62,7 +62,8 @@ WELL_CONDITIONED = OptimizerConfig(lr=1e-2, eps=1.0)
 
 
 @pytest.mark.parametrize(
-    "aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+    "aggregation",
+    ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"],
 )
 def test_accumulating_any_split_equals_one_batch(aggregation):
     cfg = LearnerConfig(
@@ -355,3 +356,67 @@ def test_update_that_overflows_the_parameters_is_not_applied_and_names_the_leaf(
     assert learner.step == 0
     for a, b in zip(before, host(learner.state), strict=True):  # params, opt state, step, rng
         np.testing.assert_array_equal(a, b)
+
+
+def _with_reasons(group, reasons):
+    return Group(
+        request=group.request,
+        completions=tuple(
+            Completion(**{**c.__dict__, "finish_reason": r})
+            for c, r in zip(group.completions, reasons, strict=True)
+        ),
+    )
+
+
+def test_overlong_filter_masks_truncated_responses_out_of_the_loss():
+    g = make_groups(1, g=4, seed=3)[0]
+    kept = _with_reasons(g, ["stop", "length", "stop", "length"])
+    # The filtered update equals one where the truncated rows' advantages are zero (their loss is
+    # then 0) and the token count omits them: compare loss, tokens and the parameters.
+    cfg = LearnerConfig(optimizer=WELL_CONDITIONED, micro_batch_rows=4, aggregation="token_mean")
+    filtered = Learner(
+        create_model(get_preset("tiny"), seed=2),
+        LearnerConfig(
+            optimizer=WELL_CONDITIONED,
+            micro_batch_rows=4,
+            aggregation="token_mean",
+            overlong_filter=True,
+        ),
+        mesh=_single_mesh(),
+    )
+    filtered.begin_round(updates=1)
+    filtered.add_groups([kept])
+    m = filtered.update()
+    lengths = [len(c.tokens) for c in g.completions]
+    assert m["overlong_filtered"] == 2.0
+    assert m["tokens"] == lengths[0] + lengths[2]
+    assert m["sequences"] == 2.0
+
+    graphdef, params = nnx.split(create_model(get_preset("tiny"), seed=2))
+    tx, schedule = make_optimizer(cfg.optimizer), make_schedule(cfg.optimizer)
+    state, _ = create_train_state(params, tx, seed=0, mesh=_single_mesh())
+    batch = make_batch([g], _advantages([g]), rows=4, min_length_bucket=32)
+    batch.loss_mask[[1, 3]] = 0.0  # by hand: rows 1 and 3 are the truncated completions
+    ref_state, ref = train_step(state, batch, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule)
+    assert m["loss"] == pytest.approx(float(ref["loss"]), abs=TOL)
+    for a, b in zip(
+        jax.tree.leaves(filtered.params), jax.tree.leaves(ref_state.params), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=TOL)
+
+
+def test_overlong_filter_with_every_response_truncated_skips_the_step():
+    g = _with_reasons(make_groups(1, g=2, seed=4)[0], ["length", "length"])
+    learner = Learner(
+        create_model(get_preset("tiny")),
+        LearnerConfig(micro_batch_rows=2, overlong_filter=True),
+        mesh=_single_mesh(),
+    )
+    before = [np.asarray(x) for x in jax.tree.leaves(learner.params)]
+    learner.begin_round(updates=1)
+    learner.add_groups([g])
+    m = learner.update()
+    assert m["tokens"] == 0.0 and m["overlong_filtered"] == 2.0 and m["loss"] == 0.0
+    assert learner.step == 0
+    for a, b in zip(before, jax.tree.leaves(learner.params), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))

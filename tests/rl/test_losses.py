@@ -122,7 +122,8 @@ def _ref_aggregate(name, loss, mask, norm_constant):
         n = mask[b].sum()
         if n > 0:
             s = (loss[b] * mask[b]).sum()
-            num += s / n if name == "seq_mean_token_mean" else s / norm_constant
+            divisor = {"seq_mean_token_mean": n, "seq_mean_token_sum": 1.0}.get(name, norm_constant)
+            num += s / divisor
             den += 1
     return num, den
 
@@ -132,7 +133,12 @@ def _ref_aggregate(name, loss, mask, norm_constant):
 
 def test_every_registered_variant_has_a_reference():
     assert set(POLICY_LOSSES) == set(LOSS_REFERENCES)
-    assert set(AGGREGATIONS) == {"token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"}
+    assert set(AGGREGATIONS) == {
+        "token_mean",
+        "seq_mean_token_mean",
+        "seq_mean_token_sum",
+        "seq_mean_token_sum_norm",
+    }
 
 
 @pytest.mark.parametrize(
@@ -414,6 +420,7 @@ def test_aggregations_weigh_sequences_as_documented():
 
     assert value("token_mean") == pytest.approx(8 / 5, **{"rel": 1e-6})
     assert value("seq_mean_token_mean") == pytest.approx((1 + 4) / 2, rel=1e-6)
+    assert value("seq_mean_token_sum") == pytest.approx((4 + 4) / 2, rel=1e-6)
     assert value("seq_mean_token_sum_norm") == pytest.approx((4 / 4 + 4 / 4) / 2, rel=1e-6)
 
 
