@@ -45,7 +45,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.mesh.colocated = False  # learner and sampler share devices (one GPU, Colab, CPU)
 
     config.learner = ml_collections.ConfigDict()
-    config.learner.policy_loss = "ppo_clip"  # ppo_clip | gspo | tis_reinforce
+    config.learner.policy_loss = "ppo_clip"  # ppo_clip | gspo | tis_reinforce | decoupled_ppo
     config.learner.aggregation = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
     config.learner.norm_constant = (
         0.0  # seq_mean_token_sum_norm: Dr. GRPO constant (max response length)
@@ -65,11 +65,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.learner.optimizer.weight_decay = 0.0  # AdamW decoupled weight decay
     config.learner.optimizer.grad_clip_norm = 1.0  # global-norm clipping; 0: off
     config.learner.loss = ml_collections.ConfigDict()
-    config.learner.loss.clip_low = 0.2  # PPO ratio clip below 1
-    config.learner.loss.clip_high = 0.28  # PPO ratio clip above 1 (DAPO clip-higher)
-    config.learner.loss.tis_clip = 5.0  # tis_reinforce: importance weight cap c
     config.learner.loss.kl_coef = 0.0  # KL-to-reference coefficient; 0: no reference model
     config.learner.loss.kl_estimator = "k3"  # k1 | k2 | k3
+    # Each policy loss's own options (rl/losses.py), read only when it is learner.policy_loss.
+    config.learner.loss.ppo_clip = ml_collections.ConfigDict()
+    config.learner.loss.ppo_clip.clip_low = 0.2  # ratio clip below 1
+    config.learner.loss.ppo_clip.clip_high = 0.28  # ratio clip above 1 (DAPO clip-higher)
+    config.learner.loss.gspo = ml_collections.ConfigDict()
+    config.learner.loss.gspo.clip_low = 3e-4  # sequence-ratio clip below 1 (GSPO paper)
+    config.learner.loss.gspo.clip_high = 4e-4  # sequence-ratio clip above 1
+    config.learner.loss.tis_reinforce = ml_collections.ConfigDict()
+    config.learner.loss.tis_reinforce.clip = 5.0  # importance weight cap c (PipelineRL)
+    config.learner.loss.decoupled_ppo = ml_collections.ConfigDict()
+    config.learner.loss.decoupled_ppo.clip_low = 0.2  # proximal ratio clip below 1
+    config.learner.loss.decoupled_ppo.clip_high = 0.28  # proximal ratio clip above 1
+    config.learner.loss.decoupled_ppo.behav_clip = 5.0  # behaviour importance weight cap
 
     # DAPO soft overlong punishment (rl/overlong.py): a reward term falling linearly from 0 at
     # max_new_tokens - cache_tokens response tokens to -factor at max_new_tokens (and truncation)

@@ -8,7 +8,7 @@ from typing import Any
 
 from rl.advantages import ADVANTAGE_ESTIMATORS
 from rl.aggregation import AGGREGATIONS
-from rl.losses import POLICY_LOSSES, LossConfig
+from rl.losses import POLICY_LOSSES, LossConfig, loss_config_from
 
 SCHEDULES = ("constant", "cosine")
 OLD_LOGPROBS = ("snapshot", "sampler")
@@ -111,6 +111,6 @@ def learner_config_from(cfg: Mapping[str, Any], *, total_updates: int = 0) -> Le
         )
     return LearnerConfig(
         optimizer=OptimizerConfig(**optimizer),
-        loss=LossConfig(**dict(cfg.get("loss", {}))),
+        loss=loss_config_from(cfg.get("loss", {})),
         **fields,
     )

@@ -28,7 +28,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from learner.batching import Batch, make_batch
 from learner.config import LearnerConfig
 from learner.state import create_train_state, make_optimizer, make_schedule
-from learner.step import Accum, accumulate, apply, float_leaf_names, sum_keys, zero_accum
+from learner.step import (
+    MAX_KEYS,
+    Accum,
+    accumulate,
+    apply,
+    float_leaf_names,
+    sum_keys,
+    zero_accum,
+)
 from rl.advantages import get_advantage_estimator
 from rl.models.sharding import Rules, axis_rules, current_rules, logical_to_spec
 from rl.types import Group
@@ -80,6 +88,7 @@ class Learner:
             numerator=rep,
             denominator=rep,
             sums=dict.fromkeys(keys, rep),
+            maxes=dict.fromkeys(MAX_KEYS, rep),
         )
         kw = dict(graphdef=self.graphdef, cfg=cfg)
         self._zero = jax.jit(

@@ -76,7 +76,7 @@ def _schema() -> dict[str, Any]:
     from learner.config import LearnerConfig, OptimizerConfig
     from learner.mesh import MeshConfig
     from rl.driver import DriverConfig
-    from rl.losses import LossConfig
+    from rl.losses import LOSS_OPTIONS, LossConfig
     from rl.rounds import TailConfig
     from rl.types import SamplingParams
     from sampler.engine import EngineConfig
@@ -99,7 +99,10 @@ def _schema() -> dict[str, Any]:
         schema[section] = {**fields, **schema.get(section, {})}
     schema["driver"]["tail"] = {**names(TailConfig), **(schema["driver"].get("tail") or {})}
     for sub, cls in (("optimizer", OptimizerConfig), ("loss", LossConfig)):
-        schema["learner"][sub] = {**names(cls), **(schema["learner"].get(sub) or {})}
+        schema["learner"][sub] = {**names(cls, "custom"), **(schema["learner"].get(sub) or {})}
+    for name, cls in LOSS_OPTIONS.items():  # each policy loss's options, user-registered ones too
+        loss = schema["learner"]["loss"]
+        loss[name] = {**names(cls), **(loss.get(name) or {})}
     return schema
 
 

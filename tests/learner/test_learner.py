@@ -420,3 +420,87 @@ def test_overlong_filter_with_every_response_truncated_skips_the_step():
     assert learner.step == 0
     for a, b in zip(before, jax.tree.leaves(learner.params), strict=True):
         np.testing.assert_array_equal(a, np.asarray(b))
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "gspo", "tis_reinforce", "decoupled_ppo"])
+def test_every_metric_a_loss_returns_and_the_ratio_extremes_reach_update_metrics(loss):
+    from learner.step import sum_keys
+
+    model = create_model(get_preset("tiny"), seed=3)
+    groups = _on_policy_groups(model, make_groups(2, seed=10))
+    cfg = LearnerConfig(
+        optimizer=OptimizerConfig(lr=1e-3),
+        micro_batch_rows=8,
+        policy_loss=loss,
+        old_logprobs="sampler",
+    )
+    learner = Learner(model, cfg, mesh=_single_mesh())
+    learner.begin_round(updates=1)
+    c = 0.5  # the sampler reports log-probs c lower for group 0: its ratio is e^c, group 1's 1
+    learner.add_groups([_shift_logprobs(groups[0], c), groups[1]])
+    m = learner.update()
+    returned = set(sum_keys(cfg)) - {"tokens", "sequences", "ess_w", "ess_w2"}
+    assert returned - {"clip_frac", "entropy", "kl", "ratio"}  # the loss's own metrics
+    assert returned <= set(m)
+    if loss in ("ppo_clip", "tis_reinforce"):  # token ratios
+        assert m["ratio_max"] == pytest.approx(np.exp(c), rel=1e-4)
+        assert m["ratio_min"] == pytest.approx(1.0, abs=1e-4)
+    elif loss == "gspo":  # each sequence's ratio exp(mean log-ratio): the same two values
+        assert m["ratio_max"] == pytest.approx(np.exp(c), rel=1e-4)
+        assert m["ratio_min"] == pytest.approx(1.0, abs=1e-4)
+    else:  # decoupled: the proximal ratio is 1; the behaviour weight carries e^c
+        assert m["ratio_max"] == pytest.approx(1.0, abs=1e-6) == m["ratio_min"]
+        assert m["behav_weight"] > 1.0
+
+
+def _flat(group, reward=1.0):
+    """The group with every reward equal: zero GRPO advantages, so the policy loss is 0."""
+    return Group(
+        request=group.request,
+        completions=tuple(
+            Completion(**{**c.__dict__, "reward": reward}) for c in group.completions
+        ),
+    )
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_kl_to_reference_builds_the_reference_and_penalises_drift_from_it(estimator):
+    from rl.losses import KL_ESTIMATORS, LossConfig
+
+    model = create_model(get_preset("tiny"), seed=5)
+    graphdef = nnx.split(model)[0]
+    coef = 0.5
+    cfg = LearnerConfig(
+        optimizer=OptimizerConfig(lr=3e-2),
+        micro_batch_rows=8,
+        loss=LossConfig(kl_coef=coef, kl_estimator=estimator),
+    )
+    learner = Learner(model, cfg, mesh=_single_mesh())
+    assert learner.ref_params is not None  # the reference model is built (a frozen copy)
+    ref0 = [np.asarray(x) for x in jax.tree.leaves(learner.ref_params)]
+    groups = make_groups(2, seed=11)
+    learner.begin_round(updates=1)
+    learner.add_groups(groups)  # mixed rewards: the policy moves away from the reference
+    m0 = learner.update()
+    assert m0["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at the first update
+
+    flat = [_flat(g) for g in groups]
+    batch = make_batch(flat, _advantages(flat), rows=8)
+
+    def logp(params):
+        mdl = nnx.merge(graphdef, params)
+        return np.asarray(
+            mdl.token_logprobs(batch.inputs, batch.positions, batch.segments, batch.targets)
+        )
+
+    mask = batch.loss_mask > 0
+    d = logp(learner.params) - logp(learner.ref_params)
+    expected_kl = float(np.asarray(KL_ESTIMATORS[estimator](jnp.asarray(d)))[mask].mean())
+    assert abs(expected_kl) > 1e-6  # the policy did drift
+    learner.begin_round(updates=1)
+    learner.add_groups(flat)  # zero advantages: the loss is the KL term alone
+    m1 = learner.update()
+    assert m1["kl"] == pytest.approx(expected_kl, rel=1e-4, abs=1e-7)
+    assert m1["loss"] == pytest.approx(coef * expected_kl, rel=1e-4, abs=1e-7)  # token_mean
+    for a, b in zip(ref0, jax.tree.leaves(learner.ref_params), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))  # the reference never moves
