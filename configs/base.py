@@ -139,6 +139,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # data.heldout_path (0: all) or N seeded rows of data.train_path, removed from training.
     config.eval.heldout_size = 200
     config.eval.every_rounds = 10  # RL rounds between held-out evaluations; 0: start and end only
+    # pass@k beside greedy accuracy: k, and n >= k samples per problem at sampling.temperature
+    # (the unbiased estimator of the Codex paper, rl/passk.py); pass_k <= 1: greedy only
+    config.eval.pass_k = 0
+    config.eval.pass_n = 0  # samples per problem for pass@k; 0: pass_k
+
+    # The final policy as a Hugging Face directory, workdir/hf (config.json, safetensors, and the
+    # tokenizer's files when a Hugging Face tokenizer was loaded); transformers loads it.
+    config.export = ml_collections.ConfigDict()
+    config.export.hf = False
+    config.export.dtype = ""  # tensor dtype on disk: float32 | bfloat16; "": as trained
 
     config.driver = ml_collections.ConfigDict()
     config.driver.mode = "cgp"  # sync (rollout, then train) | cgp (pipelined) | async

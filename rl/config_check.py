@@ -200,6 +200,22 @@ def check_config(config: Any) -> None:
             f"model's vocab_size ({model.vocab_size}); expected the tokenizer of the same model."
         )
     p.build("task.reward", lambda: get_reward(config.task.reward))
+    if p.integer(config.eval, "eval.", "pass_k", 0, "k of held-out pass@k; <= 1: off") and (
+        p.integer(config.eval, "eval.", "pass_n", 0, "samples per problem for pass@k; 0: pass_k")
+    ):
+        pass_k, pass_n = config.eval.get("pass_k", 0), config.eval.get("pass_n", 0)
+        if pass_k > 1 and pass_n and pass_n < pass_k:
+            p.add(
+                f"config.eval.pass_n={pass_n} is below config.eval.pass_k={pass_k}; expected "
+                "n >= k samples per problem (or 0: n = k)."
+            )
+    export = config.get("export", {})
+    if not isinstance(export.get("hf", False), bool):
+        p.add(f"config.export.hf={export.get('hf')!r}; expected True or False.")
+    if export.get("dtype", "") and export.get("dtype") not in DTYPES:
+        p.add(
+            f"config.export.dtype={export.get('dtype')!r}; expected one of {tuple(DTYPES)} or ''."
+        )
     if clean("overlong") and config.overlong.cache_tokens:
         cap = config.sampling.get("max_new_tokens", 0)
         penalty = p.build(

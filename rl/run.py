@@ -39,6 +39,7 @@ RESULTS = (
     "timeline.json",
     "timeline.png",
     "learning_curve.png",
+    "hf",
 )
 
 
@@ -233,28 +234,38 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     heldout = data.heldout
     phases = {"setup_s": time.perf_counter() - start, "sft_s": 0.0, "eval_s": 0.0, "rl_s": 0.0}
 
-    def heldout_accuracy(params: Any) -> float:
+    pass_k = config.eval.pass_k if config.eval.pass_k > 1 else 1
+
+    def heldout_eval(params: Any, k: int = pass_k) -> dict[str, float]:
+        """{"accuracy": greedy, "pass@k": unbiased from eval.pass_n samples (eval.pass_k > 1)}."""
         jax.block_until_ready(params)  # pending training steps are not billed to evaluation
         t = time.perf_counter()
         published = sync.publish(params, version=-1).params
-        acc = evaluate(
+        out = evaluate(
             engine,
             published,
             heldout,
             tokenizer,
             eval_reward,
             max_new_tokens=config.sampling.max_new_tokens,
+            k=k,
+            n=config.eval.pass_n if k > 1 else 0,
+            temperature=config.sampling.temperature,
             **data_cfg.prompt_kwargs,
-        )["accuracy"]
+        )
         phases["eval_s"] += time.perf_counter() - t
-        return acc
+        return out
+
+    def heldout_accuracy(params: Any) -> float:  # SFT's stopping rule: greedy accuracy only
+        return heldout_eval(params, k=1)["accuracy"]
 
     sft_steps = 0
     if config.sft.max_steps and first_round == 0:
         t = time.perf_counter()
         sft_steps = _sft(config, learner, tokenizer, heldout_accuracy, writer, data.train, data_cfg)
         phases["sft_s"] = time.perf_counter() - t - phases["eval_s"]
-    acc_before = heldout_accuracy(learner.params)
+    eval_before = heldout_eval(learner.params)
+    acc_before = eval_before["accuracy"]
     driver = Driver(
         driver_cfg,
         engine=engine,
@@ -289,7 +300,10 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
             # RL time so far without evaluation: the x axis of "time to reach X% held-out"
             metrics["rl_elapsed_s"] = time.perf_counter() - t_rl - (phases["eval_s"] - eval_at_rl)
             if config.eval.every_rounds and (r + 1) % config.eval.every_rounds == 0:
-                metrics["heldout_acc"] = heldout_accuracy(learner.params)
+                evaluated = heldout_eval(learner.params)
+                metrics["heldout_acc"] = evaluated["accuracy"]
+                if pass_k > 1:
+                    metrics[f"heldout_pass@{pass_k}"] = evaluated[f"pass@{pass_k}"]
             writer.write(r, metrics, prefix="train")
             rounds.append(result.metrics)
             if config.checkpoint_every and (
@@ -307,7 +321,8 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
         driver.close()
         ckpt.close()
     eval_in_rl = phases["eval_s"]
-    acc_after = heldout_accuracy(learner.params)
+    eval_after = heldout_eval(learner.params)
+    acc_after = eval_after["accuracy"]
     reward.close()
     eval_reward.close()
     writer.close()
@@ -331,9 +346,33 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
         rounds=config.rounds,
         title=f"{config.task.name}, {driver_cfg.name}: held-out {acc_before:.1%} -> {acc_after:.1%}",
     )
+    export = None
+    if config.export.hf:  # the final policy as a Hugging Face directory (rl/models/export.py)
+        from flax import nnx
+
+        from rl.models.export import export_hf
+
+        export = os.path.join(config.workdir, "hf")
+        spec = config.tokenizer or config.model.hf_path
+        export_hf(
+            nnx.merge(learner.graphdef, learner.params),
+            export,
+            tokenizer=tokenizer,
+            tokenizer_dir=None if spec == "byte" else spec,
+            dtype=config.export.dtype or None,
+        )
     summary = {
+        "export_hf": export,
         "heldout_acc_before": acc_before,
         "heldout_acc_after": acc_after,
+        **(
+            {
+                f"heldout_pass@{pass_k}_before": eval_before[f"pass@{pass_k}"],
+                f"heldout_pass@{pass_k}_after": eval_after[f"pass@{pass_k}"],
+            }
+            if pass_k > 1
+            else {}
+        ),
         "sft_steps": sft_steps,
         "wall_s": time.perf_counter() - start,
         **phases,

@@ -174,3 +174,20 @@ def test_overlong_penalty_must_fit_the_response_cap():
         check_config(config)
     config.overlong.factor = 1.0
     check_config(config)
+
+
+def test_pass_k_and_export_fields_are_checked():
+    config = smoke.get_config()
+    config.eval.pass_k = 4
+    config.eval.pass_n = 2
+    config.export.dtype = "int8"
+    with pytest.raises(ConfigError) as e:
+        check_config(config)
+    assert e.value.problems == [
+        "config.eval.pass_n=2 is below config.eval.pass_k=4; expected n >= k samples per "
+        "problem (or 0: n = k).",
+        "config.export.dtype='int8'; expected one of ('float32', 'bfloat16', 'float16') or ''.",
+    ]
+    config.eval.pass_n = 8
+    config.export.dtype = "float32"
+    check_config(config)
