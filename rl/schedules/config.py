@@ -86,6 +86,12 @@ class ScheduleConfig:
                 f"{self.tail.enabled}; expected mode sync or cgp without tail batching (refills "
                 "extend a plain round)."
             )
+        if self.dynamic_sampling and self.batching not in ("fifo", "ordered"):
+            raise ValueError(
+                f"{self.prefix}.dynamic_sampling=True with batching={self.batching!r}; expected "
+                "'fifo' or 'ordered' (refilled rounds batch their informative groups in "
+                "completion or logical order)."
+            )
         if self.dynamic_sampling and self.group_size < 2:
             raise ValueError(
                 f"{self.prefix}.dynamic_sampling=True with group_size={self.group_size}; expected "

@@ -276,6 +276,12 @@ def test_dynamic_sampling_config_errors():
         config("sync", dynamic_sampling=True, group_size=1)
     with pytest.raises(ValueError, match="max_oversample must be a finite number >= 1"):
         config("sync", dynamic_sampling=True, max_oversample=0.5)
+    FORMERS["test_only_former"] = FifoBatches
+    try:
+        with pytest.raises(ValueError, match="batching='test_only_former'; expected 'fifo' or"):
+            config("cgp+fcfs+test_only_former", dynamic_sampling=True)
+    finally:
+        del FORMERS["test_only_former"]
 
 
 def test_a_registered_former_is_used_by_cgp():
