@@ -45,15 +45,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.mesh.colocated = False  # learner and sampler share devices (one GPU, Colab, CPU)
 
     config.learner = ml_collections.ConfigDict()
-    config.learner.policy_loss = "ppo_clip"  # ppo_clip | gspo | tis_reinforce
-    config.learner.aggregation = (
-        "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
-    )
+    config.learner.policy_loss = "ppo_clip"  # ppo_clip | gspo | tis_reinforce | decoupled_ppo
+    config.learner.aggregation = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
     config.learner.norm_constant = (
         0.0  # seq_mean_token_sum_norm: Dr. GRPO constant (max response length)
     )
     config.learner.advantage = "grpo"  # grpo | drgrpo | rloo
-    config.learner.dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal
+    config.learner.overlong_filter = False  # DAPO: truncated responses get no loss (rl/overlong.py)
     config.learner.old_logprobs = "snapshot"  # later updates of a round: snapshot | sampler
     config.learner.micro_batch_rows = 16  # sequences per micro-batch (divisible by fsdp)
     config.learner.min_length_bucket = 32  # sequence lengths pad to powers of two from here
@@ -70,11 +68,27 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.learner.optimizer.b2 = 0.999  # Adam second-moment decay
     config.learner.optimizer.eps = 1e-8  # Adam denominator epsilon
     config.learner.loss = ml_collections.ConfigDict()
-    config.learner.loss.clip_low = 0.2  # PPO ratio clip below 1
-    config.learner.loss.clip_high = 0.28  # PPO ratio clip above 1 (DAPO clip-higher)
-    config.learner.loss.tis_clip = 5.0  # tis_reinforce: importance weight cap c
     config.learner.loss.kl_coef = 0.0  # KL-to-reference coefficient; 0: no reference model
     config.learner.loss.kl_estimator = "k3"  # k1 | k2 | k3
+    # Each policy loss's own options (rl/losses.py), read only when it is learner.policy_loss.
+    config.learner.loss.ppo_clip = ml_collections.ConfigDict()
+    config.learner.loss.ppo_clip.clip_low = 0.2  # ratio clip below 1
+    config.learner.loss.ppo_clip.clip_high = 0.28  # ratio clip above 1 (DAPO clip-higher)
+    config.learner.loss.gspo = ml_collections.ConfigDict()
+    config.learner.loss.gspo.clip_low = 3e-4  # sequence-ratio clip below 1 (GSPO paper)
+    config.learner.loss.gspo.clip_high = 4e-4  # sequence-ratio clip above 1
+    config.learner.loss.tis_reinforce = ml_collections.ConfigDict()
+    config.learner.loss.tis_reinforce.clip = 5.0  # importance weight cap c (PipelineRL)
+    config.learner.loss.decoupled_ppo = ml_collections.ConfigDict()
+    config.learner.loss.decoupled_ppo.clip_low = 0.2  # proximal ratio clip below 1
+    config.learner.loss.decoupled_ppo.clip_high = 0.28  # proximal ratio clip above 1
+    config.learner.loss.decoupled_ppo.behav_clip = 5.0  # behaviour importance weight cap
+
+    # DAPO soft overlong punishment (rl/overlong.py): a reward term falling linearly from 0 at
+    # max_new_tokens - cache_tokens response tokens to -factor at max_new_tokens (and truncation)
+    config.overlong = ml_collections.ConfigDict()
+    config.overlong.cache_tokens = 0  # L_cache; 0: off
+    config.overlong.factor = 1.0  # the penalty at max_new_tokens
 
     config.tokenizer = ""  # "byte" or a local tokenizer directory; default: model.hf_path
 
@@ -138,6 +152,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # data.heldout_path (0: all) or N seeded rows of data.train_path, removed from training.
     config.eval.heldout_size = 200
     config.eval.every_rounds = 10  # RL rounds between held-out evaluations; 0: start and end only
+    # pass@k beside greedy accuracy: k, and n >= k samples per problem at sampling.temperature
+    # (the unbiased estimator of the Codex paper, rl/passk.py); pass_k <= 1: greedy only
+    config.eval.pass_k = 0
+    config.eval.pass_n = 0  # samples per problem for pass@k; 0: pass_k
+
+    # The final policy as a Hugging Face directory, workdir/hf (config.json, safetensors, and the
+    # tokenizer's files when a Hugging Face tokenizer was loaded); transformers loads it.
+    config.export = ml_collections.ConfigDict()
+    config.export.hf = False
+    config.export.dtype = ""  # tensor dtype on disk: float32 | bfloat16; "": as trained
 
     config.driver = ml_collections.ConfigDict()
     config.driver.mode = "cgp"  # sync (rollout, then train) | cgp (pipelined) | async
@@ -151,6 +175,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.driver.group_atomic = True  # False: per-sample admission of the G samples (slime/SGLang)
     config.driver.recompute_kv = False  # async: re-prefill running samples on new weights (AReaL)
     config.driver.poll_s = 0.2  # how often a waiting learner checks the sampler for an error
+    # DAPO dynamic sampling (sync, cgp): discard groups whose rewards are all equal and draw fresh
+    # prompts in their place until the round has R informative groups
+    config.driver.dynamic_sampling = False
+    config.driver.max_oversample = 3.0  # dynamic sampling: prompts drawn per round <= this * R
     config.driver.tail = ml_collections.ConfigDict()  # tail batching (RollPacker), rl/rounds.py
     config.driver.tail.enabled = (
         False  # short rounds over-provision; long prompts wait for long rounds

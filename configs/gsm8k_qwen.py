@@ -91,8 +91,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.learner.optimizer.warmup_steps = 10
     config.learner.optimizer.weight_decay = 0.01
     config.learner.optimizer.grad_clip_norm = 1.0
-    config.learner.loss.clip_low = 0.2
-    config.learner.loss.clip_high = 0.28
+    config.learner.loss.ppo_clip.clip_low = 0.2
+    config.learner.loss.ppo_clip.clip_high = 0.28
     config.learner.loss.kl_coef = 0.001  # k3 ("low_var_kl") to the initial policy
     config.learner.loss.kl_estimator = "k3"
 

@@ -54,7 +54,7 @@ from learner.mesh import MeshConfig, make_meshes
 from learner.state import create_train_state, make_optimizer, make_schedule
 from learner.step import accumulate, apply, train_step, zero_accum
 from rl.advantages import get_advantage_estimator
-from rl.losses import LossConfig
+from rl.losses import PpoClipOptions
 from rl.models import create_model, get_preset, logical_to_spec
 from rl.types import Completion, Group, Request, SamplingParams
 
@@ -140,7 +140,7 @@ def make_groups(rng: np.random.Generator, vocab: int) -> list[Group]:
 
 
 def minimal_step_fn(
-    graphdef: nnx.GraphDef, tx: optax.GradientTransformation, clip: LossConfig
+    graphdef: nnx.GraphDef, tx: optax.GradientTransformation, clip: PpoClipOptions
 ) -> Callable[..., Any]:
     """The baseline: PPO-clip, token mean, old log-probs from the sampler; nothing else."""
 
@@ -257,7 +257,7 @@ def main(argv: list[str]) -> None:
             weight_decay=opt_cfg.weight_decay,
         ),
     )
-    step = minimal_step_fn(graphdef, tx, cfg.loss)
+    step = minimal_step_fn(graphdef, tx, cfg.loss.ppo_clip)
     dev_batch = jax.device_put(host_batch, device)
     params = jax.device_put(jax.tree.map(jnp.copy, params0), device)  # the model's stay undonated
     mini: dict[str, Any] = dict(params=params, opt_state=jax.jit(tx.init)(params), loss=None)

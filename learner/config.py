@@ -8,7 +8,7 @@ from typing import Any
 
 from rl.advantages import ADVANTAGE_ESTIMATORS
 from rl.aggregation import AGGREGATIONS
-from rl.losses import POLICY_LOSSES, LossConfig
+from rl.losses import POLICY_LOSSES, LossConfig, loss_config_from
 
 SCHEDULES = ("constant", "cosine")
 OLD_LOGPROBS = ("snapshot", "sampler")
@@ -55,7 +55,7 @@ class LearnerConfig:
         0.0  # seq_mean_token_sum_norm: the Dr. GRPO constant (max response length)
     )
     advantage: str = "grpo"  # rl.advantages.ADVANTAGE_ESTIMATORS
-    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
+    overlong_filter: bool = False  # DAPO: truncated responses (finish_reason "length") get no loss
     old_logprobs: str = (
         "snapshot"  # later updates of a round: behaviour params snapshot | sampler's
     )
@@ -80,6 +80,10 @@ class LearnerConfig:
             raise ValueError(
                 "learner.aggregation='seq_mean_token_sum_norm' needs norm_constant > 0 (the maximum "
                 f"response length); received {self.norm_constant}."
+            )
+        if not isinstance(self.overlong_filter, bool):
+            raise ValueError(
+                f"learner.overlong_filter must be a bool; received {self.overlong_filter!r}."
             )
         if not self.temperature > 0:
             raise ValueError(f"learner.temperature must be > 0; received {self.temperature}.")
@@ -118,7 +122,7 @@ def learner_config_from(
         )
     return LearnerConfig(
         optimizer=OptimizerConfig(**optimizer),
-        loss=LossConfig(**dict(cfg.get("loss", {}))),
+        loss=loss_config_from(cfg.get("loss", {})),
         temperature=temperature if temperature > 0 else 1.0,
         **fields,
     )

@@ -28,8 +28,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from learner.batching import Batch, make_batch
 from learner.config import LearnerConfig
 from learner.state import create_train_state, make_optimizer, make_schedule
-from learner.step import Accum, accumulate, apply, float_leaf_names, sum_keys, zero_accum
-from rl.advantages import get_advantage_estimator, zero_variance_groups
+from learner.step import (
+    MAX_KEYS,
+    Accum,
+    accumulate,
+    apply,
+    float_leaf_names,
+    sum_keys,
+    zero_accum,
+)
+from rl.advantages import get_advantage_estimator
 from rl.models.sharding import Rules, axis_rules, current_rules, logical_to_spec
 from rl.types import Group
 
@@ -80,6 +88,7 @@ class Learner:
             numerator=rep,
             denominator=rep,
             sums=dict.fromkeys(keys, rep),
+            maxes=dict.fromkeys(MAX_KEYS, rep),
         )
         kw = dict(graphdef=self.graphdef, cfg=cfg)
         self._zero = jax.jit(
@@ -103,8 +112,9 @@ class Learner:
         self._pending_rows = 0
         self._behavior: Any = None
         self.updates_in_round = 0
-        self.groups_dropped = 0  # dynamic sampling
         self.groups_in_update = 0
+        self._tokens_in_update = 0  # loss tokens accumulated since the last update (host count)
+        self._filtered_in_update = 0  # overlong filter: truncated sequences masked out
 
     @contextlib.contextmanager
     def _on_mesh(self) -> Iterator[None]:
@@ -155,19 +165,13 @@ class Learner:
         for i, g in enumerate(groups):
             by_size.setdefault(len(g.completions), []).append(i)
         advantages: list[np.ndarray] = [np.empty(0)] * len(groups)
-        keep = [True] * len(groups)
         estimator = get_advantage_estimator(self.cfg.advantage)
         for idx in by_size.values():  # one estimator call per group size, not per group
             rewards = np.asarray([groups[i].rewards for i in idx], np.float32)
             adv = np.asarray(estimator(rewards))
-            flat = np.asarray(zero_variance_groups(rewards)) if self.cfg.dynamic_sampling else None
             for row, i in enumerate(idx):
                 advantages[i] = adv[row]
-                keep[i] = flat is None or not bool(flat[row])
-        for g, adv, k in zip(groups, advantages, keep, strict=True):
-            if not k:
-                self.groups_dropped += 1
-                continue
+        for g, adv in zip(groups, advantages, strict=True):
             self._pending.append((g, tuple(float(a) for a in adv)))
             self._pending_rows += len(g.completions)
             self.groups_in_update += 1
@@ -185,6 +189,12 @@ class Learner:
             rows=self.cfg.micro_batch_rows,
             min_length_bucket=self.cfg.min_length_bucket,
         )
+        if self.cfg.overlong_filter:  # DAPO: truncated responses get no loss (row i: completion i)
+            rows = [c.finish_reason == "length" for g in groups for c in g.completions]
+            truncated = np.flatnonzero(rows)
+            batch.loss_mask[truncated] = 0.0
+            self._filtered_in_update += len(truncated)
+        self._tokens_in_update += batch.num_tokens
         self._accumulate_batch(batch)
 
     def _batch_shardings(self, batch: Batch) -> Batch:
@@ -221,16 +231,25 @@ class Learner:
         self._flush()
         if self._acc is None:
             raise ValueError(
-                f"update() with no groups accumulated ({self.groups_dropped} dropped by dynamic "
-                "sampling); expected at least one group with response tokens."
+                "update() with no groups accumulated; expected at least one group with response "
+                "tokens (the schedule gives every Update a non-empty batch)."
             )
         step = self.step
-        with self._on_mesh():
-            self.state, metrics = self._apply(self.state, self._acc)
-        self._acc = None
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        if metrics["tokens"] == 0:
-            raise ValueError(f"Update {step}: the accumulated batch holds no response tokens.")
+        filtered, self._filtered_in_update = self._filtered_in_update, 0
+        tokens, self._tokens_in_update = self._tokens_in_update, 0
+        if tokens == 0 and filtered:  # every response truncated and filtered: no gradient, no step
+            shapes = jax.eval_shape(self._apply, self.state, self._acc)[1]
+            self._acc = None
+            metrics = dict.fromkeys(shapes, 0.0)
+            metrics.update(lr=float(self.schedule(step)), nonfinite_leaf=-1.0)
+        else:
+            with self._on_mesh():
+                self.state, metrics = self._apply(self.state, self._acc)
+            self._acc = None
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            if metrics["tokens"] == 0:
+                raise ValueError(f"Update {step}: the accumulated batch holds no response tokens.")
+        metrics["overlong_filtered"] = float(filtered)  # truncated sequences masked out
         for name in ("loss", "grad_norm"):
             if not math.isfinite(metrics[name]):
                 raise FloatingPointError(
@@ -246,7 +265,6 @@ class Learner:
                 "state are unchanged). Expected finite values: lower learner.optimizer.lr."
             )
         metrics["groups"] = float(self.groups_in_update)
-        metrics["groups_dropped"] = float(self.groups_dropped)
         self.groups_in_update = 0
         self.updates_in_round += 1
         return metrics

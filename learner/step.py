@@ -38,13 +38,15 @@ from rl.losses import get_policy_loss, kl_penalty
 _COUNTS = ("tokens", "sequences", "ess_w", "ess_w2")  # sums apply() does not average per token
 _ALWAYS = ("clip_frac", "entropy", "kl", "ratio", "logprob_diff_abs", "logprob_kl")
 SUM_KEYS = (*_ALWAYS, *_COUNTS)  # what Accum.sums holds at least
+MAX_KEYS = ("ratio_max", "ratio_min_neg")  # Accum.maxes: max ratio, max of -ratio
 
 
 def sum_keys(cfg: LearnerConfig) -> tuple[str, ...]:
     """Accum.sums' keys for `cfg`: SUM_KEYS and every per-token metric its policy loss returns."""
     loss = get_policy_loss(cfg.policy_loss)
     x, a = jax.ShapeDtypeStruct((1, 2), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32)
-    _, m = jax.eval_shape(lambda lp, o, adv, mk: loss(lp, o, adv, mk, cfg.loss), x, x, a, x)
+    opts = cfg.loss.options(cfg.policy_loss)
+    _, m = jax.eval_shape(lambda lp, o, adv, mk: loss(lp, o, adv, mk, opts), x, x, a, x)
     return tuple(dict.fromkeys((*SUM_KEYS, *sorted(m))))
 
 
@@ -55,6 +57,8 @@ class Accum:
     numerator: jax.Array
     denominator: jax.Array
     sums: dict[str, jax.Array]  # token-summed metrics and counts
+    # running maxima over the update's tokens: the importance ratio's max and (negated) min
+    maxes: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
 
 
 def zero_accum(params: Any, keys: tuple[str, ...] = SUM_KEYS) -> Accum:
@@ -65,6 +69,7 @@ def zero_accum(params: Any, keys: tuple[str, ...] = SUM_KEYS) -> Accum:
         numerator=zeros,
         denominator=zeros,
         sums=dict.fromkeys(keys, zeros),
+        maxes=dict.fromkeys(MAX_KEYS, jnp.full((), -jnp.inf, jnp.float32)),
     )
 
 
@@ -133,7 +138,8 @@ def accumulate(
     def loss_fn(p: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
         logp, ent = _logprobs(graphdef, p, batch, cfg, cfg.entropy_metric)
         old_logp = jax.lax.stop_gradient(logp) if old is None else old
-        loss, m = get_policy_loss(cfg.policy_loss)(logp, old_logp, batch.advantages, mask, cfg.loss)
+        opts = cfg.loss.options(cfg.policy_loss)  # the loss's own registered options
+        loss, m = get_policy_loss(cfg.policy_loss)(logp, old_logp, batch.advantages, mask, opts)
         kl = jnp.zeros_like(logp)
         if ref is not None:
             kl = kl_penalty(logp, ref, cfg.loss.kl_estimator, mask_BxT=mask)
@@ -162,14 +168,20 @@ def accumulate(
         sums = {k: jnp.sum(jnp.where(mask > 0, v, 0.0)) for k, v in per_token.items()}
         sums["tokens"] = jnp.sum(mask)
         sums["sequences"] = jnp.sum(jnp.any(mask > 0, axis=1)).astype(jnp.float32)
-        return num, (den, sums)
+        ratio = per_token["ratio"]
+        maxes = {
+            "ratio_max": jnp.max(jnp.where(mask > 0, ratio, -jnp.inf)),
+            "ratio_min_neg": jnp.max(jnp.where(mask > 0, -ratio, -jnp.inf)),
+        }
+        return num, (den, sums, maxes)
 
-    (num, (den, sums)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    (num, (den, sums, maxes)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     return Accum(
         grads=jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc.grads, grads),
         numerator=acc.numerator + num,
         denominator=acc.denominator + den,
         sums={k: acc.sums.get(k, 0.0) + v for k, v in sums.items()},
+        maxes={k: jnp.maximum(acc.maxes.get(k, -jnp.inf), v) for k, v in maxes.items()},
     )
 
 
@@ -191,6 +203,9 @@ def apply(
         # ESS = (sum w)^2 / (N sum w^2) over the update's tokens (PipelineRL), in (0, 1]
         "ess": acc.sums["ess_w"] ** 2 / (tokens * jnp.maximum(acc.sums["ess_w2"], 1e-30)),
         **{k: v / tokens for k, v in acc.sums.items() if k not in _COUNTS},
+        # the importance ratio's extremes over the update's tokens (its mean is "ratio")
+        "ratio_max": acc.maxes["ratio_max"],
+        "ratio_min": -acc.maxes["ratio_min_neg"],
     }
     new = TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=state.rng)
     # A non-finite loss, gradient, parameter or optimizer state leaves the state as it was; the

@@ -114,6 +114,29 @@ def seq_mean_token_mean(
     return jnp.sum(seq_B), jnp.sum((n_B > 0).astype(loss_BxT.dtype))
 
 
+@register_aggregation("seq_mean_token_sum")
+def seq_mean_token_sum(
+    loss_BxT: jax.Array, mask_BxT: jax.Array, *, norm_constant: float | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Mean over sequences of each sequence's token sum (veRL "seq-mean-token-sum").
+
+    Longer responses weigh more, per token as in token_mean, but the divisor is the number of
+    sequences, not tokens. Rows with no unmasked token (batch padding) add to neither part.
+
+    Args:
+        loss_BxT: Per-token loss.
+        mask_BxT: 1 at tokens that count, 0 elsewhere.
+        norm_constant: Unused.
+
+    Returns:
+        (sum over sequences of their token-sum loss, number of sequences with a token).
+    """
+    del norm_constant
+    loss_BxT, m_BxT = _masked_loss(loss_BxT, mask_BxT, "seq_mean_token_sum")
+    n_B = jnp.sum(m_BxT, axis=1)
+    return jnp.sum(loss_BxT), jnp.sum((n_B > 0).astype(loss_BxT.dtype))
+
+
 @register_aggregation("seq_mean_token_sum_norm")
 def seq_mean_token_sum_norm(
     loss_BxT: jax.Array, mask_BxT: jax.Array, *, norm_constant: float | None = None

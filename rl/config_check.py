@@ -96,7 +96,7 @@ def _schema() -> dict[str, Any]:
     from learner.config import LearnerConfig, OptimizerConfig
     from learner.mesh import MeshConfig
     from rl.driver import DriverConfig
-    from rl.losses import LossConfig
+    from rl.losses import LOSS_OPTIONS, LossConfig
     from rl.rounds import TailConfig
     from rl.tasks.registry import TASKS
     from rl.types import SamplingParams
@@ -123,7 +123,10 @@ def _schema() -> dict[str, Any]:
         schema[section] = {**fields, **schema.get(section, {})}
     schema["driver"]["tail"] = {**names(TailConfig), **(schema["driver"].get("tail") or {})}
     for sub, cls in (("optimizer", OptimizerConfig), ("loss", LossConfig)):
-        schema["learner"][sub] = {**names(cls), **(schema["learner"].get(sub) or {})}
+        schema["learner"][sub] = {**names(cls, "custom"), **(schema["learner"].get(sub) or {})}
+    for name, cls in LOSS_OPTIONS.items():  # each policy loss's options, user-registered ones too
+        loss = schema["learner"]["loss"]
+        loss[name] = {**names(cls), **(loss.get(name) or {})}
     return schema
 
 
@@ -178,6 +181,7 @@ def check_config(config: Any) -> None:
     from rl.models.config import DTYPES
     from rl.models.sharding import normalize_rules
     from rl.models.summary import tokenizer_from
+    from rl.overlong import OverlongPenalty
     from rl.rewards import get_reward
     from rl.rewards.runner import BACKENDS as REWARD_BACKENDS
     from rl.tasks.data import data_config_from
@@ -222,6 +226,35 @@ def check_config(config: Any) -> None:
             f"model's vocab_size ({model.vocab_size}); expected the tokenizer of the same model."
         )
     p.build("task.reward", lambda: get_reward(config.task.reward))
+    if p.integer(config.eval, "eval.", "pass_k", 0, "k of held-out pass@k; <= 1: off") and (
+        p.integer(config.eval, "eval.", "pass_n", 0, "samples per problem for pass@k; 0: pass_k")
+    ):
+        pass_k, pass_n = config.eval.get("pass_k", 0), config.eval.get("pass_n", 0)
+        if pass_k > 1 and pass_n and pass_n < pass_k:
+            p.add(
+                f"config.eval.pass_n={pass_n} is below config.eval.pass_k={pass_k}; expected "
+                "n >= k samples per problem (or 0: n = k)."
+            )
+    export = config.get("export", {})
+    if not isinstance(export.get("hf", False), bool):
+        p.add(f"config.export.hf={export.get('hf')!r}; expected True or False.")
+    if export.get("dtype", "") and export.get("dtype") not in DTYPES:
+        p.add(
+            f"config.export.dtype={export.get('dtype')!r}; expected one of {tuple(DTYPES)} or ''."
+        )
+    if clean("overlong") and config.overlong.cache_tokens:
+        cap = config.sampling.get("max_new_tokens", 0)
+        penalty = p.build(
+            "overlong",
+            lambda: OverlongPenalty(
+                get_reward, cache_tokens=config.overlong.cache_tokens, factor=config.overlong.factor
+            ),
+        )
+        if penalty is not None and isinstance(cap, int) and penalty.cache_tokens > cap:
+            p.add(
+                f"config.overlong.cache_tokens={penalty.cache_tokens} exceeds "
+                f"config.sampling.max_new_tokens={cap}; expected at most the response cap."
+            )
     p.positive(config.task, "task.", "reward_timeout_s", "seconds")
     p.integer(config.task, "task.", "reward_workers", 1, "reward calls run at once")
     backend = config.task.get("reward_backend", "thread")

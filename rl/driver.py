@@ -278,8 +278,8 @@ class Driver:
             self._run(self.schedule.on_group(self._next_group()))
         done = self._done.pop(round)
         plan, trained = done.plan, list(done.trained)
-        updates = self._updates.pop(round)
-        n_updates = -(-plan.target // self.cfg.groups_per_update)
+        updates = self._updates.pop(round, [])
+        n_updates = -(-len(trained) // self.cfg.groups_per_update)
         if len(updates) != n_updates:
             raise RuntimeError(f"Round {round} ran {len(updates)} updates; expected {n_updates}.")
         metrics = round_metrics(
@@ -288,14 +288,17 @@ class Driver:
             rollout_start=self._starts.pop(round),
             num_slots=self.num_slots,
         )
-        metrics.update(self._round_stats(plan, trained, self._stats0.pop(round)))
-        for key in updates[0]:  # every metric the learner and its loss return: round means
-            metrics.setdefault(key, float(np.mean([m[key] for m in updates])))
-        tokens = np.asarray([m["tokens"] for m in updates])  # lag: token-weighted, and the max
-        metrics["lag_mean"] = float(
-            np.sum(tokens * [m["lag_mean"] for m in updates]) / tokens.sum()
+        metrics.update(
+            self._round_stats(plan, trained, list(done.discarded), self._stats0.pop(round))
         )
-        metrics["lag_max"] = float(np.max([m["lag_max"] for m in updates]))
+        for key in updates[0] if updates else ():  # every metric the learner and loss return
+            metrics.setdefault(key, float(np.mean([m[key] for m in updates])))
+        if updates:  # lag: token-weighted, and the max
+            tokens = np.asarray([m["tokens"] for m in updates])
+            metrics["lag_mean"] = float(
+                np.sum(tokens * [m["lag_mean"] for m in updates]) / tokens.sum()
+            )
+            metrics["lag_max"] = float(np.max([m["lag_max"] for m in updates]))
         return RoundResult(
             round=round,
             kind=plan.kind,
@@ -305,15 +308,24 @@ class Driver:
             metrics=metrics,
         )
 
-    def _round_stats(self, plan: RoundPlan, trained: list[Group], stats0: Any) -> dict[str, float]:
-        lengths = np.asarray([len(c.tokens) for g in trained for c in g.completions], np.float64)
-        rewards = np.asarray([g.rewards for g in trained], np.float32)
+    def _round_stats(
+        self, plan: RoundPlan, trained: list[Group], discarded: list[Group], stats0: Any
+    ) -> dict[str, float]:
+        # Rewards and lengths of every group the round sampled and kept: trained and, under
+        # dynamic sampling, discarded (rewards all equal) groups, so reward_mean is not biased
+        # by the selection.
+        sampled = trained + discarded
+        lengths = np.asarray([len(c.tokens) for g in sampled for c in g.completions], np.float64)
+        rewards = np.asarray([r for g in sampled for r in g.rewards], np.float32)
         stats = self.sampler.stats
         out = {
             "reward_mean": float(rewards.mean()),
             "version": float(self.version),
             "long_round": float(plan.kind in ("long", "flush")),
             "groups_trained": float(len(trained)),
+            # dynamic sampling: prompts drawn this round (R plus refills) and groups discarded
+            "prompts_drawn": float(len(plan.prompts)),
+            "groups_discarded": float(len(discarded)),
             "aborted_prompts": float(plan.aborted),
             "long_queue": float(len(self.planner.long_queue)),
             "response_len_max": float(lengths.max()),

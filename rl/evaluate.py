@@ -9,6 +9,7 @@ import numpy as np
 
 from rl.admission import FCFS
 from rl.models.tokenizer import Tokenizer
+from rl.passk import mean_pass_at_k
 from rl.tasks.pipeline import DEFAULT_META_FIELDS, record_meta
 from rl.tasks.templates import Template, render_prompt
 from rl.types import Group, Request, SamplingParams
@@ -29,25 +30,31 @@ def evaluate(
     *,
     max_new_tokens: int,
     k: int = 1,
+    n: int = 0,
     temperature: float = 1.0,
     template: Template = "plain",
     system: str | None = None,
     instruction: str = "",
     meta_fields: Sequence[str] = DEFAULT_META_FIELDS,
 ) -> dict[str, float]:
-    """Greedy accuracy over `records`, and pass@k with k samples at `temperature` when k > 1.
+    """Greedy accuracy over `records`, and pass@k from n samples at `temperature` when k > 1.
 
     A response is correct when `reward_fn` gives it a reward >= 1. Prompts are rendered with
     `template`, `system` and `instruction` as in training (rl.tasks.templates.render_prompt);
     each request's meta holds the record's `meta_fields` (the task's, as in training).
+    pass@k is the unbiased estimator of the Codex paper (rl.passk) over n >= k samples per
+    problem (n 0: n = k, the plain "any of k correct" fraction).
 
     Returns:
-      {"accuracy": fraction correct greedily, "pass@k": fraction with >= 1 of k correct (k > 1)}.
+      {"accuracy": fraction correct greedily, "pass@k": mean unbiased pass@k (k > 1)}.
     """
     from sampler.loop import SamplerLoop
 
     if not records:
         raise ValueError("evaluate received no records; expected a held-out split.")
+    n = n or k
+    if k < 1 or n < k:
+        raise ValueError(f"evaluate: pass@k needs 1 <= k <= n; received k={k}, n={n}.")
     stop = (tokenizer.eos_id,)
 
     def run(group_size: int, sampling: SamplingParams) -> list[Group]:
@@ -78,10 +85,10 @@ def evaluate(
     out = {"accuracy": float(np.mean([g.rewards[0] >= 1.0 for g in greedy]))}
     if k > 1:
         sampled = run(
-            k,
+            n,
             SamplingParams(
                 temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=stop
             ),
         )
-        out[f"pass@{k}"] = float(np.mean([max(g.rewards) >= 1.0 for g in sampled]))
+        out[f"pass@{k}"] = mean_pass_at_k([[r >= 1.0 for r in g.rewards] for g in sampled], k)
     return out

@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -105,36 +105,165 @@ def _is_real(v: object) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LossConfig:
-    """Hyper-parameters of the policy losses and the KL penalty."""
+def _check_fields(cfg: object, where: str, *, below_one=(), nonneg=(), positive=()) -> None:
+    """Range checks of float fields; errors name `where.field`, the value and the range."""
+    for name in below_one:
+        v = getattr(cfg, name)
+        if not (_is_real(v) and 0.0 <= v < 1.0):
+            raise ValueError(f"{where}.{name} must be in [0, 1); received {v!r}.")
+    for name in nonneg:
+        v = getattr(cfg, name)
+        if not (_is_real(v) and math.isfinite(v) and v >= 0.0):
+            raise ValueError(f"{where}.{name} must be finite and >= 0; received {v!r}.")
+    for name in positive:
+        v = getattr(cfg, name)
+        if not (_is_real(v) and math.isfinite(v) and v > 0.0):
+            raise ValueError(f"{where}.{name} must be finite and > 0; received {v!r}.")
 
-    clip_low: float = 0.2  # ppo_clip: ratio clipped below at 1 - clip_low
-    clip_high: float = 0.2  # ppo_clip: ratio clipped above at 1 + clip_high (DAPO: 0.28)
-    gspo_clip_low: float = 3e-4  # gspo: sequence ratio clipped below at 1 - gspo_clip_low
-    gspo_clip_high: float = 4e-4  # gspo: sequence ratio clipped above at 1 + gspo_clip_high
-    tis_clip: float = 5.0  # tis_reinforce: importance weights truncated at tis_clip
-    kl_coef: float = 0.0  # weight of the per-token KL penalty to the reference; 0: off
-    kl_estimator: str = "k3"  # one of KL_ESTIMATORS
+
+# Each policy loss declares its hyperparameters in its own frozen dataclass, registered with it
+# (`register_policy_loss(name, options=...)`) and set from the command line as
+# --config.learner.loss.<name>.<field>=...; the loss function receives that dataclass.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NoOptions:
+    """The options of a loss that declares none."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PpoClipOptions:
+    clip_low: float = 0.2  # ratio clipped below at 1 - clip_low
+    clip_high: float = 0.28  # ratio clipped above at 1 + clip_high (DAPO clip-higher; PPO: 0.2)
 
     def __post_init__(self) -> None:
-        for name in ("clip_low", "gspo_clip_low"):
-            v = getattr(self, name)
-            if not (_is_real(v) and 0.0 <= v < 1.0):
-                raise ValueError(f"LossConfig.{name} must be in [0, 1); received {v!r}.")
-        for name in ("clip_high", "gspo_clip_high", "kl_coef"):
-            v = getattr(self, name)
-            if not (_is_real(v) and math.isfinite(v) and v >= 0.0):
-                raise ValueError(f"LossConfig.{name} must be finite and >= 0; received {v!r}.")
-        if not (_is_real(self.tis_clip) and math.isfinite(self.tis_clip) and self.tis_clip > 0):
-            raise ValueError(
-                f"LossConfig.tis_clip must be finite and > 0; received {self.tis_clip!r}."
-            )
+        _check_fields(self, "learner.loss.ppo_clip", below_one=("clip_low",), nonneg=("clip_high",))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GspoOptions:
+    clip_low: float = 3e-4  # sequence ratio clipped below at 1 - clip_low (GSPO paper)
+    clip_high: float = 4e-4  # sequence ratio clipped above at 1 + clip_high
+
+    def __post_init__(self) -> None:
+        _check_fields(self, "learner.loss.gspo", below_one=("clip_low",), nonneg=("clip_high",))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TisOptions:
+    clip: float = 5.0  # importance weights truncated at this cap c (PipelineRL)
+
+    def __post_init__(self) -> None:
+        _check_fields(self, "learner.loss.tis_reinforce", positive=("clip",))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoupledPpoOptions:
+    clip_low: float = 0.2  # proximal ratio clipped below at 1 - clip_low
+    clip_high: float = 0.28  # proximal ratio clipped above at 1 + clip_high
+    behav_clip: float = 5.0  # behaviour importance weight cap
+
+    def __post_init__(self) -> None:
+        _check_fields(
+            self,
+            "learner.loss.decoupled_ppo",
+            below_one=("clip_low",),
+            nonneg=("clip_high",),
+            positive=("behav_clip",),
+        )
+
+
+LOSS_OPTIONS: dict[str, type] = {}  # policy loss name -> its options dataclass
+_BUILTIN = {
+    "ppo_clip": PpoClipOptions,
+    "gspo": GspoOptions,
+    "tis_reinforce": TisOptions,
+    "decoupled_ppo": DecoupledPpoOptions,
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    """The KL penalty, and each policy loss's own options (`options(name)`)."""
+
+    kl_coef: float = 0.0  # weight of the per-token KL penalty to the reference; 0: off
+    kl_estimator: str = "k3"  # one of KL_ESTIMATORS
+    ppo_clip: PpoClipOptions = PpoClipOptions()
+    gspo: GspoOptions = GspoOptions()
+    tis_reinforce: TisOptions = TisOptions()
+    decoupled_ppo: DecoupledPpoOptions = DecoupledPpoOptions()
+    # Options of losses registered outside this module: (name, options instance) pairs.
+    custom: tuple[tuple[str, object], ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_fields(self, "learner.loss", nonneg=("kl_coef",))
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(
-                f"LossConfig.kl_estimator must be one of {sorted(KL_ESTIMATORS)}; received "
+                f"learner.loss.kl_estimator must be one of {sorted(KL_ESTIMATORS)}; received "
                 f"{self.kl_estimator!r}."
             )
+        for name, cls in _BUILTIN.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(
+                    f"learner.loss.{name} must be a {cls.__name__}; received "
+                    f"{getattr(self, name)!r}."
+                )
+        for name, opts in self.custom:
+            expected = LOSS_OPTIONS.get(name)
+            if expected is None or name in _BUILTIN or not isinstance(opts, expected):
+                raise ValueError(
+                    f"learner.loss.custom entry {name!r}: expected a policy loss registered "
+                    f"outside rl.losses with its options dataclass ({expected}); received "
+                    f"{type(opts).__name__}."
+                )
+
+    def options(self, name: str) -> object:
+        """The options of policy loss `name`: its field here, its `custom` entry, or defaults."""
+        if name in _BUILTIN:
+            return getattr(self, name)
+        custom = dict(self.custom)
+        if name in custom:
+            return custom[name]
+        if name not in LOSS_OPTIONS:
+            raise ValueError(
+                f"Unknown policy loss {name!r}; expected one of {sorted(LOSS_OPTIONS)}."
+            )
+        return LOSS_OPTIONS[name]()
+
+
+def loss_config_from(section: Mapping[str, Any]) -> LossConfig:
+    """LossConfig from a `config.learner.loss` section: kl_coef, kl_estimator, and one sub-section
+    per policy loss (`gspo: {clip_low: ...}`), each built into that loss's options dataclass."""
+    fields: dict[str, Any] = {}
+    custom = []
+    for key, value in dict(section).items():
+        if key in ("kl_coef", "kl_estimator"):
+            fields[key] = value
+        elif key in LOSS_OPTIONS:
+            cls = LOSS_OPTIONS[key]
+            if not hasattr(value, "keys"):
+                raise ValueError(
+                    f"learner.loss.{key} must be a section of {cls.__name__} fields; received "
+                    f"{value!r}."
+                )
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(value.keys()) - known)
+            if unknown:
+                raise ValueError(
+                    f"learner.loss.{key} has no field(s) {unknown}; expected some of "
+                    f"{sorted(known)}."
+                )
+            opts = cls(**dict(value))
+            if key in _BUILTIN:
+                fields[key] = opts
+            else:
+                custom.append((key, opts))
+        else:
+            raise ValueError(
+                f"learner.loss has no field {key!r}; expected kl_coef, kl_estimator or a policy "
+                f"loss's options section, one of {sorted(LOSS_OPTIONS)}."
+            )
+    return LossConfig(**fields, custom=tuple(custom))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,14 +277,36 @@ class PolicyLoss(Protocol):
         old_logp_BxT: jax.Array,
         adv_B: jax.Array,
         mask_BxT: jax.Array,
-        cfg: LossConfig,
+        opts: Any,
     ) -> tuple[jax.Array, Metrics]:
-        """Returns the per-token loss (0 where mask is 0) and per-token metrics."""
+        """Returns the per-token loss (0 where mask is 0) and per-token metrics; `opts` is the
+        loss's registered options dataclass."""
 
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
-register_policy_loss = POLICY_LOSSES.register
 get_policy_loss = POLICY_LOSSES.get
+
+
+def register_policy_loss(
+    name: str, *, options: type = NoOptions
+) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator: registers a policy loss under a new `name`, with its options dataclass.
+
+    The loss is called as `fn(logp_BxT, old_logp_BxT, adv_B, mask_BxT, opts)`, `opts` an instance
+    of `options` (a frozen dataclass; a run sets its fields as config.learner.loss.<name>.<field>).
+    """
+    if not (isinstance(options, type) and dataclasses.is_dataclass(options)):
+        raise ValueError(
+            f"register_policy_loss({name!r}): options must be a dataclass type; received "
+            f"{options!r}."
+        )
+
+    def decorator(fn: PolicyLoss) -> PolicyLoss:
+        POLICY_LOSSES.register(name)(fn)
+        LOSS_OPTIONS[name] = options
+        return fn
+
+    return decorator
 
 
 def _valid(mask_BxT: ArrayLike, shape: tuple[int, ...], where: str) -> jax.Array:
@@ -213,13 +364,13 @@ def _clipped_outputs(
     return jnp.where(valid_BxT, loss_BxT, zero), metrics
 
 
-@register_policy_loss("ppo_clip")
+@register_policy_loss("ppo_clip", options=PpoClipOptions)
 def ppo_clip_loss(
     logp_BxT: jax.Array,
     old_logp_BxT: jax.Array,
     adv_B: jax.Array,
     mask_BxT: jax.Array,
-    cfg: LossConfig,
+    cfg: Any,
 ) -> tuple[jax.Array, Metrics]:
     """PPO clipped surrogate per token, with separate low/high clips (DAPO clip-higher).
 
@@ -230,7 +381,7 @@ def ppo_clip_loss(
         old_logp_BxT: Log-probs of the same tokens under the policy that sampled them.
         adv_B: One advantage per sequence.
         mask_BxT: 1 (or True) at response tokens, 0 at prompt and padding.
-        cfg: Uses `clip_low` and `clip_high`.
+        cfg: PpoClipOptions: `clip_low` and `clip_high`.
 
     Returns:
         loss_BxT (0 where masked) and per-token metrics, 0 where masked: "ratio"; "clip_frac"
@@ -249,27 +400,27 @@ def ppo_clip_loss(
     return _clipped_outputs(loss_BxT, ratio_BxT, low_BxT, high_BxT, valid_BxT)
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", options=GspoOptions)
 def gspo_loss(
     logp_BxT: jax.Array,
     old_logp_BxT: jax.Array,
     adv_B: jax.Array,
     mask_BxT: jax.Array,
-    cfg: LossConfig,
+    cfg: Any,
 ) -> tuple[jax.Array, Metrics]:
     """GSPO (GSPO-token form): the PPO clip on the sequence ratio, broadcast over its tokens.
 
     `s_i = exp(mean_t(logp - old_logp))` over the sequence's unmasked tokens; each token carries
     `s_it = sg(s_i) * exp(logp_t - sg(logp_t))`, equal to `s_i` in value with `d s_it / d logp_t =
     s_i`. With "seq_mean_token_mean" aggregation the gradient equals that of the paper's sequence
-    objective `-mean_i min(s_i A_i, clip(s_i, 1 - gspo_clip_low, 1 + gspo_clip_high) A_i)`.
+    objective `-mean_i min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i)`.
 
     Args:
         logp_BxT: Log-probs of the sampled tokens under the policy being trained.
         old_logp_BxT: Log-probs of the same tokens under the policy that sampled them.
         adv_B: One advantage per sequence.
         mask_BxT: 1 (or True) at response tokens, 0 at prompt and padding.
-        cfg: Uses `gspo_clip_low` and `gspo_clip_high`.
+        cfg: GspoOptions: `clip_low` and `clip_high` (of the sequence ratio).
 
     Returns:
         loss_BxT (0 where masked) and per-token metrics, 0 where masked: "ratio" (the sequence
@@ -287,23 +438,23 @@ def gspo_loss(
     )
     adv_BxT = jnp.broadcast_to(adv_B[:, None], token_ratio_BxT.shape)
     loss_BxT, low_BxT, high_BxT = _clipped_objective(
-        token_ratio_BxT, adv_BxT, cfg.gspo_clip_low, cfg.gspo_clip_high
+        token_ratio_BxT, adv_BxT, cfg.clip_low, cfg.clip_high
     )
     ratio_BxT = jax.lax.stop_gradient(token_ratio_BxT)
     return _clipped_outputs(loss_BxT, ratio_BxT, low_BxT, high_BxT, valid_BxT)
 
 
-@register_policy_loss("tis_reinforce")
+@register_policy_loss("tis_reinforce", options=TisOptions)
 def tis_reinforce_loss(
     logp_BxT: jax.Array,
     old_logp_BxT: jax.Array,
     adv_B: jax.Array,
     mask_BxT: jax.Array,
-    cfg: LossConfig,
+    cfg: Any,
 ) -> tuple[jax.Array, Metrics]:
     """REINFORCE with truncated importance sampling (PipelineRL): `-w A logp` per token.
 
-    `w = sg(min(exp(logp - old_logp), tis_clip))`, in [0, tis_clip], carries no gradient, so
+    `w = sg(min(exp(logp - old_logp), clip))`, in [0, clip], carries no gradient, so
     `d loss / d logp = -w A`. The loss value is a surrogate; only its gradient is meaningful.
 
     Args:
@@ -311,41 +462,41 @@ def tis_reinforce_loss(
         old_logp_BxT: Log-probs of the same tokens under the policy that sampled them.
         adv_B: One advantage per sequence.
         mask_BxT: 1 (or True) at response tokens, 0 at prompt and padding.
-        cfg: Uses `tis_clip`.
+        cfg: TisOptions: `clip`, the cap c.
 
     Returns:
         loss_BxT (0 where masked) and per-token metrics, 0 where masked: "is_weight" (w),
-        "ratio" (the untruncated ratio), "clip_frac" (1 where the ratio exceeds tis_clip).
+        "ratio" (the untruncated ratio), "clip_frac" (1 where the ratio exceeds the cap).
     """
     logp_BxT, old_logp_BxT, adv_B, valid_BxT = _check_inputs(
         logp_BxT, old_logp_BxT, adv_B, mask_BxT
     )
     logp_BxT = jnp.where(valid_BxT, logp_BxT, 0.0)
     ratio_BxT = jax.lax.stop_gradient(jnp.exp(jnp.where(valid_BxT, logp_BxT - old_logp_BxT, 0.0)))
-    w_BxT = jnp.minimum(ratio_BxT, cfg.tis_clip)
+    w_BxT = jnp.minimum(ratio_BxT, cfg.clip)
     loss_BxT = -w_BxT * adv_B[:, None] * logp_BxT
     zero = jnp.zeros_like(loss_BxT)
     metrics = {
         "is_weight": jnp.where(valid_BxT, w_BxT, zero),
         "ratio": jnp.where(valid_BxT, ratio_BxT, zero),
-        "clip_frac": jnp.where(valid_BxT & (ratio_BxT > cfg.tis_clip), 1.0, zero),
+        "clip_frac": jnp.where(valid_BxT & (ratio_BxT > cfg.clip), 1.0, zero),
     }
     return jnp.where(valid_BxT, loss_BxT, zero), metrics
 
 
-@register_policy_loss("decoupled_ppo")
+@register_policy_loss("decoupled_ppo", options=DecoupledPpoOptions)
 def decoupled_ppo_loss(
     logp_BxT: jax.Array,
     old_logp_BxT: jax.Array,
     adv_B: jax.Array,
     mask_BxT: jax.Array,
-    cfg: LossConfig,
+    cfg: Any,
 ) -> tuple[jax.Array, Metrics]:
     """Decoupled PPO (AReaL) for stale data: the behaviour policy (the sampler's, `old_logp_BxT`;
     use learner.old_logprobs="sampler") only weights, the proximal policy anchors the clip.
 
     `loss = -w min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`, `r = exp(logp - logp_prox)`,
-    `w = sg(min(exp(logp_prox - old_logp), tis_clip))`. The proximal policy is the policy at the
+    `w = sg(min(exp(logp_prox - old_logp), behav_clip))`. The proximal policy is the policy at the
     start of the update: the learner takes one optimizer step per batch, so `logp_prox =
     sg(logp)` (r = 1 in value, its gradient that of logp) and the gradient is `-w A d logp`.
 
@@ -354,11 +505,12 @@ def decoupled_ppo_loss(
         old_logp_BxT: The behaviour (sampler) log-probs of the same tokens.
         adv_B: One advantage per sequence.
         mask_BxT: 1 (or True) at response tokens, 0 at prompt and padding.
-        cfg: Uses `clip_low`, `clip_high` and `tis_clip` (the behaviour weight's cap).
+        cfg: DecoupledPpoOptions: `clip_low`, `clip_high` and `behav_clip` (the behaviour
+            weight's cap).
 
     Returns:
         loss_BxT (0 where masked) and per-token metrics, 0 where masked: "behav_weight" (w),
-        "behav_clip_frac" (1 where the behaviour ratio exceeds tis_clip), "ratio" (r) and the
+        "behav_clip_frac" (1 where the behaviour ratio exceeds behav_clip), "ratio" (r) and the
         PPO clip fractions "clip_frac", "clip_frac_low", "clip_frac_high".
     """
     logp_BxT, old_logp_BxT, adv_B, valid_BxT = _check_inputs(
@@ -367,7 +519,7 @@ def decoupled_ppo_loss(
     logp_BxT = jnp.where(valid_BxT, logp_BxT, 0.0)
     prox_BxT = jax.lax.stop_gradient(logp_BxT)
     behav_BxT = jnp.exp(jnp.where(valid_BxT, prox_BxT - old_logp_BxT, 0.0))
-    w_BxT = jnp.minimum(behav_BxT, cfg.tis_clip)
+    w_BxT = jnp.minimum(behav_BxT, cfg.behav_clip)
     ratio_BxT = jnp.exp(logp_BxT - prox_BxT)
     adv_BxT = jnp.broadcast_to(adv_B[:, None], ratio_BxT.shape)
     loss_BxT, low_BxT, high_BxT = _clipped_objective(
@@ -378,5 +530,5 @@ def decoupled_ppo_loss(
     )
     zero = jnp.zeros_like(loss_BxT)
     metrics["behav_weight"] = jnp.where(valid_BxT, w_BxT, zero)
-    metrics["behav_clip_frac"] = jnp.where(valid_BxT & (behav_BxT > cfg.tis_clip), 1.0, zero)
+    metrics["behav_clip_frac"] = jnp.where(valid_BxT & (behav_BxT > cfg.behav_clip), 1.0, zero)
     return loss_BxT, metrics

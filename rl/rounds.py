@@ -283,32 +283,79 @@ class RoundPlanner:
         self._drawn += len(out)
         return out
 
-    def finish(self, plan: RoundPlan, trained_uids: Iterable[int]) -> list[Prompt]:
+    def refill(self, plan: RoundPlan, n: int) -> RoundPlan:
+        """Draws up to `n` more fresh prompts into the open plain round (dynamic sampling).
+
+        Returns:
+          The open plan with the new prompts appended (their Request.index continues the round's);
+          it replaces `plan` (pass it to `finish`). Fewer than `n` are drawn if the source ends.
+
+        Raises:
+          ValueError: `plan` is not the open plan, is not a plain round, or `n` < 1.
+        """
+        if plan is not self._open:
+            raise ValueError(f"refill() got round {plan.round}, which is not the open plan.")
+        if plan.kind != "plain" or self.cfg.enabled:
+            raise ValueError(
+                f"refill() of round {plan.round} ({plan.kind}); expected a plain round (dynamic "
+                "sampling does not combine with tail batching)."
+            )
+        if n < 1:
+            raise ValueError(f"refill() needs n >= 1 prompts; received {n}.")
+        fresh = self._draw(n, bounded=False)
+        self._open = dataclasses.replace(plan, prompts=plan.prompts + tuple(fresh))
+        return self._open
+
+    def finish(
+        self,
+        plan: RoundPlan,
+        trained_uids: Iterable[int],
+        discarded_uids: Iterable[int] = (),
+    ) -> list[Prompt]:
         """Records which of `plan`'s prompts were trained; the others join the long queue.
+
+        Args:
+          plan: the open plan.
+          trained_uids: the prompts trained, exactly `plan.target` of them unless some were
+            discarded.
+          discarded_uids: prompts sampled but not trained because their group carried no signal
+            (dynamic sampling); they are consumed, not queued. With them, every prompt of the plan
+            is trained or discarded and at most `plan.target` are trained (fewer when the
+            round's oversampling budget ran out).
 
         Returns:
           The prompts moved to the long queue, in logical order.
 
         Raises:
           ValueError: `plan` is not the open plan, a uid is not one of its prompts or repeats, or
-            the number trained differs from `plan.target`.
+            the number trained differs from `plan.target` (without discarded prompts).
         """
         if plan is not self._open:
             raise ValueError(f"finish() got round {plan.round}, which is not the open plan.")
         trained = list(trained_uids)
+        discarded = list(discarded_uids)
         planned = {p.uid for p in plan.prompts}
-        unknown = [u for u in trained if u not in planned]
-        if unknown or len(set(trained)) != len(trained):
+        unknown = [u for u in trained + discarded if u not in planned]
+        if unknown or len(set(trained + discarded)) != len(trained) + len(discarded):
             raise ValueError(
-                f"Round {plan.round}: trained uids must be distinct uids of the plan's prompts; "
-                f"received {len(trained)} uids, unknown {unknown[:8]}."
+                f"Round {plan.round}: trained and discarded uids must be distinct uids of the "
+                f"plan's prompts; received {len(trained)} + {len(discarded)} uids, unknown "
+                f"{unknown[:8]}."
             )
-        if len(trained) != plan.target:
+        if not discarded and len(trained) != plan.target:
             raise ValueError(
                 f"Round {plan.round} ({plan.kind}) trained {len(trained)} groups; expected exactly "
                 f"{plan.target}."
             )
-        done = set(trained)
+        if discarded and (
+            len(trained) > plan.target or len(trained) + len(discarded) != len(plan.prompts)
+        ):
+            raise ValueError(
+                f"Round {plan.round} ({plan.kind}) trained {len(trained)} and discarded "
+                f"{len(discarded)} of {len(plan.prompts)} prompts; expected every prompt trained "
+                f"or discarded and at most {plan.target} trained."
+            )
+        done = set(trained) | set(discarded)
         moved = [p for p in plan.prompts if p.uid not in done]
         self._queue.extend(moved)
         self._open = None

@@ -24,6 +24,7 @@ from rl.metrics import MetricsWriter
 from rl.models.build import build_model
 from rl.models.sharding import normalize_rules
 from rl.models.summary import tokenizer_from
+from rl.overlong import OverlongPenalty
 from rl.rewards import RewardRunner, get_reward
 from rl.tasks.data import DataConfig, data_config_from, load_task
 from rl.tasks.pipeline import prompt_dataset
@@ -38,6 +39,7 @@ RESULTS = (
     "timeline.json",
     "timeline.png",
     "learning_curve.png",
+    "hf",
 )
 
 
@@ -82,6 +84,15 @@ def _reward_counts(runner: RewardRunner, seen: dict[str, int]) -> dict[str, floa
     out = {f"reward_{k}": float(stats[k] - seen.get(k, 0)) for k in ("errors", "timeouts")}
     seen.update(stats)
     return out
+
+
+def _shaped(reward: RewardRunner, config: Any) -> Any:
+    """The rollout reward: the task's, plus DAPO's soft overlong punishment when configured."""
+    if not config.overlong.cache_tokens:
+        return reward
+    return OverlongPenalty(
+        reward, cache_tokens=config.overlong.cache_tokens, factor=config.overlong.factor
+    )
 
 
 def _sft(
@@ -227,11 +238,14 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     heldout = data.heldout
     phases = {"setup_s": time.perf_counter() - start, "sft_s": 0.0, "eval_s": 0.0, "rl_s": 0.0}
 
-    def heldout_accuracy(params: Any) -> float:
+    pass_k = config.eval.pass_k if config.eval.pass_k > 1 else 1
+
+    def heldout_eval(params: Any, k: int = pass_k) -> dict[str, float]:
+        """{"accuracy": greedy, "pass@k": unbiased from eval.pass_n samples (eval.pass_k > 1)}."""
         jax.block_until_ready(params)  # pending training steps are not billed to evaluation
         t = time.perf_counter()
         published = sync.publish(params, version=-1).params
-        acc = evaluate(
+        out = evaluate(
             engine,
             published,
             heldout,
@@ -239,24 +253,31 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
             eval_reward,
             max_new_tokens=config.sampling.max_new_tokens,
             meta_fields=data_cfg.meta_fields,
+            k=k,
+            n=config.eval.pass_n if k > 1 else 0,
+            temperature=config.sampling.temperature,
             **data_cfg.prompt_kwargs,
-        )["accuracy"]
+        )
         phases["eval_s"] += time.perf_counter() - t
-        return acc
+        return out
+
+    def heldout_accuracy(params: Any) -> float:  # SFT's stopping rule: greedy accuracy only
+        return heldout_eval(params, k=1)["accuracy"]
 
     sft_steps = 0
     if config.sft.max_steps and first_round == 0:
         t = time.perf_counter()
         sft_steps = _sft(config, learner, tokenizer, heldout_accuracy, writer, data.train, data_cfg)
         phases["sft_s"] = time.perf_counter() - t - phases["eval_s"]
-    acc_before = heldout_accuracy(learner.params)
+    eval_before = heldout_eval(learner.params)
+    acc_before = eval_before["accuracy"]
     driver = Driver(
         driver_cfg,
         engine=engine,
         learner=learner,
         weight_sync=sync,
         prompts=prompts,
-        reward_fn=reward,
+        reward_fn=_shaped(reward, config),
         version=version,
         rounds=config.rounds,  # async plans no round past the run's last
         barrier_every=config.checkpoint_every,  # async: nothing in flight at a checkpoint
@@ -284,7 +305,10 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
             # RL time so far without evaluation: the x axis of "time to reach X% held-out"
             metrics["rl_elapsed_s"] = time.perf_counter() - t_rl - (phases["eval_s"] - eval_at_rl)
             if config.eval.every_rounds and (r + 1) % config.eval.every_rounds == 0:
-                metrics["heldout_acc"] = heldout_accuracy(learner.params)
+                evaluated = heldout_eval(learner.params)
+                metrics["heldout_acc"] = evaluated["accuracy"]
+                if pass_k > 1:
+                    metrics[f"heldout_pass@{pass_k}"] = evaluated[f"pass@{pass_k}"]
             writer.write(r, metrics, prefix="train")
             rounds.append(result.metrics)
             if config.checkpoint_every and (
@@ -302,7 +326,8 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
         driver.close()
         ckpt.close()
     eval_in_rl = phases["eval_s"]
-    acc_after = heldout_accuracy(learner.params)
+    eval_after = heldout_eval(learner.params)
+    acc_after = eval_after["accuracy"]
     reward.close()
     eval_reward.close()
     writer.close()
@@ -326,9 +351,33 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
         rounds=config.rounds,
         title=f"{config.task.name}, {driver_cfg.name}: held-out {acc_before:.1%} -> {acc_after:.1%}",
     )
+    export = None
+    if config.export.hf:  # the final policy as a Hugging Face directory (rl/models/export.py)
+        from flax import nnx
+
+        from rl.models.export import export_hf
+
+        export = os.path.join(config.workdir, "hf")
+        spec = config.tokenizer or config.model.hf_path
+        export_hf(
+            nnx.merge(learner.graphdef, learner.params),
+            export,
+            tokenizer=tokenizer,
+            tokenizer_dir=None if spec == "byte" else spec,
+            dtype=config.export.dtype or None,
+        )
     summary = {
+        "export_hf": export,
         "heldout_acc_before": acc_before,
         "heldout_acc_after": acc_after,
+        **(
+            {
+                f"heldout_pass@{pass_k}_before": eval_before[f"pass@{pass_k}"],
+                f"heldout_pass@{pass_k}_after": eval_after[f"pass@{pass_k}"],
+            }
+            if pass_k > 1
+            else {}
+        ),
         "sft_steps": sft_steps,
         "wall_s": time.perf_counter() - start,
         **phases,

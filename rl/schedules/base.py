@@ -63,6 +63,7 @@ class RoundDone:
     plan: RoundPlan
     trained: tuple[Group, ...]  # in training order
     version: int  # the policy version that sampled the round's first requests
+    discarded: tuple[Group, ...] = ()  # dynamic sampling: sampled, all rewards equal, not trained
 
 
 Action = Submit | Begin | Add | Update | Publish | RoundDone

@@ -8,6 +8,7 @@ A mode name is what the benchmarks and launch.simulate print: "sync", "cgp+<admi
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, ClassVar
 
 from rl.admission import make_policy
@@ -35,6 +36,11 @@ class ScheduleConfig:
     max_staleness: int = 0  # async: the sampler runs at most this many versions ahead
     tail: TailConfig = TailConfig()  # tail batching (rl.rounds); off: plain rounds
     epoch_size: int = 0  # prompts per epoch of the source (tail.epoch_end="flush"); 0: no epochs
+    # DAPO dynamic sampling: a group whose rewards are all equal (zero advantage) is discarded and
+    # a fresh prompt is drawn in its place, until the round holds R groups with reward variance or
+    # it has drawn ceil(max_oversample * R) prompts (then it trains the informative ones it has).
+    dynamic_sampling: bool = False
+    max_oversample: float = 3.0  # dynamic sampling: prompts drawn per round <= this * R (>= 1)
 
     def __post_init__(self):
         if self.mode not in SCHEDULES:
@@ -58,6 +64,38 @@ class ScheduleConfig:
             raise ValueError(
                 f"max_staleness={self.max_staleness} needs mode='async'; received mode="
                 f"{self.mode!r} (sync and cgp are on-policy)."
+            )
+        if not isinstance(self.dynamic_sampling, bool):
+            raise ValueError(
+                f"{self.prefix}.dynamic_sampling must be a bool; received "
+                f"{self.dynamic_sampling!r}."
+            )
+        if (
+            isinstance(self.max_oversample, bool)
+            or not isinstance(self.max_oversample, (int, float))
+            or not math.isfinite(self.max_oversample)
+            or self.max_oversample < 1.0
+        ):
+            raise ValueError(
+                f"{self.prefix}.max_oversample must be a finite number >= 1 (prompts drawn per "
+                f"round / groups_per_round); received {self.max_oversample!r}."
+            )
+        if self.dynamic_sampling and (self.mode == "async" or self.tail.enabled):
+            raise ValueError(
+                f"{self.prefix}.dynamic_sampling=True with mode={self.mode!r}, tail.enabled="
+                f"{self.tail.enabled}; expected mode sync or cgp without tail batching (refills "
+                "extend a plain round)."
+            )
+        if self.dynamic_sampling and self.batching not in ("fifo", "ordered"):
+            raise ValueError(
+                f"{self.prefix}.dynamic_sampling=True with batching={self.batching!r}; expected "
+                "'fifo' or 'ordered' (refilled rounds batch their informative groups in "
+                "completion or logical order)."
+            )
+        if self.dynamic_sampling and self.group_size < 2:
+            raise ValueError(
+                f"{self.prefix}.dynamic_sampling=True with group_size={self.group_size}; expected "
+                "group_size >= 2 (a group of one sample never has reward variance)."
             )
         if self.mode == "async":
             if self.tail.enabled:

@@ -10,6 +10,17 @@
 Rounds come from the rl.rounds.RoundPlanner: plain rounds, or with tail batching short rounds
 (launch ceil(eta R), train the first R to complete: a RoundCut goes with the Submit) and long rounds.
 `sync` and `cgp` + `ordered` perform the same updates on the same data.
+
+Dynamic sampling (DAPO; `cfg.dynamic_sampling`): a group whose rewards are all equal is discarded
+and, while the round's launched minus discarded groups fall short of R, a fresh prompt is drawn
+(`RoundPlanner.refill`, a second Submit of the round) in its place, up to ceil(max_oversample * R)
+prompts per round. A prompt is drawn only while launched - discarded < R, so the round ends with
+the first N prompts of the source, N the least with R informative groups among them (or the
+budget): the trained set does not depend on completion order. `sync` trains the informative
+groups in logical order, `cgp` + `ordered` releases them in the same order as their predecessors
+(discarded or kept) arrive, so the two still perform the same updates; `cgp` + `fifo` batches
+them in completion order. A round that ran out of budget trains what it has (its last update
+smaller, or none at all).
 """
 
 from __future__ import annotations
@@ -17,9 +28,10 @@ from __future__ import annotations
 import abc
 import collections
 import dataclasses
+import math
 from collections.abc import Callable
 
-from rl.formation import BatchFormer, logical_batches, make_former
+from rl.formation import BatchFormer, FifoBatches, logical_batches, make_former
 from rl.rounds import RoundCut, RoundPlan, RoundPlanner
 from rl.schedules.base import (
     SCHEDULES,
@@ -45,12 +57,30 @@ class _Round:
     received: list[Group] = dataclasses.field(default_factory=list)
     trained: list[Group] = dataclasses.field(default_factory=list)
     updates: int = 0
+    # dynamic sampling
+    dynamic: bool = False
+    closed: bool = True  # every group the round will receive has arrived (always, without it)
+    budget: int = 0  # prompts the round may draw in all
+    kept: list[Group] = dataclasses.field(default_factory=list)
+    discarded: list[Group] = dataclasses.field(default_factory=list)
+    arrived: dict[int, tuple[Group, bool]] = dataclasses.field(default_factory=dict)
+    next_index: int = 0  # logical cursor: groups before it were passed on (kept) or dropped
+
+
+ZERO_VARIANCE_ATOL = 1e-6  # as rl.advantages.zero_variance_groups
+
+
+def informative(group: Group) -> bool:
+    """Whether the group's rewards differ (max - min > 1e-6): a GRPO-family advantage is nonzero."""
+    rewards = group.rewards
+    return max(rewards) - min(rewards) > ZERO_VARIANCE_ATOL
 
 
 class RoundSchedule(abc.ABC):
     """One round at a time; subclasses say how arriving groups become updates."""
 
     name = "rounds"
+    rollout_first = False  # True: a round trains only once all its groups arrived (sync)
 
     def __init__(
         self,
@@ -90,12 +120,16 @@ class RoundSchedule(abc.ABC):
         cut = RoundCut(plan.target) if plan.aborted else None
         stream = self._stream(cut)
         expected = -(-plan.target // self.u)
+        dynamic = bool(getattr(self.cfg, "dynamic_sampling", False))
         self._round = _Round(
             plan=plan,
             version=self._version,
             stream=stream,
-            former=self._former(stream, plan.target),
+            former=FifoBatches(self.u) if dynamic else self._former(stream, plan.target),
             expected=expected,
+            dynamic=dynamic,
+            closed=not dynamic,
+            budget=math.ceil(self.cfg.max_oversample * plan.target),  # type: ignore[attr-defined]
         )
         requests = tuple(self.requests_of(plan))
         return [Begin(expected), Submit(round, requests, cut, self._version)]
@@ -114,7 +148,47 @@ class RoundSchedule(abc.ABC):
                 f"{None if rnd is None else rnd.plan.round})."
             )
         rnd.received.append(group)
+        if rnd.dynamic:
+            return self._on_group_dynamic(rnd, group)
         return self._on_group(rnd, group)
+
+    def _on_group_dynamic(self, rnd: _Round, group: Group) -> list[Action]:
+        """Dynamic sampling: discard, refill, and batch the informative groups (module docstring)."""
+        assert rnd.former is not None
+        r, out = rnd.plan.round, []
+        keep = informative(group)
+        (rnd.kept if keep else rnd.discarded).append(group)
+        launched = len(rnd.plan.prompts)
+        n = min(rnd.plan.target - (launched - len(rnd.discarded)), rnd.budget - launched)
+        if n > 0:
+            rnd.plan = self.planner.refill(rnd.plan, n)
+            new = tuple(self.requests_of(rnd.plan)[launched:])
+            if new:
+                out.append(Submit(r, new, None, self._version))
+        rnd.closed = len(rnd.received) == len(rnd.plan.prompts)
+        if rnd.stream:  # completion order; accumulated at once
+            ready = [group] if keep else []
+            out += [Add(r, (g,)) for g in ready]
+        else:  # logical order: pass kept groups on once every earlier index has arrived
+            rnd.arrived[group.request.index] = (group, keep)
+            ready = []
+            while rnd.next_index in rnd.arrived:
+                g, k = rnd.arrived.pop(rnd.next_index)
+                rnd.next_index += 1
+                if k:
+                    ready.append(g)
+        if self.rollout_first:
+            batches = logical_batches(rnd.kept, self.u) if rnd.closed else []
+        else:
+            batches = [b for g in ready for b in rnd.former.add(g)]
+            last = rnd.former.flush() if rnd.closed else None
+            batches += [last] if last else []
+        for batch in batches:
+            out += ([] if rnd.stream else [Add(r, batch)]) + [self._update(rnd, batch)]
+        if rnd.closed:
+            rnd.expected = -(-len(rnd.kept) // self.u)
+            out += self._maybe_finish(rnd)
+        return out
 
     @abc.abstractmethod
     def _on_group(self, rnd: _Round, group: Group) -> list[Action]:
@@ -131,17 +205,23 @@ class RoundSchedule(abc.ABC):
         rnd = self._round
         rnd.trained.extend(self._outstanding.popleft().batch)
         rnd.updates += 1
-        if rnd.updates < rnd.expected:
+        return self._maybe_finish(rnd)
+
+    def _maybe_finish(self, rnd: _Round) -> list[Action]:
+        """RoundDone and Publish once every group has arrived and every update is done."""
+        if not rnd.closed or rnd.updates < rnd.expected or self._outstanding:
             return []
-        if len(rnd.trained) != rnd.plan.target:
+        expected = len(rnd.kept) if rnd.dynamic else rnd.plan.target
+        if len(rnd.trained) != expected:
             raise RuntimeError(
                 f"Round {rnd.plan.round} trained {len(rnd.trained)} groups in {rnd.updates} "
-                f"updates; expected {rnd.plan.target}."
+                f"updates; expected {expected}."
             )
-        self.planner.finish(rnd.plan, [g.request.uid for g in rnd.trained])
+        discarded = [g.request.uid for g in rnd.discarded]
+        self.planner.finish(rnd.plan, [g.request.uid for g in rnd.trained], discarded)
         self._round = None
         self._version += 1
-        done = RoundDone(rnd.plan, tuple(rnd.trained), rnd.version)
+        done = RoundDone(rnd.plan, tuple(rnd.trained), rnd.version, tuple(rnd.discarded))
         return [done, Publish(rnd.plan.round, self._version)]
 
     def on_published(self) -> list[Action]:
@@ -153,6 +233,7 @@ class SyncSchedule(RoundSchedule):
     """Rollout all, then train the round in logical order, U groups per update."""
 
     name = "sync"
+    rollout_first = True
 
     @staticmethod
     def predict_round_s(

@@ -62,7 +62,8 @@ WELL_CONDITIONED = OptimizerConfig(lr=1e-2, eps=1.0)
 
 
 @pytest.mark.parametrize(
-    "aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+    "aggregation",
+    ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"],
 )
 def test_accumulating_any_split_equals_one_batch(aggregation):
     cfg = LearnerConfig(
@@ -255,33 +256,6 @@ def test_nan_loss_stops_naming_step_and_metric_and_keeps_state():
         np.testing.assert_array_equal(a, b)
 
 
-def test_dynamic_sampling_drops_zero_variance_groups():
-    learner = Learner(
-        create_model(get_preset("tiny")),
-        LearnerConfig(micro_batch_rows=4, dynamic_sampling=True),
-        mesh=_single_mesh(),
-    )
-    learner.begin_round(updates=1)
-    same, mixed = make_groups(2, seed=5)
-    same = Group(
-        request=same.request,
-        completions=tuple(Completion(**{**c.__dict__, "reward": 1.0}) for c in same.completions),
-    )
-    mixed = Group(
-        request=mixed.request,
-        completions=tuple(
-            Completion(**{**c.__dict__, "reward": float(i % 2)})
-            for i, c in enumerate(mixed.completions)
-        ),
-    )
-    learner.add_groups([same, mixed])
-    m = learner.update()
-    assert m["groups"] == 1 and m["groups_dropped"] == 1 and m["sequences"] == 4
-    learner.add_groups([same])
-    with pytest.raises(ValueError, match="no groups accumulated .*2 dropped by dynamic sampling"):
-        learner.update()
-
-
 def test_published_weights_equal_learner_params_in_sampler_dtype():
     model = create_model(get_preset("tiny"))
     lm, sm = make_meshes(
@@ -382,3 +356,151 @@ def test_update_that_overflows_the_parameters_is_not_applied_and_names_the_leaf(
     assert learner.step == 0
     for a, b in zip(before, host(learner.state), strict=True):  # params, opt state, step, rng
         np.testing.assert_array_equal(a, b)
+
+
+def _with_reasons(group, reasons):
+    return Group(
+        request=group.request,
+        completions=tuple(
+            Completion(**{**c.__dict__, "finish_reason": r})
+            for c, r in zip(group.completions, reasons, strict=True)
+        ),
+    )
+
+
+def test_overlong_filter_masks_truncated_responses_out_of_the_loss():
+    g = make_groups(1, g=4, seed=3)[0]
+    kept = _with_reasons(g, ["stop", "length", "stop", "length"])
+    # The filtered update equals one where the truncated rows' advantages are zero (their loss is
+    # then 0) and the token count omits them: compare loss, tokens and the parameters.
+    cfg = LearnerConfig(optimizer=WELL_CONDITIONED, micro_batch_rows=4, aggregation="token_mean")
+    filtered = Learner(
+        create_model(get_preset("tiny"), seed=2),
+        LearnerConfig(
+            optimizer=WELL_CONDITIONED,
+            micro_batch_rows=4,
+            aggregation="token_mean",
+            overlong_filter=True,
+        ),
+        mesh=_single_mesh(),
+    )
+    filtered.begin_round(updates=1)
+    filtered.add_groups([kept])
+    m = filtered.update()
+    lengths = [len(c.tokens) for c in g.completions]
+    assert m["overlong_filtered"] == 2.0
+    assert m["tokens"] == lengths[0] + lengths[2]
+    assert m["sequences"] == 2.0
+
+    graphdef, params = nnx.split(create_model(get_preset("tiny"), seed=2))
+    tx, schedule = make_optimizer(cfg.optimizer), make_schedule(cfg.optimizer)
+    state, _ = create_train_state(params, tx, seed=0, mesh=_single_mesh())
+    batch = make_batch([g], _advantages([g]), rows=4, min_length_bucket=32)
+    batch.loss_mask[[1, 3]] = 0.0  # by hand: rows 1 and 3 are the truncated completions
+    ref_state, ref = train_step(state, batch, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule)
+    assert m["loss"] == pytest.approx(float(ref["loss"]), abs=TOL)
+    for a, b in zip(
+        jax.tree.leaves(filtered.params), jax.tree.leaves(ref_state.params), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=TOL)
+
+
+def test_overlong_filter_with_every_response_truncated_skips_the_step():
+    g = _with_reasons(make_groups(1, g=2, seed=4)[0], ["length", "length"])
+    learner = Learner(
+        create_model(get_preset("tiny")),
+        LearnerConfig(micro_batch_rows=2, overlong_filter=True),
+        mesh=_single_mesh(),
+    )
+    before = [np.asarray(x) for x in jax.tree.leaves(learner.params)]
+    learner.begin_round(updates=1)
+    learner.add_groups([g])
+    m = learner.update()
+    assert m["tokens"] == 0.0 and m["overlong_filtered"] == 2.0 and m["loss"] == 0.0
+    assert learner.step == 0
+    for a, b in zip(before, jax.tree.leaves(learner.params), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "gspo", "tis_reinforce", "decoupled_ppo"])
+def test_every_metric_a_loss_returns_and_the_ratio_extremes_reach_update_metrics(loss):
+    from learner.step import sum_keys
+
+    model = create_model(get_preset("tiny"), seed=3)
+    groups = _on_policy_groups(model, make_groups(2, seed=10))
+    cfg = LearnerConfig(
+        optimizer=OptimizerConfig(lr=1e-3),
+        micro_batch_rows=8,
+        policy_loss=loss,
+        old_logprobs="sampler",
+    )
+    learner = Learner(model, cfg, mesh=_single_mesh())
+    learner.begin_round(updates=1)
+    c = 0.5  # the sampler reports log-probs c lower for group 0: its ratio is e^c, group 1's 1
+    learner.add_groups([_shift_logprobs(groups[0], c), groups[1]])
+    m = learner.update()
+    returned = set(sum_keys(cfg)) - {"tokens", "sequences", "ess_w", "ess_w2"}
+    assert returned - {"clip_frac", "entropy", "kl", "ratio"}  # the loss's own metrics
+    assert returned <= set(m)
+    if loss in ("ppo_clip", "tis_reinforce"):  # token ratios
+        assert m["ratio_max"] == pytest.approx(np.exp(c), rel=1e-4)
+        assert m["ratio_min"] == pytest.approx(1.0, abs=1e-4)
+    elif loss == "gspo":  # each sequence's ratio exp(mean log-ratio): the same two values
+        assert m["ratio_max"] == pytest.approx(np.exp(c), rel=1e-4)
+        assert m["ratio_min"] == pytest.approx(1.0, abs=1e-4)
+    else:  # decoupled: the proximal ratio is 1; the behaviour weight carries e^c
+        assert m["ratio_max"] == pytest.approx(1.0, abs=1e-6) == m["ratio_min"]
+        assert m["behav_weight"] > 1.0
+
+
+def _flat(group, reward=1.0):
+    """The group with every reward equal: zero GRPO advantages, so the policy loss is 0."""
+    return Group(
+        request=group.request,
+        completions=tuple(
+            Completion(**{**c.__dict__, "reward": reward}) for c in group.completions
+        ),
+    )
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_kl_to_reference_builds_the_reference_and_penalises_drift_from_it(estimator):
+    from rl.losses import KL_ESTIMATORS, LossConfig
+
+    model = create_model(get_preset("tiny"), seed=5)
+    graphdef = nnx.split(model)[0]
+    coef = 0.5
+    cfg = LearnerConfig(
+        optimizer=OptimizerConfig(lr=3e-2),
+        micro_batch_rows=8,
+        loss=LossConfig(kl_coef=coef, kl_estimator=estimator),
+    )
+    learner = Learner(model, cfg, mesh=_single_mesh())
+    assert learner.ref_params is not None  # the reference model is built (a frozen copy)
+    ref0 = [np.asarray(x) for x in jax.tree.leaves(learner.ref_params)]
+    groups = make_groups(2, seed=11)
+    learner.begin_round(updates=1)
+    learner.add_groups(groups)  # mixed rewards: the policy moves away from the reference
+    m0 = learner.update()
+    assert m0["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at the first update
+
+    flat = [_flat(g) for g in groups]
+    batch = make_batch(flat, _advantages(flat), rows=8)
+
+    def logp(params):
+        mdl = nnx.merge(graphdef, params)
+        return np.asarray(
+            mdl.token_logprobs(batch.inputs, batch.positions, batch.segments, batch.targets)
+        )
+
+    mask = batch.loss_mask > 0
+    d = logp(learner.params) - logp(learner.ref_params)
+    expected_kl = float(np.asarray(KL_ESTIMATORS[estimator](jnp.asarray(d)))[mask].mean())
+    assert abs(expected_kl) > 1e-6  # the policy did drift
+    learner.begin_round(updates=1)
+    learner.add_groups(flat)  # zero advantages: the loss is the KL term alone
+    m1 = learner.update()
+    assert m1["kl"] == pytest.approx(expected_kl, rel=1e-4, abs=1e-7)
+    assert m1["loss"] == pytest.approx(coef * expected_kl, rel=1e-4, abs=1e-7)  # token_mean
+    for a, b in zip(ref0, jax.tree.leaves(learner.ref_params), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))  # the reference never moves

@@ -136,3 +136,71 @@ def test_the_learner_temperature_points_to_the_sampling_one():
         "temperature for sampling and the loss)."
     ]
     assert closest_field(smoke.get_config(), "learner.temperature") == e.value.problems[0]
+
+
+def test_each_losss_options_come_from_the_command_line_and_typos_name_the_closest(tmp_path):
+    import subprocess
+    import sys
+
+    from learner.config import learner_config_from
+
+    config = smoke.get_config()
+    config.learner.policy_loss = "gspo"
+    config.learner.loss.gspo.clip_low = 0.01
+    config.learner.loss.tis_reinforce.clip = 2.0
+    check_config(config)
+    cfg = learner_config_from(config.learner)
+    assert cfg.loss.options("gspo").clip_low == 0.01 and cfg.loss.gspo.clip_high == 4e-4
+    assert cfg.loss.tis_reinforce.clip == 2.0
+    config.learner.loss.gspo.clip_lo = 0.1
+    with pytest.raises(ConfigError) as e:
+        check_config(config)
+    assert "config.learner.loss.gspo has no field 'clip_lo'; did you mean " in e.value.problems[0]
+    # The launcher's flags reach the same field (checked before anything is built).
+    root = os.path.dirname(os.path.dirname(configs.__file__))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.train",
+            "--config=configs/smoke.py",
+            f"--config.workdir={tmp_path}",
+            "--config.learner.loss.gspo.clip_low=2.0",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "learner.loss.gspo.clip_low must be in [0, 1); received 2.0" in proc.stderr
+
+
+def test_overlong_penalty_must_fit_the_response_cap():
+    config = smoke.get_config()  # max_new_tokens 8
+    config.overlong.cache_tokens = 9
+    with pytest.raises(ConfigError, match=r"config.overlong.cache_tokens=9 exceeds "):
+        check_config(config)
+    config.overlong.cache_tokens = 4
+    config.overlong.factor = -1.0
+    with pytest.raises(ConfigError, match=r"overlong.factor must be finite and >= 0"):
+        check_config(config)
+    config.overlong.factor = 1.0
+    check_config(config)
+
+
+def test_pass_k_and_export_fields_are_checked():
+    config = smoke.get_config()
+    config.eval.pass_k = 4
+    config.eval.pass_n = 2
+    config.export.dtype = "int8"
+    with pytest.raises(ConfigError) as e:
+        check_config(config)
+    assert e.value.problems == [
+        "config.eval.pass_n=2 is below config.eval.pass_k=4; expected n >= k samples per "
+        "problem (or 0: n = k).",
+        "config.export.dtype='int8'; expected one of ('float32', 'bfloat16', 'float16') or ''.",
+    ]
+    config.eval.pass_n = 8
+    config.export.dtype = "float32"
+    check_config(config)

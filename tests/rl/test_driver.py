@@ -53,6 +53,8 @@ def build(
     max_staleness=0,
     group_atomic=True,
     recompute_kv=False,
+    dynamic_sampling=False,
+    max_oversample=3.0,
 ):
     lm, sm = make_meshes(MeshConfig(learner_devices=1, sampler_devices=1))
     model = create_model(get_preset("tiny", init_std=0.3), seed=seed)
@@ -82,6 +84,8 @@ def build(
         max_staleness=max_staleness,
         group_atomic=group_atomic,
         recompute_kv=recompute_kv,
+        dynamic_sampling=dynamic_sampling,
+        max_oversample=max_oversample,
     )
     return driver_cls(
         cfg,
@@ -228,6 +232,36 @@ def _with_barrier(max_staleness, version=0, skip=0):
             super().__init__(cfg, **kw, version=version, rounds=3, barrier_every=2)
 
     return build("async", U=2, max_staleness=max_staleness, driver_cls=Barrier)
+
+
+def flat_on_even_uids(request, completion):
+    """Even prompts: every sample rewarded alike (zero variance); odd: parity of the first token."""
+    return 0.5 if request.uid % 2 == 0 else parity_reward(request, completion)
+
+
+def test_dynamic_sampling_refills_rounds_of_zero_variance_groups_and_keeps_training():
+    kw = dict(G=4, reward_fn=flat_on_even_uids, dynamic_sampling=True, max_oversample=4.0)
+    sync_driver, cgp_driver = build("sync", **kw), build("cgp", "ordered", **kw)
+    sync, cgp = run(sync_driver), run(cgp_driver)
+    assert tokens_of(sync) == tokens_of(cgp)  # refills change which groups, not the math
+    for a, b in zip(
+        jax.tree.leaves(sync_driver.learner.params),
+        jax.tree.leaves(cgp_driver.learner.params),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    discarded = 0
+    for r in cgp:
+        assert all(len(set(g.rewards)) > 1 for g in r.groups)  # only informative groups train
+        assert r.metrics["groups_trained"] == len(r.groups) == 4  # refilled to R
+        assert r.metrics["prompts_drawn"] == 4 + r.metrics["groups_discarded"]
+        assert r.metrics["groups_discarded"] >= 2  # every even prompt of the first four
+        assert len(r.updates) == 2 and all(m["groups"] == 2 for m in r.updates)
+        discarded += r.metrics["groups_discarded"]
+    assert cgp_driver.learner.step == 6
+    trained = [g.request.uid for r in cgp for g in r.groups]
+    assert len(set(trained)) == 12 and all(uid % 2 == 1 for uid in trained)
+    assert max(trained) < sum(r.metrics["prompts_drawn"] for r in cgp) == 12 + discarded
 
 
 def test_cgp_fifo_trains_the_same_groups_as_sync():

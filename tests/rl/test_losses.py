@@ -14,10 +14,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rl.aggregation import AGGREGATIONS, get_aggregation, masked_mean, register_aggregation
-from rl.losses import POLICY_LOSSES, LossConfig, get_policy_loss, kl_penalty, register_policy_loss
+from rl.losses import (
+    LOSS_OPTIONS,
+    POLICY_LOSSES,
+    DecoupledPpoOptions,
+    GspoOptions,
+    LossConfig,
+    PpoClipOptions,
+    TisOptions,
+    get_policy_loss,
+    kl_penalty,
+    register_policy_loss,
+)
 
 TOL = dict(rtol=1e-5, atol=1e-6)  # float32 against a float64 reference
-DAPO = LossConfig(clip_low=0.2, clip_high=0.28)
+DAPO = LossConfig()  # the defaults: PPO clip [0.8, 1.28] (DAPO clip-higher)
+PPO = LossConfig(  # symmetric clips
+    ppo_clip=PpoClipOptions(clip_high=0.2), decoupled_ppo=DecoupledPpoOptions(clip_high=0.2)
+)
 LENGTHS = (7, 3, 1, 0, 5, 6)  # unequal response lengths; row 3 is batch padding
 B, T = len(LENGTHS), max(LENGTHS)
 NORM = 16.0  # the Dr. GRPO constant (max response length)
@@ -26,7 +40,7 @@ NORM = 16.0  # the Dr. GRPO constant (max response length)
 # Jitted entry points: eager op-by-op dispatch compiles every primitive and is slow on CPU.
 @functools.partial(jax.jit, static_argnames=("name", "cfg"))
 def _loss(logp, old, adv, mask, *, name, cfg):
-    return get_policy_loss(name)(logp, old, adv, mask, cfg)
+    return get_policy_loss(name)(logp, old, adv, mask, cfg.options(name))
 
 
 @functools.partial(jax.jit, static_argnames=("name", "norm_constant"))
@@ -59,7 +73,8 @@ def _ref_ppo_clip(logp, old, adv, mask, cfg):
         for t in range(T):
             if mask[b, t]:
                 r = math.exp(float(logp[b, t]) - float(old[b, t]))
-                loss[b, t], m["clip_frac"][b, t] = _ref_clip(r, adv[b], cfg.clip_low, cfg.clip_high)
+                lo, hi = cfg.ppo_clip.clip_low, cfg.ppo_clip.clip_high
+                loss[b, t], m["clip_frac"][b, t] = _ref_clip(r, adv[b], lo, hi)
                 m["ratio"][b, t] = r
     return loss, m
 
@@ -71,7 +86,7 @@ def _ref_gspo(logp, old, adv, mask, cfg):
         if not ts:
             continue
         s = math.exp(sum(float(logp[b, t]) - float(old[b, t]) for t in ts) / len(ts))
-        seq_loss, clipped = _ref_clip(s, adv[b], cfg.gspo_clip_low, cfg.gspo_clip_high)
+        seq_loss, clipped = _ref_clip(s, adv[b], cfg.gspo.clip_low, cfg.gspo.clip_high)
         for t in ts:
             loss[b, t], m["clip_frac"][b, t], m["ratio"][b, t] = seq_loss, clipped, s
     return loss, m
@@ -83,10 +98,10 @@ def _ref_tis_reinforce(logp, old, adv, mask, cfg):
         for t in range(T):
             if mask[b, t]:
                 r = math.exp(float(logp[b, t]) - float(old[b, t]))
-                w = min(r, cfg.tis_clip)
+                w = min(r, cfg.tis_reinforce.clip)
                 loss[b, t] = -w * adv[b] * logp[b, t]
                 m["is_weight"][b, t], m["ratio"][b, t] = w, r
-                m["clip_frac"][b, t] = float(r > cfg.tis_clip)
+                m["clip_frac"][b, t] = float(r > cfg.tis_reinforce.clip)
     return loss, m
 
 
@@ -97,10 +112,11 @@ def _ref_decoupled_ppo(logp, old, adv, mask, cfg):
         for t in range(T):
             if mask[b, t]:
                 rb = math.exp(float(logp[b, t]) - float(old[b, t]))  # proximal = current params
-                w = min(rb, cfg.tis_clip)
-                ppo, clipped = _ref_clip(1.0, adv[b], cfg.clip_low, cfg.clip_high)
+                opts = cfg.decoupled_ppo
+                w = min(rb, opts.behav_clip)
+                ppo, clipped = _ref_clip(1.0, adv[b], opts.clip_low, opts.clip_high)
                 loss[b, t] = w * ppo
-                m["behav_weight"][b, t], m["behav_clip_frac"][b, t] = w, float(rb > cfg.tis_clip)
+                m["behav_weight"][b, t], m["behav_clip_frac"][b, t] = w, float(rb > opts.behav_clip)
                 m["ratio"][b, t], m["clip_frac"][b, t] = 1.0, clipped
     return loss, m
 
@@ -122,7 +138,8 @@ def _ref_aggregate(name, loss, mask, norm_constant):
         n = mask[b].sum()
         if n > 0:
             s = (loss[b] * mask[b]).sum()
-            num += s / n if name == "seq_mean_token_mean" else s / norm_constant
+            divisor = {"seq_mean_token_mean": n, "seq_mean_token_sum": 1.0}.get(name, norm_constant)
+            num += s / divisor
             den += 1
     return num, den
 
@@ -132,7 +149,12 @@ def _ref_aggregate(name, loss, mask, norm_constant):
 
 def test_every_registered_variant_has_a_reference():
     assert set(POLICY_LOSSES) == set(LOSS_REFERENCES)
-    assert set(AGGREGATIONS) == {"token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"}
+    assert set(AGGREGATIONS) == {
+        "token_mean",
+        "seq_mean_token_mean",
+        "seq_mean_token_sum",
+        "seq_mean_token_sum_norm",
+    }
 
 
 @pytest.mark.parametrize(
@@ -162,49 +184,85 @@ def test_register_adds_new_names_and_refuses_duplicates(register, registry, exis
             register(existing)(fn)
     finally:
         del registry["test_only"]
+        LOSS_OPTIONS.pop("test_only", None)
 
 
 def test_loss_config_defaults():
     cfg = LossConfig()
-    assert (cfg.clip_low, cfg.clip_high, cfg.gspo_clip_low, cfg.gspo_clip_high) == (
-        0.2,
-        0.2,
-        3e-4,
-        4e-4,
-    )
-    assert (cfg.tis_clip, cfg.kl_coef, cfg.kl_estimator) == (5.0, 0.0, "k3")
+    assert (cfg.ppo_clip.clip_low, cfg.ppo_clip.clip_high) == (0.2, 0.28)
+    assert (cfg.gspo.clip_low, cfg.gspo.clip_high) == (3e-4, 4e-4)
+    assert cfg.tis_reinforce.clip == 5.0
+    assert (cfg.decoupled_ppo.clip_low, cfg.decoupled_ppo.behav_clip) == (0.2, 5.0)
+    assert (cfg.kl_coef, cfg.kl_estimator) == (0.0, "k3")
+    assert cfg.options("gspo") is cfg.gspo
     with pytest.raises(TypeError):
         LossConfig(0.2)  # kw_only
 
 
 @pytest.mark.parametrize(
-    "field, value",
+    "cls, where, field, value",
     [
-        ("clip_low", -0.1),
-        ("clip_low", 1.0),
-        ("clip_low", "0.2"),
-        ("clip_high", -0.01),
-        ("clip_high", float("inf")),
-        ("clip_high", True),
-        ("gspo_clip_low", 1.5),
-        ("gspo_clip_high", -4e-4),
-        ("tis_clip", 0.0),
-        ("tis_clip", float("nan")),
-        ("kl_coef", -0.1),
-        ("kl_estimator", "k4"),
+        (PpoClipOptions, "ppo_clip", "clip_low", -0.1),
+        (PpoClipOptions, "ppo_clip", "clip_low", 1.0),
+        (PpoClipOptions, "ppo_clip", "clip_low", "0.2"),
+        (PpoClipOptions, "ppo_clip", "clip_high", -0.01),
+        (PpoClipOptions, "ppo_clip", "clip_high", float("inf")),
+        (PpoClipOptions, "ppo_clip", "clip_high", True),
+        (GspoOptions, "gspo", "clip_low", 1.5),
+        (GspoOptions, "gspo", "clip_high", -4e-4),
+        (TisOptions, "tis_reinforce", "clip", 0.0),
+        (TisOptions, "tis_reinforce", "clip", float("nan")),
+        (DecoupledPpoOptions, "decoupled_ppo", "behav_clip", -1.0),
+        (LossConfig, "", "kl_coef", -0.1),
+        (LossConfig, "", "kl_estimator", "k4"),
     ],
 )
-def test_bad_loss_config_says_field_and_value(field, value):
-    with pytest.raises(ValueError, match=re.escape(f"LossConfig.{field}") + r".*received "):
-        LossConfig(**{field: value})
+def test_bad_loss_config_says_field_and_value(cls, where, field, value):
+    name = "learner.loss." + (f"{where}." if where else "") + field
+    with pytest.raises(ValueError, match=re.escape(name) + r" must .*received "):
+        cls(**{field: value})
     with pytest.raises(ValueError, match=re.escape(repr(value))):
-        LossConfig(**{field: value})
+        cls(**{field: value})
+
+
+def test_loss_options_from_a_config_section_and_for_a_user_registered_loss():
+    import dataclasses
+
+    from rl.losses import loss_config_from
+
+    cfg = loss_config_from({"kl_coef": 0.1, "gspo": {"clip_low": 0.01}, "tis_reinforce": {}})
+    assert cfg.kl_coef == 0.1 and cfg.gspo == GspoOptions(clip_low=0.01)
+    with pytest.raises(ValueError, match=r"learner.loss.gspo has no field\(s\) \['clip'\]"):
+        loss_config_from({"gspo": {"clip": 0.1}})
+    with pytest.raises(ValueError, match=r"learner.loss has no field 'clip_low'; expected kl_coef"):
+        loss_config_from({"clip_low": 0.2})
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class HalfOptions:
+        scale: float = 0.5
+
+    try:
+        register_policy_loss("test_half", options=HalfOptions)(
+            lambda logp, old, adv, mask, opts: (opts.scale * logp, {})
+        )
+        assert LossConfig().options("test_half") == HalfOptions()
+        cfg = loss_config_from({"test_half": {"scale": 2.0}})
+        assert cfg.options("test_half") == HalfOptions(scale=2.0)
+        loss, _ = get_policy_loss("test_half")(
+            jnp.ones((1, 2)), None, None, None, cfg.options("test_half")
+        )
+        np.testing.assert_array_equal(loss, [[2.0, 2.0]])
+    finally:
+        POLICY_LOSSES.pop("test_half", None)
+        LOSS_OPTIONS.pop("test_half", None)
+    with pytest.raises(ValueError, match="options must be a dataclass type; received 3"):
+        register_policy_loss("test_bad", options=3)
 
 
 # ---- policy losses. --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cfg", [LossConfig(), DAPO], ids=["default", "dapo"])
+@pytest.mark.parametrize("cfg", [PPO, DAPO], ids=["ppo", "dapo"])
 @pytest.mark.parametrize("name", sorted(LOSS_REFERENCES))
 def test_policy_loss_matches_reference(name, cfg):
     logp, old, adv, mask = _batch(seed=1, scale=0.5 if name != "gspo" else 1e-3)
@@ -220,7 +278,7 @@ def test_policy_loss_matches_reference(name, cfg):
 @pytest.mark.parametrize("name", sorted(LOSS_REFERENCES))
 def test_policy_loss_runs_eagerly_too(name):
     logp, old, adv, mask = _batch(seed=1, scale=1e-3)
-    eager_loss, eager_metrics = get_policy_loss(name)(logp, old, adv, mask, DAPO)
+    eager_loss, eager_metrics = get_policy_loss(name)(logp, old, adv, mask, DAPO.options(name))
     loss, metrics = _loss(logp, old, adv, mask, name=name, cfg=DAPO)
     np.testing.assert_allclose(eager_loss, loss, **TOL)
     assert set(eager_metrics) == set(metrics)
@@ -232,7 +290,7 @@ def test_padding_contributes_nothing(name):
     fn = get_policy_loss(name)
 
     def total(lp, old_lp):
-        loss, metrics = fn(lp, old_lp, adv, mask, DAPO)
+        loss, metrics = fn(lp, old_lp, adv, mask, DAPO.options(name))
         return jnp.sum(loss), (loss, metrics)
 
     grad, (loss, metrics) = jax.jit(jax.grad(total, has_aux=True))(logp, old)
@@ -280,8 +338,8 @@ def test_gspo_gradient_equals_the_paper_sequence_objective():
     shift = np.array([0.01, 0.3, -0.3, 0.0, 0.3, -0.3], np.float32)
     adv = np.array([1.0, 1.0, -1.0, 0.7, -1.0, 1.0], np.float32)
     old = old - shift[:, None]
-    cfg = LossConfig(gspo_clip_low=0.05, gspo_clip_high=0.06)
-    lo, hi = 1 - cfg.gspo_clip_low, 1 + cfg.gspo_clip_high
+    cfg = LossConfig(gspo=GspoOptions(clip_low=0.05, clip_high=0.06))
+    lo, hi = 1 - cfg.gspo.clip_low, 1 + cfg.gspo.clip_high
     valid = mask.any(axis=1)
 
     def ours(lp):
@@ -306,7 +364,7 @@ def test_gspo_gradient_equals_the_paper_sequence_objective():
 
 def test_tis_weights_clamp_and_carry_no_gradient():
     logp, old, adv, mask = _batch(seed=4, scale=2.0)  # ratios up to e^6: many truncated
-    cfg = LossConfig(tis_clip=5.0)
+    cfg = LossConfig(tis_reinforce=TisOptions(clip=5.0))
 
     def total(lp):
         loss, metrics = _loss(lp, old, adv, mask, name="tis_reinforce", cfg=cfg)
@@ -324,7 +382,7 @@ def test_decoupled_ppo_weights_by_the_behaviour_ratio_and_follows_tis_gradient()
     """The proximal policy is the update's start: the gradient is -w A d logp with the truncated
     behaviour weight, i.e. tis_reinforce's, while the loss value keeps the PPO form."""
     logp, old, adv, mask = _batch(seed=4, scale=2.0)
-    cfg = LossConfig(tis_clip=5.0)
+    cfg = LossConfig(tis_reinforce=TisOptions(clip=5.0), decoupled_ppo=DecoupledPpoOptions())
 
     def grad_of(name):
         def total(lp):
@@ -343,9 +401,9 @@ def test_bad_shapes_say_what_was_received(name):
     logp, old, adv, mask = _batch()
     fn = get_policy_loss(name)
     with pytest.raises(ValueError, match=r"received logp_BxT \(6, 7\).*adv_B \(5,\)"):
-        fn(logp, old, adv[:5], mask, LossConfig())
+        fn(logp, old, adv[:5], mask, LossConfig().options(name))
     with pytest.raises(ValueError, match=r"mask_BxT must have shape \(6, 7\); received \(6, 6\)"):
-        fn(logp, old, adv, mask[:, :6], LossConfig())
+        fn(logp, old, adv, mask[:, :6], LossConfig().options(name))
 
 
 # ---- KL. -------------------------------------------------------------------------------------
@@ -414,6 +472,7 @@ def test_aggregations_weigh_sequences_as_documented():
 
     assert value("token_mean") == pytest.approx(8 / 5, **{"rel": 1e-6})
     assert value("seq_mean_token_mean") == pytest.approx((1 + 4) / 2, rel=1e-6)
+    assert value("seq_mean_token_sum") == pytest.approx((4 + 4) / 2, rel=1e-6)
     assert value("seq_mean_token_sum_norm") == pytest.approx((4 / 4 + 4 / 4) / 2, rel=1e-6)
 
 

@@ -36,7 +36,8 @@ class Scripted:
     learner finish its pending update / publish (so groups can arrive while the learner works).
     Every token is stamped with the version at submission: the oldest any token can have."""
 
-    def __init__(self, cfg, rounds, n_prompts=None, epoch_size=None):
+    def __init__(self, cfg, rounds, n_prompts=None, epoch_size=None, reward=None):
+        self.reward = reward or (lambda request, sample: float(sample % 2))
         self.planner = RoundPlanner(
             cfg.tail,
             groups_per_round=cfg.groups_per_round,
@@ -109,7 +110,7 @@ class Scripted:
                     logprobs=(0.0, 0.0),
                     versions=(version, version),
                     finish_reason="stop",
-                    reward=float(i % 2),
+                    reward=self.reward(request, i),
                 )
                 for i in range(request.group_size)
             ),
@@ -209,6 +210,78 @@ def test_async_s0_trains_like_cgp_ordered_with_one_update_per_round():
     c = Scripted(config("cgp+frontier+ordered", groups_per_update=4), 3).run([])
     key = lambda run: [(u.round, [g.request.key for g in u.batch], u.version) for u in run.updates]
     assert key(a) == key(c)
+
+
+def _flat_unless_3(request, sample):
+    """Two prompts in three have rewards all equal (zero variance); uid % 3 == 2 ones differ."""
+    return float(sample % 2) if request.uid % 3 == 2 else float(request.uid % 2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    mode=st.sampled_from(["sync", "cgp+frontier+ordered", "cgp+fcfs+ordered", "cgp+fcfs+fifo"]),
+    u=st.sampled_from([1, 2, 4]),
+    choices=st.lists(st.integers(0, 50), max_size=300),
+)
+def test_dynamic_sampling_refills_every_round_with_informative_groups(mode, u, choices):
+    cfg = config(mode, groups_per_update=u, dynamic_sampling=True, max_oversample=4.0)
+    run = Scripted(cfg, rounds=3, reward=_flat_unless_3).run(choices)
+    # Prompts are drawn in uid order and a refill is drawn only while launched - discarded < R,
+    # so round r draws exactly up to its 4th informative uid (2, 5, 8, 11, ...): 12 prompts per
+    # round, whatever the completion order.
+    assert [d.plan.round for d in run.done] == [0, 1, 2]
+    for r, d in enumerate(run.done):
+        assert [p.uid for p in d.plan.prompts] == list(range(12 * r, 12 * r + 12))
+        assert sorted(g.request.uid for g in d.trained) == [12 * r + 2 + 3 * k for k in range(4)]
+        assert sorted(g.request.uid for g in d.discarded) == [
+            uid for uid in range(12 * r, 12 * r + 12) if uid % 3 != 2
+        ]
+        assert all(len(set(g.rewards)) == 1 for g in d.discarded)
+    assert [len(up.batch) for up in run.updates] == [u] * (12 // u)
+    if mode != "cgp+fcfs+fifo":  # logical order: batch k is the k-th U informative groups
+        trained = [g.request.uid for up in run.updates for g in up.batch]
+        assert trained == list(range(2, 36, 3))
+
+
+def test_dynamic_sampling_cgp_ordered_performs_the_updates_of_sync():
+    key = lambda run: [(u.round, [g.request.key for g in u.batch], u.version) for u in run.updates]
+    runs = [
+        Scripted(config(m, dynamic_sampling=True), 3, reward=_flat_unless_3).run(c)
+        for m, c in [("sync", []), ("cgp+frontier+ordered", [7, 1, 3] * 40)]
+    ]
+    assert key(runs[0]) == key(runs[1]) and len(runs[0].updates) == 6
+
+
+@pytest.mark.parametrize("mode", ["sync", "cgp+frontier+ordered", "cgp+fcfs+fifo"])
+def test_dynamic_sampling_stops_at_the_oversampling_budget(mode):
+    # R = 4, max_oversample 1.5: at most 6 prompts a round. Informative uids 2, 5 (round 0) and
+    # 8, 11 (round 1): each round trains the 2 it found, in one update; all-flat rounds train none.
+    cfg = config(mode, dynamic_sampling=True, max_oversample=1.5)
+    run = Scripted(cfg, rounds=2, reward=_flat_unless_3).run([2, 5] * 50)
+    assert [len(d.plan.prompts) for d in run.done] == [6, 6]
+    assert [sorted(g.request.uid for g in d.trained) for d in run.done] == [[2, 5], [8, 11]]
+    assert [len(d.discarded) for d in run.done] == [4, 4]
+    assert [u.round for u in run.updates] == [0, 1]
+    flat = Scripted(cfg, rounds=2, reward=lambda request, sample: 1.0).run([])
+    assert [(len(d.plan.prompts), d.trained) for d in flat.done] == [(6, ()), (6, ())]
+    assert flat.updates == [] and flat.schedule.version == 2  # rounds still end and publish
+
+
+def test_dynamic_sampling_config_errors():
+    with pytest.raises(ValueError, match="dynamic_sampling=True with mode='async'"):
+        config("async+frontier+s0", dynamic_sampling=True)
+    with pytest.raises(ValueError, match="tail.enabled=True; expected mode sync or cgp without"):
+        config("sync+tail", dynamic_sampling=True)
+    with pytest.raises(ValueError, match="group_size=1; expected group_size >= 2"):
+        config("sync", dynamic_sampling=True, group_size=1)
+    with pytest.raises(ValueError, match="max_oversample must be a finite number >= 1"):
+        config("sync", dynamic_sampling=True, max_oversample=0.5)
+    FORMERS["test_only_former"] = FifoBatches
+    try:
+        with pytest.raises(ValueError, match="batching='test_only_former'; expected 'fifo' or"):
+            config("cgp+fcfs+test_only_former", dynamic_sampling=True)
+    finally:
+        del FORMERS["test_only_former"]
 
 
 def test_a_registered_former_is_used_by_cgp():
