@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from learner.batching import Batch, make_batch
 from learner.config import LearnerConfig
+from learner.distributed import put_global
 from learner.state import create_train_state, make_optimizer, make_schedule
 from learner.step import Accum, accumulate, apply, float_leaf_names, sum_keys, zero_accum
 from rl.advantages import get_advantage_estimator, zero_variance_groups
@@ -197,7 +198,8 @@ class Learner:
         return jax.tree.map(one, batch)
 
     def _accumulate_batch(self, batch: Batch) -> None:
-        batch = jax.device_put(batch, self._batch_shardings(batch))
+        # Every process of a multi-process learner packed the same batch; each copies its rows.
+        batch = jax.tree.map(put_global, batch, self._batch_shardings(batch))
         with self._on_mesh():
             if self._acc is None:
                 self._acc = self._zero(self.state.params)
