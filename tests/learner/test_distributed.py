@@ -189,3 +189,16 @@ def test_learner_mesh_spans_all_devices_and_checks_tp():
         make_learner_mesh(MeshConfig(learner_devices=16))
     with pytest.raises(ValueError, match="learner_tp=3 does not divide the learner's 8 devices"):
         make_learner_mesh(MeshConfig(learner_tp=3))
+
+
+def test_run_config_check_names_bad_distributed_fields():
+    from rl.config_check import ConfigError, check_config
+
+    config = get_config("smoke")
+    group = config.learner.distributed
+    group.coordinator_address, group.num_processes, group.process_id = "10.0.0.1:1234", 2, 1
+    with pytest.raises(ConfigError, match=r"num_processes=2 \(a multi-process learner\) with "):
+        check_config(config)  # the threads runtime is one process
+    group.process_id = 2
+    with pytest.raises(ConfigError, match=r"process_id=2; expected an integer in \[0, "):
+        check_config(config)
