@@ -40,13 +40,18 @@ def _flat(tree: Any, prefix: str) -> dict[str, np.ndarray]:
 
 
 def train(mesh: Any, workdir: str) -> dict[str, Any]:
-    """Trains the tiny model UPDATES updates, checkpointing after SAVE_AFTER and restoring it.
+    """Trains the tiny model UPDATES updates, checkpointing after SAVE_AFTER and at the end.
+
+    The last checkpoint is then damaged (its checksums removed, by process 0), so restoring
+    falls back to SAVE_AFTER's.
 
     Returns:
       Host arrays (the same in every process) by tree path: "['params']..." (the final
       parameters), "saved['params']..." and "saved['opt']..." (parameters and optimizer state when
-      checkpointed), "restored[...]..." (what the checkpoint gives back), and "losses".
+      checkpointed), "restored[...]..." (what the checkpoint gives back), "losses" and
+      "damaged_steps" (the steps process 0's restore moved aside).
     """
+    import jax
     from test_learner import make_groups
 
     from learner.checkpoint import Checkpointer
@@ -77,9 +82,14 @@ def train(mesh: Any, workdir: str) -> dict[str, Any]:
             ckpt.save(SAVE_AFTER, learner.state, {"updates": SAVE_AFTER})
             saved = gather_to_host({"params": learner.params, "opt": learner.state.opt_state})
             out.update(_flat(saved, "saved"))
-    ckpt.wait()
-    _log("checkpoint saved")
+    ckpt.save(UPDATES, learner.state, {"updates": UPDATES})
+    ckpt.wait()  # every process: step UPDATES is written, its checksums too
+    _log("checkpoints saved")
+    if jax.process_index() == 0:  # as if the last save was killed before its checksums
+        os.remove(os.path.join(ckpt.directory, str(UPDATES), "checksums.json"))
+    # Process 0 finds the newest step damaged, moves it aside; every process restores the older.
     restored, meta = ckpt.restore(abstract_state=learner.state, shardings=learner.shardings)
+    out["damaged_steps"] = np.asarray([s for s, _ in ckpt.damaged], np.int32)  # process 0's
     if meta != {"updates": SAVE_AFTER} or int(restored.step) != SAVE_AFTER:
         raise AssertionError(f"restored meta {meta}, step {int(restored.step)}")
     out.update(

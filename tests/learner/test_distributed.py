@@ -12,6 +12,7 @@ import pytest
 
 from configs.base import get_config
 from learner.distributed import (
+    ENV,
     DistributedConfig,
     distributed_config_from,
     initialize,
@@ -33,18 +34,15 @@ def _free_port() -> int:
 
 def _start_two_processes(workdir: str) -> list[tuple[subprocess.Popen, Any]]:
     """Starts the 2 processes of one learner job, 4 CPU devices each; logs in workdir."""
-    import jax
-
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": ROOT,
-        # The compilation cache tests/conftest.py uses: reruns skip the compiles.
-        "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir or "",
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2",
     }
-    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    # No compilation cache: both processes then do the same work at the same pace (a cache hit in
+    # one only would let it reach a collective far ahead, and gloo gives the other 30 s to join).
+    for name in (*ENV.values(), "JAX_COMPILATION_CACHE_DIR", "JAX_SHARE_BINARY_BETWEEN_HOSTS"):
         env.pop(name, None)
     port = _free_port()
     procs = []
@@ -83,16 +81,13 @@ def test_two_process_learner_equals_one_process_learner(tmp_path):
     two, one = tmp_path / "two", tmp_path / "one"
     two.mkdir()
     one.mkdir()
-    procs = _start_two_processes(str(two))
-    try:
-        # The reference, while they run: this process (8 devices, tests/conftest.py), the same
-        # (fsdp 4, tp 2) mesh, the same program.
-        sys.path.insert(0, HERE)
-        from distributed_worker import train
+    _wait(_start_two_processes(str(two)), str(two))  # alone: nothing slows one of them down
+    # The reference: this process (8 devices, tests/conftest.py), the same (fsdp 4, tp 2) mesh,
+    # the same program.
+    sys.path.insert(0, HERE)
+    from distributed_worker import train
 
-        single = train(make_learner_mesh(MeshConfig(learner_tp=2)), str(one))
-    finally:
-        _wait(procs, str(two))
+    single = train(make_learner_mesh(MeshConfig(learner_tp=2)), str(one))
     with open(two / "info.json") as f:
         info = json.load(f)
     assert info == {
@@ -126,6 +121,9 @@ def test_two_process_learner_equals_one_process_learner(tmp_path):
     assert moved > 100 * TOL
     with open(two / "ckpt" / "2" / "checksums.json") as f:
         assert json.load(f)["files"]  # written once orbax finished, by process 0
+    # The damaged step 3: process 0 moved it aside, and both processes restored step 2.
+    np.testing.assert_array_equal(multi["damaged_steps"], [3])
+    assert (two / "ckpt" / "damaged" / "3").is_dir() and not (two / "ckpt" / "3").exists()
 
 
 def test_distributed_config_from_config_and_environment():
