@@ -8,6 +8,10 @@
 
 Groups are turned into micro-batches of `cfg.micro_batch_rows` sequences as soon as enough have
 arrived, and their gradients are accumulated at once; `update` folds in the remainder and applies.
+
+The mesh may span several processes (learner/distributed.py: one jax.distributed job, one process
+per host): every process then makes the same calls with the same groups, and each copies only its
+own rows of a micro-batch to its devices.
 """
 
 from __future__ import annotations
