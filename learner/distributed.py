@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -229,6 +230,21 @@ def init_learner_group(config: Any) -> Mesh:
     """
     initialize(distributed_config_from(config.learner.get("distributed")))
     return make_learner_mesh(MeshConfig(**config.mesh))
+
+
+def coordinator_address_here(host: str = "") -> str:
+    """A "host:port" for process 0 to serve the job on: this host and a port free right now.
+
+    For a launcher that starts the processes itself (e.g. Ray actors): process 0 calls it and
+    passes the address to the others as `learner.distributed.coordinator_address`.
+
+    Args:
+      host: the address the other processes reach this host at; "": this host's resolved name.
+    """
+    host = host or socket.gethostbyname(socket.gethostname())
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return f"{host}:{s.getsockname()[1]}"
 
 
 def put_global(x: np.ndarray, sharding: NamedSharding) -> jax.Array:

@@ -14,6 +14,7 @@ from configs.base import get_config
 from learner.distributed import (
     ENV,
     DistributedConfig,
+    coordinator_address_here,
     distributed_config_from,
     initialize,
     make_learner_mesh,
@@ -172,6 +173,14 @@ def test_bad_distributed_config_gets_clear_errors():
     with pytest.raises(RuntimeError, match="could not join .* before any other jax work"):
         initialize(cfg)
     initialize(DistributedConfig())  # one process: nothing to join
+
+
+def test_coordinator_address_here_is_a_free_port_on_this_host():
+    host, port = coordinator_address_here("127.0.0.1").rsplit(":", 1)
+    with socket.socket() as s:
+        s.bind((host, int(port)))  # free
+    cfg = DistributedConfig(coordinator_address=coordinator_address_here(), num_processes=2)
+    assert int(cfg.coordinator_address.rsplit(":", 1)[1]) > 0
 
 
 def test_learner_mesh_spans_all_devices_and_checks_tp():
