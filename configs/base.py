@@ -73,12 +73,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.learner.loss.kl_coef = 0.0  # KL-to-reference coefficient; 0: no reference model
     config.learner.loss.kl_estimator = "k3"  # k1 | k2 | k3
     # The learner as one jax.distributed job of several processes (one per host), its mesh over
-    # all their devices (learner/distributed.py; README "A multi-host learner"). Every process runs
-    # the same command; only process_id differs.
+    # all their devices (learner/distributed.py; README "A learner over several hosts"). Every
+    # process runs the same command; only process_id differs.
     config.learner.distributed = ml_collections.ConfigDict()
-    config.learner.distributed.coordinator_address = (
-        ""  # process 0's host:port; "": $JAX_COORDINATOR_ADDRESS
-    )
+    # process 0's "host:port"; "": $JAX_COORDINATOR_ADDRESS (needed with num_processes > 1)
+    config.learner.distributed.coordinator_address = ""
     config.learner.distributed.num_processes = 0  # 0: $JAX_NUM_PROCESSES, else 1 (one process)
     config.learner.distributed.process_id = -1  # this process's rank; -1: $JAX_PROCESS_ID, else 0
     config.learner.distributed.initialization_timeout_s = 300  # wait for every process to join
