@@ -90,6 +90,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.overlong.cache_tokens = 0  # L_cache; 0: off
     config.overlong.factor = 1.0  # the penalty at max_new_tokens
 
+    # The learner as one jax.distributed job of several processes (one per host), its mesh over
+    # all their devices (learner/distributed.py; README "A learner over several hosts"). Every
+    # process runs the same command; only process_id differs.
+    config.learner.distributed = ml_collections.ConfigDict()
+    # process 0's "host:port"; "": $JAX_COORDINATOR_ADDRESS (needed with num_processes > 1)
+    config.learner.distributed.coordinator_address = ""
+    config.learner.distributed.num_processes = 0  # 0: $JAX_NUM_PROCESSES, else 1 (one process)
+    config.learner.distributed.process_id = -1  # this process's rank; -1: $JAX_PROCESS_ID, else 0
+    config.learner.distributed.initialization_timeout_s = 300  # wait for every process to join
+
     config.tokenizer = ""  # "byte" or a local tokenizer directory; default: model.hf_path
 
     # logical axis -> mesh axes; one table serves the learner (fsdp, tp) and sampler (data, tp) meshes

@@ -18,6 +18,11 @@ differs (a flipped bit) is damaged: `restore()` of the latest step logs one line
 and the file, moves the step to `<directory>/damaged/` and falls back to the newest intact step
 (older steps are kept for this reason); with `strict=True`, or for an explicit step, it raises
 `CheckpointDamagedError` with that line instead.
+
+A multi-process learner (learner/distributed.py) makes the same calls in every process, on one
+directory they all see: orbax writes each process's shards and process 0 the metadata; process 0
+alone writes the checksums (the others wait for them at a barrier) and, in `restore`, verifies the
+steps, moves damaged ones aside and tells the others which step to read.
 """
 
 from __future__ import annotations
@@ -31,11 +36,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from jax.experimental import multihost_utils
 
 from learner.state import TrainState
 
+BARRIER_TIMEOUT_S = 600  # a multi-process save: how long processes wait for process 0's checksums
+_NO_STEP, _DAMAGED = -1, -2  # a multi-process restore: what process 0 found instead of a step
 CHECKSUMS = "checksums.json"  # in each step directory: {"files": {relative path: [bytes, sha256]}}
 DAMAGED = "damaged"  # damaged steps are moved to <directory>/damaged/<step>
 
@@ -167,6 +176,10 @@ class Checkpointer:
         self._finisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt")
         self._pending: concurrent.futures.Future | None = None
         self.damaged: list[tuple[int, str]] = []  # (step, what) found by the last restore
+        # Barrier names of a multi-process save: unique per directory and per call, the same in
+        # every process (each process makes the same saves in the same order).
+        self._barrier_prefix = hashlib.sha256(self.directory.encode()).hexdigest()[:12]
+        self._barriers = 0
 
     def save(self, step: int, state: TrainState, meta: dict[str, Any]) -> None:
         """Starts saving `state` and the JSON-serialisable host data `meta` as checkpoint `step`.
@@ -218,9 +231,24 @@ class Checkpointer:
             self._finish(int(step))
 
     def _finish(self, step: int) -> None:
-        """Waits until orbax has written `step`, then writes its checksums."""
+        """Waits until orbax has written `step`, then writes its checksums (process 0 only).
+
+        With several processes the others wait at a barrier until process 0 has written them, so
+        that no process sees a finished save without its checksums (a damaged step).
+        """
         self._mngr.wait_until_finished()
-        write_checksums(self._step_dir(step))
+        if jax.process_count() == 1:
+            write_checksums(self._step_dir(step))
+            return
+        self._barriers += 1
+        try:
+            if jax.process_index() == 0:
+                write_checksums(self._step_dir(step))
+        finally:  # a failed write on process 0 still releases the others (it raises there)
+            ocp.multihost.get_barrier_sync_fn()(
+                key=f"rolloutpipe_checksums_{self._barrier_prefix}_{step}_{self._barriers}",
+                timeout_ms=BARRIER_TIMEOUT_S * 1000,
+            )
 
     def _finish_pending(self) -> None:
         """Waits for the save in flight, if any; re-raises its error."""
@@ -247,7 +275,41 @@ class Checkpointer:
         return verify_checksums(self._step_dir(step))
 
     def _newest_intact(self, step: int | None, strict: bool) -> int:
-        """The step to restore: `step` if intact, else (step None) the newest intact one."""
+        """The step to restore: `step` if intact, else (step None) the newest intact one.
+
+        With several processes, process 0 alone verifies the steps and moves damaged ones aside;
+        it tells the others the step to restore (or that there is none: then every process raises,
+        process 0 with the message naming the step and the file).
+        """
+        if jax.process_count() == 1:
+            return self._find_intact(step, strict)
+        found, error = _NO_STEP, None
+        if jax.process_index() == 0:
+            try:
+                found = self._find_intact(step, strict)
+            except FileNotFoundError as e:
+                error = e
+            except CheckpointDamagedError as e:
+                found, error = _DAMAGED, e
+        found = int(multihost_utils.broadcast_one_to_all(np.int32(found)))
+        if error is not None:
+            raise error
+        if found == _NO_STEP:
+            raise FileNotFoundError(
+                f"Process 0 found no checkpoint {'' if step is None else f'for step {step} '}"
+                f"in {self.directory}; expected one (the directory must be shared by every "
+                "process of the learner)."
+            )
+        if found == _DAMAGED:
+            raise CheckpointDamagedError(
+                f"Process 0 found no intact checkpoint to restore in {self.directory} (its error "
+                "names the step and the file); expected an intact step."
+            )
+        self._mngr.reload()  # process 0 may have moved damaged steps away
+        return found
+
+    def _find_intact(self, step: int | None, strict: bool) -> int:
+        """`_newest_intact` in one process: verifies, and moves damaged steps aside."""
         steps = self.all_steps()
         if not steps:
             raise FileNotFoundError(f"No checkpoint found in {self.directory}.")

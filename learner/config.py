@@ -113,7 +113,8 @@ def learner_config_from(
     optimizer = dict(cfg.get("optimizer", {}))
     if optimizer.get("schedule") == "cosine" and not optimizer.get("total_steps"):
         optimizer["total_steps"] = total_updates
-    fields = {k: v for k, v in dict(cfg).items() if k not in ("optimizer", "loss")}
+    # `distributed` names the learner's process group (learner/distributed.py), not its math.
+    fields = {k: v for k, v in dict(cfg).items() if k not in ("optimizer", "loss", "distributed")}
     known = {f.name for f in dataclasses.fields(LearnerConfig)}
     unknown = set(fields) - known
     if unknown:

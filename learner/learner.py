@@ -8,6 +8,10 @@
 
 Groups are turned into micro-batches of `cfg.micro_batch_rows` sequences as soon as enough have
 arrived, and their gradients are accumulated at once; `update` folds in the remainder and applies.
+
+The mesh may span several processes (learner/distributed.py: one jax.distributed job, one process
+per host): every process then makes the same calls with the same groups, and each copies only its
+own rows of a micro-batch to its devices.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from learner.batching import Batch, make_batch
 from learner.config import LearnerConfig
+from learner.distributed import put_global
 from learner.state import create_train_state, make_optimizer, make_schedule
 from learner.step import (
     MAX_KEYS,
@@ -207,7 +212,8 @@ class Learner:
         return jax.tree.map(one, batch)
 
     def _accumulate_batch(self, batch: Batch) -> None:
-        batch = jax.device_put(batch, self._batch_shardings(batch))
+        # Every process of a multi-process learner packed the same batch; each copies its rows.
+        batch = jax.tree.map(put_global, batch, self._batch_shardings(batch))
         with self._on_mesh():
             if self._acc is None:
                 self._acc = self._zero(self.state.params)

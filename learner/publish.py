@@ -2,6 +2,9 @@
 
 `WeightSync` is the interface a multi-host transport (jax.experimental.transfer, a Ray object
 store) implements; `DevicePutSync` is the single-process one: a cross-mesh `jax.device_put`.
+A learner of several processes (learner/distributed.py) has no sampler devices in its job: every
+process calls `learner.distributed.gather_to_host(params)` (a collective) and process 0 hands the
+numpy arrays to such a transport.
 """
 
 from __future__ import annotations

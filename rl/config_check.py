@@ -175,6 +175,7 @@ def check_config(config: Any) -> None:
       ConfigError: one line per bad field (what it received, what it expects).
     """
     from learner.config import learner_config_from
+    from learner.distributed import distributed_config_from
     from learner.mesh import MeshConfig, make_meshes
     from rl.driver import driver_config_from
     from rl.models.build import model_config_from
@@ -286,6 +287,17 @@ def check_config(config: Any) -> None:
                 temperature=sampling.temperature if sampling is not None else 1.0,
             ),
         )
+        group = p.build(
+            "learner.distributed",
+            lambda: distributed_config_from(config.learner.get("distributed")),
+        )
+        runtime = config.get("runtime", "threads")
+        if group is not None and group.multi_process and runtime == "threads":
+            p.add(
+                f"config.learner.distributed.num_processes={group.num_processes} (a multi-process "
+                f"learner) with config.runtime={runtime!r}; expected 1: the threads runtime runs "
+                "the learner and the sampler in one process."
+            )
     if clean("mesh"):
         mesh = p.build("mesh", lambda: MeshConfig(**config.mesh))
         meshes = p.build("mesh", lambda: make_meshes(mesh)) if mesh is not None else None
