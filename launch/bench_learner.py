@@ -13,7 +13,10 @@ sees the same batch. Tokens/s counts loss tokens (response tokens). Measured way
   minimal+sync  the same, with the loss fetched to the host after every step, as update() does.
   learner       Learner.add_groups(groups) + Learner.update(), what a user pays per update: GRPO
                 advantages, make_batch, device_put, the zero_accum/accumulate/apply jits and the
-                metrics fetch that ends every update.
+                metrics fetch that ends every update. Packed rows (learner.packing, the default).
+  learner-unpacked  the same with learner.packing=False: one completion per row, padded to the
+                longest's power-of-two bucket, as the minimal step's batch (the overhead ratio
+                compares these two).
 With --breakdown (two more train-step compiles and 2/3 more timed updates):
   train_step    learner.step.train_step in one jit on the device batch, metrics fetched per step:
                 the learner's math (metric sums, float32 accumulator, non-finite guard) fused.
@@ -27,10 +30,19 @@ comes and goes within seconds), the median over repeats of learner / minimal sec
 repeat is given too (overhead_ratio_paired), and the best runs (least disturbed).
 The first update's loss and gradient norm of the two sides are printed: same initial params and
 batch, so they must agree.
+
+Sequence packing: `--lengths longtail` draws response lengths from a lognormal (median
+--tail_median, sigma --tail_sigma, clipped to [--min_response, --max_response], one at the max),
+the long-tailed shape of RL responses; the table then reports the padded-token fraction of the
+packed and unpacked batches and learner / learner-unpacked tokens/s (target: padding <= 10%,
+>= 1.5x). For example:
+
+    python -m launch.bench_learner --lengths longtail --max_response 448 --repeats 7
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -71,6 +83,11 @@ _GROUP_SIZE = flags.DEFINE_integer("group_size", 8, "Completions per group (G)."
 _PROMPT = flags.DEFINE_integer("prompt_tokens", 32, "Prompt length (every prompt).")
 _MIN_RESPONSE = flags.DEFINE_integer("min_response", 32, "Shortest response.")
 _MAX_RESPONSE = flags.DEFINE_integer("max_response", 96, "Longest response (one row has it).")
+_LENGTHS = flags.DEFINE_enum(
+    "lengths", "uniform", ["uniform", "longtail"], "Response lengths: uniform or lognormal."
+)
+_TAIL_MEDIAN = flags.DEFINE_float("tail_median", 24.0, "longtail: median response length.")
+_TAIL_SIGMA = flags.DEFINE_float("tail_sigma", 1.0, "longtail: sigma of log(length).")
 _STEPS = flags.DEFINE_integer("steps", 3, "Updates per timed run.")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed updates per way first (compiles).")
 _REPEATS = flags.DEFINE_integer(
@@ -94,6 +111,9 @@ _ALL_FLAGS = (
     _PROMPT,
     _MIN_RESPONSE,
     _MAX_RESPONSE,
+    _LENGTHS,
+    _TAIL_MEDIAN,
+    _TAIL_SIGMA,
     _STEPS,
     _WARMUP,
     _REPEATS,
@@ -108,7 +128,12 @@ _ALL_FLAGS = (
 def make_groups(rng: np.random.Generator, vocab: int) -> list[Group]:
     """Random complete groups; sampler log-probs near a uniform policy's, so ratios stay near 1."""
     g = _GROUP_SIZE.value
-    lengths = rng.integers(_MIN_RESPONSE.value, _MAX_RESPONSE.value + 1, _GROUPS.value * g)
+    n = _GROUPS.value * g
+    if _LENGTHS.value == "longtail":
+        drawn = rng.lognormal(math.log(_TAIL_MEDIAN.value), _TAIL_SIGMA.value, n)
+        lengths = np.clip(np.round(drawn), _MIN_RESPONSE.value, _MAX_RESPONSE.value).astype(int)
+    else:
+        lengths = rng.integers(_MIN_RESPONSE.value, _MAX_RESPONSE.value + 1, n)
     lengths[0] = _MAX_RESPONSE.value  # fixes the length bucket
     groups = []
     for uid in range(_GROUPS.value):
@@ -232,8 +257,22 @@ def main(argv: list[str]) -> None:
     # --- learner: the whole public path, add_groups and update timed apart too.
     learner = Learner(model, cfg, mesh=mesh, seed=_SEED.value)
     learner.begin_round(updates=1 << 30)  # old log-probs from the sampler: no snapshot is taken
+    unpacked_cfg = dataclasses.replace(cfg, packing=False)
+    unpacked = Learner(model, unpacked_cfg, mesh=mesh, seed=_SEED.value)
+    unpacked.begin_round(updates=1 << 30)
     first: dict[str, dict[str, float]] = {}
     learner_parts: dict[str, list[float]] = {"add_groups": [], "update": []}
+    shards = math.prod(mesh.shape[a] for a in ("fsdp", "data") if a in mesh.axis_names)
+    packed_batch = make_batch(
+        groups,
+        advs,
+        rows=rows,
+        min_length_bucket=cfg.min_length_bucket,
+        pack=True,
+        row_multiple=shards,
+        max_pack_length=cfg.pack_max_length,
+    )  # what learner.add_groups builds
+    padded = dict(packed=packed_batch.padded_fraction, unpacked=host_batch.padded_fraction)
 
     def learner_update() -> None:
         t0 = time.perf_counter()
@@ -243,6 +282,11 @@ def main(argv: list[str]) -> None:
         learner_parts["add_groups"].append(1e3 * (t1 - t0))
         learner_parts["update"].append(1e3 * (time.perf_counter() - t1))
         first.setdefault("learner", dict(loss=m["loss"], grad_norm=m["grad_norm"]))
+
+    def unpacked_update() -> None:
+        unpacked.add_groups(groups)
+        m = unpacked.update()
+        first.setdefault("learner-unpacked", dict(loss=m["loss"], grad_norm=m["grad_norm"]))
 
     # --- minimal, on the mesh's first device (the same device with --devices 1).
     device = mesh.devices.flat[0]
@@ -307,7 +351,10 @@ def main(argv: list[str]) -> None:
 
         ways.update({"train_step": fused_step, "3 jits": three_jits_step})
     ways["learner"] = learner_update
-    settle = lambda: jax.block_until_ready((mini["params"], own["state"], learner.state))
+    ways["learner-unpacked"] = unpacked_update
+    settle = lambda: jax.block_until_ready(
+        (mini["params"], own["state"], learner.state, unpacked.state)
+    )
 
     # Warm-up: compiles every program (the first calls give the agreement check).
     start = time.perf_counter()
@@ -334,7 +381,12 @@ def main(argv: list[str]) -> None:
     load_after = os.getloadavg()[0]
     best_ms = {name: 1e3 * min(r) / _STEPS.value for name, r in runs.items()}
     # The same repeat's runs ran seconds apart, under much the same outside load.
-    paired = statistics.median(a / b for a, b in zip(runs["learner"], runs["minimal"], strict=True))
+    paired = statistics.median(
+        a / b for a, b in zip(runs["learner-unpacked"], runs["minimal"], strict=True)
+    )
+    pack_paired = statistics.median(
+        a / b for a, b in zip(runs["learner-unpacked"], runs["learner"], strict=True)
+    )
     ms = {name: 1e3 * statistics.median(r) / _STEPS.value for name, r in runs.items()}
     rate = {name: 1e3 * tokens / v for name, v in ms.items()}
 
@@ -388,7 +440,8 @@ def main(argv: list[str]) -> None:
     total_seconds = time.perf_counter() - overall
 
     base = rate["minimal"]
-    overhead = base / rate["learner"]
+    overhead = base / rate["learner-unpacked"]
+    pack_speedup = rate["learner"] / rate["learner-unpacked"]
     print(
         f"model: {_PRESET.value} with d_model {_D_MODEL.value}, {_LAYERS.value} layers, mlp "
         f"{_MLP.value}, vocab {model_cfg.vocab_size}: {n_params / 1e6:.2f}M params, "
@@ -397,7 +450,12 @@ def main(argv: list[str]) -> None:
     print(
         f"batch: {_GROUPS.value} groups x {_GROUP_SIZE.value} = {rows} rows x {seq_len} positions, "
         f"{tokens} loss tokens ({tokens / (rows * seq_len):.0%} of the padded batch); "
-        f"median of {_REPEATS.value} runs of {_STEPS.value} updates"
+        f"median of {_REPEATS.value} runs of {_STEPS.value} updates; {_LENGTHS.value} lengths"
+    )
+    pb = packed_batch.inputs.shape
+    print(
+        f"packed: {pb[0]} rows x {pb[1]} positions; padded-token fraction packed "
+        f"{padded['packed']:.1%}, unpacked {padded['unpacked']:.1%}"
     )
     print(f"{'way':<14}{'ms/update':>10}{'best':>8}{'tokens/s':>10}{'vs minimal':>11}{'+ms':>8}")
     prev = None
@@ -421,10 +479,18 @@ def main(argv: list[str]) -> None:
         f"{ms['minimal']:.1f}, an expected ratio of {1 + extra_ms / ms['minimal']:.3f}"
     )
     print(
-        f"overhead_ratio (minimal / learner tokens/s): {overhead:.3f} (target <= 1.10: "
+        f"overhead_ratio (minimal / learner-unpacked tokens/s): {overhead:.3f} (target <= 1.10: "
         f"{'met' if overhead <= 1.10 else 'NOT met'})"
     )
-    print(f"overhead_ratio_paired (median over repeats of learner / minimal s): {paired:.3f}")
+    print(
+        f"overhead_ratio_paired (median over repeats of learner-unpacked / minimal s): {paired:.3f}"
+    )
+    met = padded["packed"] <= 0.10 and pack_speedup >= 1.5
+    print(
+        f"packing: learner / learner-unpacked tokens/s {pack_speedup:.2f}x (paired median "
+        f"{pack_paired:.2f}x), padded {padded['packed']:.1%} vs {padded['unpacked']:.1%} "
+        f"(target <= 10% and >= 1.5x: {'met' if met else 'NOT met'})"
+    )
     cores = os.cpu_count() or 1
     print(
         f"load average {load_before:.1f} before timing, {load_after:.1f} after, {cores} cores"
@@ -434,10 +500,11 @@ def main(argv: list[str]) -> None:
             else ": a shared, busy machine; noisy figures"
         )
     )
-    lf, mf = first["learner"], first["minimal"]
+    lf, uf, mf = first["learner"], first["learner-unpacked"], first["minimal"]
     print(
-        f"first update, learner vs minimal: loss {lf['loss']:.6f} vs {mf['loss']:.6f}, "
-        f"grad_norm {lf['grad_norm']:.6f} vs {mf['grad_norm']:.6f}"
+        f"first update, learner / learner-unpacked / minimal: loss {lf['loss']:.6f} / "
+        f"{uf['loss']:.6f} / {mf['loss']:.6f}, grad_norm {lf['grad_norm']:.6f} / "
+        f"{uf['grad_norm']:.6f} / {mf['grad_norm']:.6f}"
     )
     print(f"warm-up (compiles): {warmup_seconds:.1f} s; total {total_seconds:.1f} s")
 
@@ -447,6 +514,10 @@ def main(argv: list[str]) -> None:
             minimal_tokens_per_s=base,
             overhead_ratio=overhead,
             overhead_ratio_paired=paired,
+            packing_speedup=pack_speedup,
+            packing_speedup_paired=pack_paired,
+            padded_fraction=padded,
+            packed_shape=list(packed_batch.inputs.shape),
             load_average=dict(before=load_before, after=load_after, cores=os.cpu_count()),
             tokens_per_s=rate,
             ms_per_update=ms,

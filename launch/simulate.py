@@ -4,6 +4,8 @@ validation of the simulator against a real run.
     python -m launch.simulate --json /tmp/sim.json [--gpu h100 --sampler_gpus 4 --learner_gpus 4]
     python -m launch.simulate --profile /tmp/profile.json --validate /tmp/bench_pipeline.json
     python -m launch.simulate --plan_budgets 8,16,32
+    python -m launch.simulate --workload rollpacker --modes sync,sync+tail,cgp+frontier+fifo,\
+        cgp+frontier+tail --setups 64,128 --balance_wait 0.7
 
 Comparison table (default): for each RolloutPipe setup (G = 8, U = 2, R in --setups) the modes
 sync (slime-like: rollout all, then train), cgp+fcfs / cgp+frontier (complete-group pipelining,
@@ -16,6 +18,11 @@ model of --preset on --gpu (rl/sim/presets.py; or --profile's fitted model) and 
 workload (rl/sim/workload.py). Every mode runs --rounds rounds of the same prompt stream; the
 figures are means over rounds. A second block ("paper balance") scales the learner so that sync's
 trainer waiting ratio is 50%, the balance RolloutPipe reports for slime (47-52%), and compares again.
+`--workload rollpacker` draws RollPacker's length statistics instead (median 500 tokens per median
+prompt, which gives P75 ~910 tokens, inside the paper's 755-1.1k, and a 16k cap that runaway
+prompts reach); `--balance_wait 0.7` then matches its balance (rollout ~70% of a sync step). The
+table's s/group (rollout-to-train-end per trained group) and groups/s (throughput) columns, with
+their ratios to sync, are RollPacker's per-prompt measure; its tail-batching-alone figure is 1.48x.
 The JSON holds, per setup and mode, rollout_to_train_end_s, first_dispatch_s, trainer_wait_ratio,
 reduction_vs_sync (1 - r2t / sync's), time_per_group_s, groups_per_s and throughput_vs_sync,
 lag_mean and lag_max.
@@ -43,6 +50,8 @@ from rl.sim.presets import gpu_preset
 from rl.sim.simulator import SimResult
 from rl.sim.stage import StageModel
 from rl.sim.workload import Workload, WorkloadConfig
+from rl.sim.workload import summarize as summarize_lengths
+from rl.types import Request, SamplingParams
 
 MODES = (
     "sync",
@@ -79,6 +88,16 @@ _RUNAWAY = flags.DEFINE_float(
 )
 _RUNAWAY_P = flags.DEFINE_float("runaway_p", 0.5, "Chance a runaway prompt's sample hits the cap.")
 _SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
+_WORKLOAD = flags.DEFINE_enum(
+    "workload",
+    "custom",
+    ["custom", "rollpacker"],
+    "custom: the length flags above; rollpacker: median 500, cap 16384 (P75 ~910, RollPacker's "
+    "755-1.1k), the spread and runaway flags as given.",
+)
+_RESPONSE_ETA = flags.DEFINE_float(
+    "response_eta", 1.0, "Tail batching: launch ceil(response_eta * G) samples, keep G (1: off)."
+)
 _BALANCE = flags.DEFINE_float(
     "balance_wait", 0.5, "Paper-balance block: sync's wait ratio; 0: skip."
 )
@@ -102,7 +121,8 @@ def print_modes(title: str, rows: dict[str, dict[str, float]]) -> None:
     print(title)
     print(
         f"  {'mode':<30}{'r2t_end s':>10}{'vs sync':>9}{'1st disp s':>11}{'wait':>7}"
-        f"{'rollout s':>10}{'train s':>9}{'s/group':>9}{'long rds':>9}{'groups/s':>9}"
+        f"{'rollout s':>10}{'train s':>9}{'s/group':>9}{'vs sync':>8}{'long rds':>9}"
+        f"{'groups/s':>9}"
         f"{'vs sync':>8}{'vs cgp':>7}{'lag':>6}"
     )
     cgp = rows.get("cgp+frontier+fifo", {}).get("groups_per_s", float("nan"))
@@ -110,28 +130,51 @@ def print_modes(title: str, rows: dict[str, dict[str, float]]) -> None:
         print(
             f"  {m:<30}{r['rollout_to_train_end_s']:>10.2f}{-r['reduction_vs_sync']:>+9.1%}"
             f"{r['first_dispatch_s']:>11.2f}{r['trainer_wait_ratio']:>7.2f}{r['rollout_s']:>10.2f}"
-            f"{r['trainer_compute_s']:>9.2f}{r['time_per_group_s']:>9.3f}{r['long_rounds']:>9.0f}"
+            f"{r['trainer_compute_s']:>9.2f}{r['time_per_group_s']:>9.3f}"
+            f"{r['speedup_per_group_vs_sync']:>7.2f}x{r['long_rounds']:>9.0f}"
             f"{r['groups_per_s']:>9.3f}{r['throughput_vs_sync']:>7.2f}x"
             f"{r['groups_per_s'] / cgp:>6.2f}x{r['lag_mean']:>6.2f}"
         )
     print(
-        "  groups/s: groups trained / time between round starts (the throughput; async rounds "
+        "  s/group: rollout-to-train-end per trained group, its vs sync: sync's s/group / the "
+        "mode's (a speedup); groups/s: groups trained / time between round starts (the throughput; async rounds "
         "overlap, so their r2t, 1st disp and s/group count from a round's first submission, which "
         "precedes the previous round's end); vs cgp: vs cgp+frontier+fifo; lag: mean version lag "
         "(simulated: the version at admission, an upper bound)"
     )
 
 
+ROLLPACKER = dict(median_tokens=500.0, max_new_tokens=16384)  # P75 ~910, max 16k
+
+
+def max_new_tokens() -> int:
+    return ROLLPACKER["max_new_tokens"] if _WORKLOAD.value == "rollpacker" else _MAX_NEW.value
+
+
 def workload_config() -> WorkloadConfig:
     return WorkloadConfig(
-        max_new_tokens=_MAX_NEW.value,
-        median_tokens=_MEDIAN.value,
+        max_new_tokens=max_new_tokens(),
+        median_tokens=ROLLPACKER["median_tokens"]
+        if _WORKLOAD.value == "rollpacker"
+        else _MEDIAN.value,
         prompt_sigma=_PROMPT_SIGMA.value,
         sample_sigma=_SAMPLE_SIGMA.value,
         runaway_fraction=_RUNAWAY.value,
         runaway_p=_RUNAWAY_P.value,
         seed=_SEED.value,
     )
+
+
+def length_stats(workload: WorkloadConfig, group_size: int, prompts: int = 2000) -> dict:
+    """Median, P75, P90, max and mean response length of `prompts` prompts' samples."""
+    w = Workload(workload)
+    params = SamplingParams(max_new_tokens=workload.max_new_tokens)
+    lengths = [
+        n
+        for uid in range(prompts)
+        for n in w.lengths(Request(uid=uid, prompt=(0,), group_size=group_size, params=params))
+    ]
+    return summarize_lengths(lengths)
 
 
 def comparison(model: StageModel, slots: int, out: dict[str, Any]) -> None:
@@ -141,7 +184,11 @@ def comparison(model: StageModel, slots: int, out: dict[str, Any]) -> None:
         f"stage model: {model.source}; {replicas} replica(s) x {slots} slots; workload "
         f"{workload}; {_ROUNDS.value} rounds per mode"
     )
-    out["workload"] = workload.__dict__ | {"fixed_lengths": None}
+    stats = length_stats(workload, _GROUP_SIZE.value)
+    print(
+        "  response lengths (2,000 prompts): " + ", ".join(f"{k} {v:.0f}" for k, v in stats.items())
+    )
+    out["workload"] = workload.__dict__ | {"fixed_lengths": None, "length_stats": stats}
     out["stage_model"], out["replicas"], out["slots"] = model.to_dict(), replicas, slots
     for label, balance in (("setups", 0.0), ("paper_balance", _BALANCE.value)):
         if label == "paper_balance" and not balance:
@@ -152,10 +199,10 @@ def comparison(model: StageModel, slots: int, out: dict[str, Any]) -> None:
                 groups_per_round=r,
                 groups_per_update=_PER_UPDATE.value,
                 group_size=_GROUP_SIZE.value,
-                max_new_tokens=_MAX_NEW.value,
+                max_new_tokens=max_new_tokens(),
                 replicas=replicas,
                 slots=slots,
-                tail=TailConfig(eta=_ETA.value),
+                tail=TailConfig(eta=_ETA.value, response_eta=_RESPONSE_ETA.value),
             )
             mdl, scale = model, 1.0
             if balance:

@@ -63,6 +63,8 @@ class LearnerConfig:
     temperature: float = 1.0
     micro_batch_rows: int = 16  # sequences per micro-batch (rows are padded up to it)
     min_length_bucket: int = 32  # sequence lengths pad to powers of two from here
+    packing: bool = True  # several sequences per row, first-fit by length (learner/batching.py)
+    pack_max_length: int = 2048  # packed rows longer than the longest sequence stay within this
     entropy_metric: bool = True  # compute the policy entropy per token (one more pass over V)
 
     def __post_init__(self):
@@ -87,10 +89,11 @@ class LearnerConfig:
             )
         if not self.temperature > 0:
             raise ValueError(f"learner.temperature must be > 0; received {self.temperature}.")
-        if self.micro_batch_rows < 1 or self.min_length_bucket < 1:
+        if min(self.micro_batch_rows, self.min_length_bucket, self.pack_max_length) < 1:
             raise ValueError(
-                "learner.micro_batch_rows and min_length_bucket must be >= 1; received "
-                f"{self.micro_batch_rows}, {self.min_length_bucket}."
+                "learner.micro_batch_rows, min_length_bucket and pack_max_length must be >= 1; "
+                f"received {self.micro_batch_rows}, {self.min_length_bucket}, "
+                f"{self.pack_max_length}."
             )
 
 

@@ -69,6 +69,7 @@ class Learner:
         self.mesh = mesh
         self.rules = current_rules() if rules is None else rules
         batch_shards = math.prod(mesh.shape[a] for a in ("fsdp", "data") if a in mesh.axis_names)
+        self._batch_shards = batch_shards
         if cfg.micro_batch_rows % batch_shards:
             raise ValueError(
                 f"learner.micro_batch_rows ({cfg.micro_batch_rows}) must be divisible by the learner "
@@ -193,6 +194,9 @@ class Learner:
             advs,
             rows=self.cfg.micro_batch_rows,
             min_length_bucket=self.cfg.min_length_bucket,
+            pack=self.cfg.packing,
+            row_multiple=self._batch_shards,
+            max_pack_length=self.cfg.pack_max_length,
         )
         if self.cfg.overlong_filter:  # DAPO: truncated responses get no loss (row i: completion i)
             rows = [c.finish_reason == "length" for g in groups for c in g.completions]

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from learner.batching import Batch
+from learner.batching import Batch, unpack
 from learner.config import LearnerConfig
 from learner.state import TrainState
 from rl.aggregation import get_aggregation
@@ -110,7 +110,11 @@ def _logprobs(
         temperature=cfg.temperature,
         with_entropy=entropy,
     )
-    return out if entropy else (out, None)
+    logp, ent = out if entropy else (out, None)
+    if batch.token_index is not None:  # packed rows -> one row per sequence, as the loss arrays
+        logp = unpack(logp, batch.token_index)
+        ent = None if ent is None else unpack(ent, batch.token_index)
+    return logp, ent
 
 
 def accumulate(

@@ -1,0 +1,151 @@
+"""Packed learner batches: the layout, and the same loss and gradients as one sequence per row."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from learner.batching import first_fit, make_batch
+from learner.config import LearnerConfig, OptimizerConfig
+from learner.learner import Learner
+from learner.mesh import MeshConfig, make_meshes
+from learner.step import accumulate, sum_keys, zero_accum
+from rl.losses import LossConfig
+from rl.models import create_model, get_preset
+from tests.learner.test_learner import _advantages, _single_mesh, make_groups
+
+EXACT = 1e-6  # float32: packing changes only the rows' shapes, never which tokens a token sees
+
+
+def _long_tail_groups(n=4, g=4, seed=0):
+    """Groups whose responses are mostly short with a few long ones (lengths 1-40)."""
+    groups = make_groups(n, g=g, seed=seed, max_response=6)
+    long = make_groups(1, g=g, seed=seed + 100, max_response=40)[0]
+    return groups[:-1] + [long]
+
+
+def test_first_fit_places_every_item_once_within_capacity():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        cap = int(rng.integers(8, 64))
+        lengths = [int(x) for x in rng.integers(1, cap + 1, int(rng.integers(1, 40)))]
+        bins = first_fit(lengths, cap)
+        assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in b) <= cap for b in bins)
+        # First fit never leaves two bins that would fit in one.
+        loads = sorted(sum(lengths[i] for i in b) for b in bins)
+        assert len(loads) < 2 or loads[0] + loads[1] > cap
+    assert first_fit([5, 3, 3, 2], 8) == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="length of 9 exceeds the capacity 8"):
+        first_fit([3, 9], 8)
+
+
+def test_packed_layout_holds_every_sequence_and_pads_less():
+    groups = _long_tail_groups(n=6, g=4)
+    advs = _advantages(groups)
+    plain = make_batch(groups, advs, rows=8, min_length_bucket=8)
+    packed = make_batch(groups, advs, rows=8, min_length_bucket=8, pack=True, row_multiple=2)
+    for name in ("loss_mask", "advantages", "behavior_logp"):  # the loss arrays are unchanged
+        np.testing.assert_array_equal(getattr(packed, name), getattr(plain, name))
+    assert packed.inputs.shape[0] % 2 == 0 and packed.inputs.shape[0] < plain.inputs.shape[0]
+    assert packed.padded_fraction < plain.padded_fraction
+    real = plain.segments > 0
+    for name in ("inputs", "targets", "positions"):  # every sequence's tokens, via token_index
+        gathered = getattr(packed, name).reshape(-1)[packed.token_index]
+        np.testing.assert_array_equal(np.where(real, gathered, 0), getattr(plain, name))
+    flat_index = packed.token_index[real]
+    assert len(set(flat_index.tolist())) == flat_index.size == (packed.segments > 0).sum()
+    for row_seg, row_pos in zip(packed.segments, packed.positions, strict=True):
+        for s in set(row_seg.tolist()) - {0}:  # a segment is contiguous and starts at position 0
+            where = np.flatnonzero(row_seg == s)
+            assert np.all(np.diff(where) == 1) and row_pos[where[0]] == 0
+    with pytest.raises(ValueError, match="row_multiple"):
+        make_batch(groups, advs, rows=8, pack=True, row_multiple=0)
+
+
+def test_packing_fills_rows_longer_than_the_longest_sequence():
+    """~20-token sequences in a 32 bucket: one per row wastes ~40%; packed rows of 64+ do not."""
+    groups = make_groups(8, g=8, seed=3, max_response=9, prompt_len=14)
+    advs = _advantages(groups)
+    plain = make_batch(groups, advs, rows=64, min_length_bucket=16)
+    packed = make_batch(groups, advs, rows=64, min_length_bucket=16, pack=True, row_multiple=1)
+    assert plain.padded_fraction > 0.3
+    assert packed.inputs.shape[1] > plain.inputs.shape[1]
+    assert packed.padded_fraction < 0.15  # 11.6%: rows round up to a quarter-octave count
+
+
+@pytest.mark.parametrize(
+    "policy_loss,aggregation,kl",
+    [
+        ("ppo_clip", "token_mean", False),
+        ("ppo_clip", "seq_mean_token_mean", True),
+        ("gspo", "seq_mean_token_mean", False),
+        ("tis_reinforce", "seq_mean_token_sum_norm", False),
+    ],
+)
+def test_packed_batch_gives_the_same_loss_and_gradients(policy_loss, aggregation, kl):
+    cfg = LearnerConfig(
+        policy_loss=policy_loss,
+        aggregation=aggregation,
+        norm_constant=40.0 if aggregation == "seq_mean_token_sum_norm" else 0.0,
+        loss=LossConfig(kl_coef=0.1 if kl else 0.0),
+        old_logprobs="sampler",
+    )
+    graphdef, params = nnx.split(create_model(get_preset("tiny"), seed=4))
+    ref = jax.tree.map(lambda p: p * 0.9, params) if kl else None
+    groups = _long_tail_groups(n=5, g=4, seed=1)
+    advs = _advantages(groups)
+    fn = jax.jit(
+        lambda b, behavior: accumulate(
+            zero_accum(params, sum_keys(cfg)),
+            params,
+            b,
+            graphdef=graphdef,
+            cfg=cfg,
+            behavior_params=behavior,
+            ref_params=ref,
+        )
+    )
+    plain = make_batch(groups, advs, rows=4, min_length_bucket=8)
+    packed = make_batch(groups, advs, rows=4, min_length_bucket=8, pack=True, row_multiple=2)
+    assert packed.inputs.size < plain.inputs.size / 2
+    behaviour = jax.tree.map(lambda p: p * 1.05, params)
+    for behavior in (None, behaviour):  # old log-probs from the sampler, then from a snapshot
+        a, b = fn(plain, behavior), fn(packed, behavior)
+        assert float(a.denominator) == float(b.denominator) > 0
+        np.testing.assert_allclose(b.numerator, a.numerator, atol=EXACT, rtol=0)
+        for k in a.sums:
+            np.testing.assert_allclose(b.sums[k], a.sums[k], atol=EXACT, rtol=1e-6, err_msg=k)
+        leaves_a, leaves_b = jax.tree.leaves(a.grads), jax.tree.leaves(b.grads)
+        assert max(float(np.abs(x).max()) for x in leaves_a) > 1e-3  # gradients are not ~0
+        for x, y in zip(leaves_a, leaves_b, strict=True):
+            np.testing.assert_allclose(y / b.denominator, x / a.denominator, atol=EXACT, rtol=0)
+
+
+def test_packed_sharded_learner_equals_unpacked_single_device():
+    opt = OptimizerConfig(lr=1e-2, eps=1.0)
+    model = create_model(get_preset("tiny"), seed=5)
+    lm, _ = make_meshes(MeshConfig(learner_devices=8, learner_tp=2, colocated=True))
+    results = []
+    for mesh, packing in ((_single_mesh(), False), (lm, True)):
+        cfg = LearnerConfig(
+            optimizer=opt,
+            micro_batch_rows=8,
+            old_logprobs="snapshot",
+            packing=packing,
+            min_length_bucket=8,
+            aggregation="seq_mean_token_mean",
+        )
+        learner = Learner(model, cfg, mesh=mesh)
+        learner.begin_round(updates=2)
+        metrics = []
+        for r in range(2):
+            learner.add_groups(_long_tail_groups(n=3, g=4, seed=10 + r))
+            metrics.append(learner.update())
+        results.append((jax.device_get(learner.params), metrics))
+    (p0, m0), (p1, m1) = results
+    for a, b in zip(m0, m1, strict=True):
+        for k in ("loss", "grad_norm", "tokens", "sequences", "entropy"):
+            np.testing.assert_allclose(b[k], a[k], atol=1e-5, rtol=1e-5, err_msg=k)
+    for x, y in zip(jax.tree.leaves(p0), jax.tree.leaves(p1), strict=True):
+        np.testing.assert_allclose(y, x, atol=1e-5, rtol=0)
