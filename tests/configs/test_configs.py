@@ -86,9 +86,9 @@ def _typed_sections():
         ("sampling", SamplingParams, {"stop_token_ids"}),  # the tokenizer's eos
         ("engine", EngineConfig, {"seed"}),  # config.seed
         ("mesh", MeshConfig, set()),
-        # temperature: config.sampling.temperature; loss: the losses' own configs (issue 18's
-        # loss half registers one per loss and checks them there)
-        ("learner", LearnerConfig, {"optimizer", "loss", "temperature"}),
+        # temperature: config.sampling.temperature; loss: the losses' own configs (checked by
+        # the loss registry); distributed: learner/distributed.py (0 / -1 there mean "from $JAX_*")
+        ("learner", LearnerConfig, {"optimizer", "loss", "temperature", "distributed"}),
         ("learner.optimizer", OptimizerConfig, set()),
     ]
 
