@@ -20,6 +20,8 @@ INSTALL_REQUIRES = [
     "tqdm>=4.70",
     "tensorboardX>=2.6.5",
     "matplotlib>=3.11",
+    # config.runtime="ray": the learner and sampler replicas as actors (rl/runtime/ray_runtime.py)
+    "ray>=2.60.0",
 ]
 
 EXTRAS = {
