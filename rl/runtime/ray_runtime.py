@@ -106,6 +106,11 @@ def connect(cfg: Any) -> bool:
     return True
 
 
+def actor_name(config: Any, role: str) -> str:
+    """The Ray name of a run's worker ("learner", "replica0", "queue"): one run per workdir."""
+    return f"rolloutpipe:{os.path.abspath(config.workdir)}:{role}"
+
+
 class LearnerDied(RuntimeError):
     """The learner worker died: the run stops; resume continues from the last checkpoint."""
 
@@ -404,16 +409,25 @@ class RayRuntime:
         env, cfg = worker_env(), config.to_dict()
         r = config.ray
         self.queue_actor = QueueActor.options(
-            num_cpus=0, max_concurrency=4 + 2 * r.sampler_replicas, runtime_env=env
+            name=actor_name(config, "queue"),
+            num_cpus=0,
+            max_concurrency=4 + 2 * r.sampler_replicas,
+            runtime_env=env,
         ).remote(config.driver.queue_size)
         workers = [
             LearnerWorker.options(
-                num_cpus=r.learner_cpus, num_gpus=r.learner_gpus, runtime_env=env
+                name=actor_name(config, "learner"),
+                num_cpus=r.learner_cpus,
+                num_gpus=r.learner_gpus,
+                runtime_env=env,
             ).remote(cfg, total_updates)
         ]
         self.replicas = [
             SamplerReplica.options(
-                num_cpus=r.replica_cpus, num_gpus=r.replica_gpus, runtime_env=env
+                name=actor_name(config, f"replica{i}"),
+                num_cpus=r.replica_cpus,
+                num_gpus=r.replica_gpus,
+                runtime_env=env,
             ).remote(cfg, i, self.queue_actor)
             for i in range(r.sampler_replicas)
         ]

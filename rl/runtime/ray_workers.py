@@ -253,11 +253,9 @@ class SamplerReplica:
         self.loop.request_stop()
 
     def close(self) -> BaseException | None:
+        """Stops the sampler loop (evaluation still runs; RayRuntime.close ends the actor)."""
         try:
             self.loop.close()
         except BaseException as e:
             return e
-        finally:
-            self.reward.close()
-            self.eval_reward.close()
         return None

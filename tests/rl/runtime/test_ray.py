@@ -35,7 +35,9 @@ def run_rounds(config, rounds=ROUNDS, driver_hook=None):
     runtime = make_runtime(config, setup, total_updates=rounds * driver_cfg.updates_per_round)
     try:
         prompts = iter(
-            prompt_dataset(data.train, setup.tokenizer, seed=config.seed, **setup.data.prompt_kwargs)
+            prompt_dataset(
+                data.train, setup.tokenizer, seed=config.seed, **setup.data.prompt_kwargs
+            )
         )
         driver = runtime.driver(driver_cfg, prompts=prompts, rounds=rounds)
         if driver_hook is not None:
@@ -80,3 +82,79 @@ def test_ray_equals_threads_bitwise(ray_cluster, threads_run, replicas):
             assert r.metrics["replica0_sequences"] + r.metrics["replica1_sequences"] == 16
             assert r.metrics["replica0_slot_occupancy"] > 0
             assert r.metrics["replica1_tokens_per_s"] > 0
+
+
+def kill_replica_after_submit(round, replica):
+    """A driver hook: kills `replica` right after the router submitted `round`'s requests."""
+    import ray
+
+    def hook(runtime, driver):
+        router = runtime.router
+        submit = router.submit
+
+        def submit_then_kill(requests, cut=None):
+            requests = list(requests)
+            submit(requests, cut)
+            if requests and requests[0].round == round and replica in router.alive:
+                ray.kill(router.replicas[replica])
+
+        router.submit = submit_then_kill
+
+    return hook
+
+
+def test_killed_replica_is_resampled_on_the_other(ray_cluster, threads_run):
+    results, params, runtime = run_rounds(
+        tiny_config("ray", 2), driver_hook=kill_replica_after_submit(round=1, replica=1)
+    )
+    assert runtime.router.alive == [0]
+    assert runtime.router.resampled > 0  # replica 1 had unfinished groups of round 1
+    # The same groups, tokens and parameters as an undisturbed run; none lost, none doubled.
+    assert tokens_of(results) == tokens_of(threads_run[0])
+    assert_same_params(params, threads_run[1])
+
+
+def test_killed_replica_stops_the_run_when_configured(ray_cluster):
+    with pytest.raises(RuntimeError, match="sampler replica 1 died.*on_replica_failure='stop'"):
+        run_rounds(
+            tiny_config("ray", 2, on_replica_failure="stop"),
+            driver_hook=kill_replica_after_submit(round=1, replica=1),
+        )
+
+
+def test_killed_learner_stops_the_run_and_resume_reproduces(ray_cluster, threads_run, tmp_path):
+    import threading
+
+    import ray
+
+    from learner.checkpoint import saved_steps
+    from rl.run import train
+    from rl.runtime.ray_runtime import LearnerDied, actor_name
+
+    config = tiny_config("ray", 1)
+    config.workdir = str(tmp_path / "run")
+    config.rounds, config.checkpoint_every, config.resume = ROUNDS, 1, True
+    config.eval.every_rounds = 0
+    ckpt = tmp_path / "run" / "ckpt"
+    stop = threading.Event()
+
+    def kill_after_first_checkpoint():
+        while not stop.is_set():
+            if ckpt.is_dir() and saved_steps(str(ckpt)):
+                ray.kill(ray.get_actor(actor_name(config, "learner")))
+                return
+            stop.wait(0.01)
+
+    killer = threading.Thread(target=kill_after_first_checkpoint)
+    killer.start()
+    try:
+        with pytest.raises(LearnerDied, match="learner worker died.*resume"):
+            train(config, stdout=False)
+    finally:
+        stop.set()
+        killer.join()
+    killed_at = max(saved_steps(str(ckpt)))
+    assert 1 <= killed_at < ROUNDS
+    summary = train(config, stdout=False)  # resumes from the newest checkpoint
+    assert summary["first_round"] == killed_at
+    assert_same_params(summary["state"].params, threads_run[1])
