@@ -212,3 +212,30 @@ def make_runtime(config: Any, setup: Setup, *, total_updates: int) -> Any:
 
         return RayRuntime(config, setup, total_updates=total_updates)
     return ThreadsRuntime(config, setup, total_updates=total_updates)
+
+
+def build_driver(config: Any, *, rounds: int) -> tuple[Any, Driver]:
+    """A runtime and its Driver for `rounds` rounds from the start of the config's data (no
+    workdir, logging or checkpoints: what benchmarks and tests drive). Close the driver, then
+    the runtime."""
+    from rl.driver import driver_config_from
+    from rl.tasks.data import load_task
+    from rl.tasks.pipeline import prompt_dataset
+
+    check_runtime_config(config)
+    setup = Setup.from_config(config)
+    data = load_task(setup.data, setup.tokenizer, max_prompt_tokens=setup.max_prompt_tokens)
+    driver_cfg = driver_config_from(
+        config.driver, sampling=setup.sampling, epoch_size=len(data.train)
+    )
+    runtime = make_runtime(config, setup, total_updates=rounds * driver_cfg.updates_per_round)
+    try:
+        prompts = iter(
+            prompt_dataset(
+                data.train, setup.tokenizer, seed=config.seed, **setup.data.prompt_kwargs
+            )
+        )
+        return runtime, runtime.driver(driver_cfg, prompts=prompts, rounds=rounds)
+    except BaseException:
+        runtime.close()
+        raise

@@ -96,7 +96,7 @@ def connect(cfg: Any) -> bool:
         return False
     kwargs: dict[str, Any] = dict(
         log_to_driver=cfg.log_to_driver,  # workers' output stays in Ray's log files unless asked
-        logging_level=logging.INFO if cfg.log_to_driver else logging.WARNING,
+        logging_level=logging.INFO if cfg.log_to_driver else logging.ERROR,
         include_dashboard=False,
     )
     if cfg.address:

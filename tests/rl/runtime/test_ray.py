@@ -5,10 +5,7 @@ import numpy as np
 import pytest
 
 from configs import base
-from rl.driver import driver_config_from
-from rl.runtime.compose import Setup, make_runtime
-from rl.tasks.data import load_task
-from rl.tasks.pipeline import prompt_dataset
+from rl.runtime.compose import build_driver
 
 ROUNDS = 3
 
@@ -26,28 +23,16 @@ def tiny_config(runtime="threads", replicas=1, **ray_fields):
 
 
 def run_rounds(config, rounds=ROUNDS, driver_hook=None):
-    """The composition root's components, driven as rl.run.train drives them (no logging)."""
-    setup = Setup.from_config(config)
-    data = load_task(setup.data, setup.tokenizer, max_prompt_tokens=setup.max_prompt_tokens)
-    driver_cfg = driver_config_from(
-        config.driver, sampling=setup.sampling, epoch_size=len(data.train)
-    )
-    runtime = make_runtime(config, setup, total_updates=rounds * driver_cfg.updates_per_round)
+    """The composition root's runtime and Driver, run for `rounds` rounds."""
+    runtime, driver = build_driver(config, rounds=rounds)
     try:
-        prompts = iter(
-            prompt_dataset(
-                data.train, setup.tokenizer, seed=config.seed, **setup.data.prompt_kwargs
-            )
-        )
-        driver = runtime.driver(driver_cfg, prompts=prompts, rounds=rounds)
         if driver_hook is not None:
             driver_hook(runtime, driver)
         try:
             results = [driver.run_round(r) for r in range(rounds)]
         finally:
             driver.close()
-        params = jax.device_get(runtime.learner.state.params)
-        return results, params, runtime
+        return results, jax.device_get(runtime.learner.state.params), runtime
     finally:
         runtime.close()
 
