@@ -53,6 +53,7 @@ _CACHE = flags.DEFINE_string("compilation_cache", bench_env.DEFAULT_CACHE, bench
 def config_of(runtime: str, mode: str) -> Any:
     config = base.get_config("smoke")
     config.runtime = runtime
+    config.sft.max_steps = 0
     config.driver.mode, config.driver.batching = MODES[mode]
     config.driver.groups_per_round = _GROUPS.value
     config.driver.groups_per_update = _PER_UPDATE.value

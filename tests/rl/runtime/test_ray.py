@@ -90,10 +90,15 @@ def kill_replica_after_submit(round, replica):
 
 def test_killed_replica_is_resampled_on_the_other(ray_cluster, threads_run):
     results, params, runtime = run_rounds(
-        tiny_config("ray", 2), driver_hook=kill_replica_after_submit(round=1, replica=1)
+        tiny_config("ray", 2, routing="least_loaded"),
+        driver_hook=kill_replica_after_submit(round=1, replica=1),
     )
-    assert runtime.router.alive == [0]
-    assert runtime.router.resampled > 0  # replica 1 had unfinished groups of round 1
+    router = runtime.router
+    assert router.alive == [0]
+    assert router.resampled > 0  # replica 1 had unfinished groups of round 1
+    # least-loaded: rounds 0 and 1 alternate over the two; the re-sampled groups and round 2
+    # go to replica 0
+    assert router.routed[1] == 4 and router.routed[0] == 4 + router.resampled + 4
     # The same groups, tokens and parameters as an undisturbed run; none lost, none doubled.
     assert tokens_of(results) == tokens_of(threads_run[0])
     assert_same_params(params, threads_run[1])
@@ -143,3 +148,34 @@ def test_killed_learner_stops_the_run_and_resume_reproduces(ray_cluster, threads
     summary = train(config, stdout=False)  # resumes from the newest checkpoint
     assert summary["first_round"] == killed_at
     assert_same_params(summary["state"].params, threads_run[1])
+
+
+def test_launch_train_joins_a_cluster_and_keeps_ray_logs_off_the_console(ray_cluster, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    address = ray_cluster.get_runtime_context().gcs_address
+    workdir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.train",
+        "--config=configs/smoke.py",
+        "--config.runtime=ray",
+        f"--config.ray.address={address}",
+        "--config.ray.sampler_replicas=2",
+        "--config.sft.max_steps=0",
+        "--config.rounds=1",
+        "--config.eval.every_rounds=0",
+        f"--config.workdir={workdir}",
+    ]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    console = out.stdout + out.stderr
+    assert "[train] step 0 | round 0" in console and "pipeline" in console
+    for line in console.replace(str(tmp_path), "<tmp>").splitlines():
+        # no Ray logging, no forwarded worker output
+        assert "(pid=" not in line and " -- " not in line and "ray" not in line.lower(), line
+    assert (workdir / "summary.json").is_file()
