@@ -1,8 +1,8 @@
-"""The threaded runtime: a sampler thread and this learner loop, driven by a schedule.
+"""The driver: the learner loop of both runtimes, carrying out a schedule.
 
 The schedule (rl.schedules: `sync`, `cgp` with the stream trainer and tail-batched rounds, `async`)
 decides what to submit, when the learner adds and updates on which groups, and when weights are
-published; this driver does what it says, with the real SamplerLoop, Learner and WeightSync, and
+published; this driver does what it says, with the real sampler, Learner and WeightSync, and
 tells it when groups arrive, updates end and weights reach the sampler. The simulator (rl/sim)
 drives the same schedule objects on a virtual clock.
 
@@ -15,8 +15,8 @@ requests possibly in flight.
 
 The driver talks to the sampler, the queue and the weight sync through small protocols
 (rl.runtime.protocols), so the threaded runtime (rl.runtime.threads: a SamplerLoop thread, this
-thread the learner loop) and the Ray runtime (rl.runtime.ray: sampler replica actors, a queue actor)
-share it. An error on either side stops both (the queue fails, the sampler stops) and re-raises the
+thread the learner loop) and the Ray runtime (rl.runtime.ray_runtime: a learner worker, sampler
+replica actors, a queue actor) share it. An error on either side stops both (the queue fails, the sampler stops) and re-raises the
 original error; a round's result lists only groups whose update completed.
 """
 
