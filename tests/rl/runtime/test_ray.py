@@ -145,8 +145,8 @@ def test_killed_learner_stops_the_run_and_resume_reproduces(ray_cluster, threads
         killer.join()
     killed_at = max(saved_steps(str(ckpt)))
     assert 1 <= killed_at < ROUNDS
-    summary = train(config, stdout=False)  # resumes from the newest checkpoint
-    assert summary["first_round"] == killed_at
+    summary = train(config, stdout=False)  # resumes from the newest intact checkpoint
+    assert 1 <= summary["first_round"] <= killed_at
     assert_same_params(summary["state"].params, threads_run[1])
 
 
