@@ -21,6 +21,8 @@ INSTALL_REQUIRES = [
     "tensorboardX>=2.6.5",
     "matplotlib>=3.11",
     "math-verify>=0.9.0",  # symbolic checks of math answers that are not one number
+    # config.runtime="ray": the learner and sampler replicas as actors (rl/runtime/ray_runtime.py)
+    "ray>=2.60.0",
 ]
 
 EXTRAS = {

@@ -225,6 +225,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         "bfloat16"  # dtype of the weights published to the sampler; "": as trained
     )
 
+    # Where the run's components run: threads (one process) | ray (a learner worker and sampler
+    # replica actors; one host or a cluster; rl/runtime/ray_runtime.py)
+    config.runtime = "threads"
+    config.ray = ml_collections.ConfigDict()
+    config.ray.address = ""  # "": start a local Ray cluster; "auto" or host:port joins one
+    config.ray.num_cpus = 0  # CPUs of a local cluster; 0: every core
+    config.ray.sampler_replicas = 1  # sampler actors, an Engine + SamplerLoop each
+    config.ray.routing = "round_robin"  # request -> replica: round_robin | least_loaded
+    config.ray.on_replica_failure = "resample"  # a dead replica: resample (on the others) | stop
+    config.ray.learner_gpus = 0  # GPUs of the learner worker (its devices: mesh.learner_devices)
+    config.ray.replica_gpus = 0  # GPUs of each sampler replica (mesh.sampler_devices of them)
+    config.ray.learner_cpus = 0  # CPUs Ray reserves for the learner worker
+    config.ray.replica_cpus = 0  # CPUs Ray reserves for each replica
+    config.ray.log_to_driver = False  # True: workers' output and Ray's logs in this terminal
+
     config.prompt = "The answer to 12 + 30 is"  # text for the model check (rl.models.summary)
 
     if arg == "smoke":

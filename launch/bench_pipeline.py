@@ -86,6 +86,7 @@ from learner.publish import DevicePutSync  # noqa: E402
 from rl.driver import Driver, DriverConfig, RoundResult  # noqa: E402
 from rl.models import create_model, get_preset  # noqa: E402
 from rl.rounds import RoundPlan, TailConfig  # noqa: E402
+from rl.runtime.threads import threaded_driver  # noqa: E402
 from rl.schedules import mode_fields  # noqa: E402
 from rl.types import Completion, Prompt, Request, SamplingParams  # noqa: E402
 from sampler.engine import Engine, EngineConfig  # noqa: E402
@@ -267,8 +268,9 @@ def build(mode: str, max_length: int, max_prefill: int) -> tuple[LongTailDriver,
         ),
         mesh=sampler_mesh,
     )
-    driver = LongTailDriver(
+    driver = threaded_driver(
         driver_config(mode),
+        driver_cls=LongTailDriver,
         engine=engine,
         learner=learner,
         weight_sync=DevicePutSync(learner.params, sampler_mesh),

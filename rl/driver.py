@@ -1,8 +1,8 @@
-"""The threaded runtime: a sampler thread and this learner loop, driven by a schedule.
+"""The driver: the learner loop of both runtimes, carrying out a schedule.
 
 The schedule (rl.schedules: `sync`, `cgp` with the stream trainer and tail-batched rounds, `async`)
 decides what to submit, when the learner adds and updates on which groups, and when weights are
-published; this driver does what it says, with the real SamplerLoop, Learner and WeightSync, and
+published; this driver does what it says, with the real sampler, Learner and WeightSync, and
 tells it when groups arrive, updates end and weights reach the sampler. The simulator (rl/sim)
 drives the same schedule objects on a virtual clock.
 
@@ -13,9 +13,11 @@ sampler swaps the weights in between decode steps (SamplerLoop.set_params), runn
 `max_staleness` versions ahead; `run_round(r)` returns when round r is trained, with later rounds'
 requests possibly in flight.
 
-The sampler loop runs in its own thread; this driver's thread is the learner loop. An error on
-either side stops both (the queue fails, the sampler thread stops) and re-raises the original error;
-a round's result lists only groups whose update completed.
+The driver talks to the sampler, the queue and the weight sync through small protocols
+(rl.runtime.protocols), so the threaded runtime (rl.runtime.threads: a SamplerLoop thread, this
+thread the learner loop) and the Ray runtime (rl.runtime.ray_runtime: a learner worker, sampler
+replica actors, a queue actor) share it. An error on either side stops both (the queue fails, the sampler stops) and re-raises the
+original error; a round's result lists only groups whose update completed.
 """
 
 from __future__ import annotations
@@ -28,9 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from rl.admission import make_policy
-from rl.metrics import round_metrics, staleness_metrics
-from rl.queue import GroupQueue
+from rl.metrics import replica_metrics, round_metrics, staleness_metrics
 from rl.rounds import RoundPlan, RoundPlanner, TailConfig
 from rl.schedules import (
     Action,
@@ -48,9 +48,7 @@ from rl.types import Group, Prompt, Request, SamplingParams
 
 if TYPE_CHECKING:
     from learner.learner import Learner
-    from learner.publish import WeightSync
-    from sampler.engine import Engine
-    from sampler.loop import RewardFn
+    from rl.runtime.protocols import Queue, Sampler, WeightSync
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -111,28 +109,27 @@ class Driver:
       rounds: the run's last round + 1, if known (`async` plans no round past it).
       barrier_every: `async`: after every this many rounds nothing of a later round is in flight
         when run_round returns (pass the checkpoint interval: a resume then continues exactly).
-      Others: the components (engine, learner, weight sync, prompt source, reward function).
+      sampler: emits complete groups onto `queue` and records into `timeline`; started here,
+        with the weights of `version`.
+      Others: the components (learner, weight sync, prompt source); rl.runtime.threads and
+        rl.runtime.ray build them.
     """
 
     def __init__(
         self,
         cfg: DriverConfig,
         *,
-        engine: Engine,
+        sampler: Sampler,
+        queue: Queue,
         learner: Learner,
         weight_sync: WeightSync,
         prompts: Iterator[Prompt],
-        reward_fn: RewardFn,
         timeline: Timeline | None = None,
         clock: Callable[[], float] = time.monotonic,
         version: int = 0,
         rounds: int | None = None,
         barrier_every: int = 0,
     ):
-        from sampler.loop import (
-            SamplerLoop,
-        )  # the driver wires concrete sides; rl/ stays importable alone
-
         self.cfg = cfg
         self.learner = learner
         self.weight_sync = weight_sync
@@ -156,22 +153,10 @@ class Driver:
             None  # called as each complete group arrives
         )
         self.on_update: Callable[[Update], None] | None = None  # called as each update ends
-        self.num_slots = engine.max_concurrent_decodes
-        self.queue = GroupQueue(cfg.queue_size)
-        published = self._publish(version, round=-1)
-        self.sampler = SamplerLoop(
-            engine,
-            published,
-            admission=make_policy(cfg.admission),
-            reward_fn=reward_fn,
-            emit=self.queue.put,
-            version=version,
-            group_atomic=cfg.group_atomic,
-            recompute_kv=cfg.recompute_kv,
-            timeline=self.timeline,
-            clock=clock,
-        )
-        self.sampler.start()
+        self.sampler, self.queue = sampler, queue
+        self.num_slots = sampler.num_slots
+        sampler.set_params(self._publish(version, round=-1), version)
+        sampler.start()
         self._closed = False
         self._starts: dict[int, float] = {}  # round -> when its first requests were submitted
         self._stats0: dict[int, Any] = {}
@@ -277,6 +262,7 @@ class Driver:
         while round not in self._done:
             self._run(self.schedule.on_group(self._next_group()))
         done = self._done.pop(round)
+        stats = self.sampler.stats  # first: a remote sampler's timeline events come with it
         plan, trained = done.plan, list(done.trained)
         updates = self._updates.pop(round, [])
         n_updates = -(-len(trained) // self.cfg.groups_per_update)
@@ -285,11 +271,20 @@ class Driver:
         metrics = round_metrics(
             self.timeline,
             round=round,
-            rollout_start=self._starts.pop(round),
+            rollout_start=self._starts[round],
             num_slots=self.num_slots,
         )
+        if len(self.sampler.replica_slots) > 1:
+            metrics.update(
+                replica_metrics(
+                    self.timeline,
+                    round=round,
+                    rollout_start=self._starts[round],
+                    replica_slots=self.sampler.replica_slots,
+                )
+            )
         metrics.update(
-            self._round_stats(plan, trained, list(done.discarded), self._stats0.pop(round))
+            self._round_stats(plan, trained, list(done.discarded), stats, self._stats0.pop(round))
         )
         for key in updates[0] if updates else ():  # every metric the learner and loss return
             metrics.setdefault(key, float(np.mean([m[key] for m in updates])))
@@ -299,6 +294,7 @@ class Driver:
                 np.sum(tokens * [m["lag_mean"] for m in updates]) / tokens.sum()
             )
             metrics["lag_max"] = float(np.max([m["lag_max"] for m in updates]))
+        del self._starts[round]
         return RoundResult(
             round=round,
             kind=plan.kind,
@@ -309,7 +305,7 @@ class Driver:
         )
 
     def _round_stats(
-        self, plan: RoundPlan, trained: list[Group], discarded: list[Group], stats0: Any
+        self, plan: RoundPlan, trained: list[Group], discarded: list[Group], stats: Any, stats0: Any
     ) -> dict[str, float]:
         # Rewards and lengths of every group the round sampled and kept: trained and, under
         # dynamic sampling, discarded (rewards all equal) groups, so reward_mean is not biased
@@ -317,7 +313,6 @@ class Driver:
         sampled = trained + discarded
         lengths = np.asarray([len(c.tokens) for g in sampled for c in g.completions], np.float64)
         rewards = np.asarray([r for g in sampled for r in g.rewards], np.float32)
-        stats = self.sampler.stats
         out = {
             "reward_mean": float(rewards.mean()),
             "version": float(self.version),

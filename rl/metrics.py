@@ -22,6 +22,10 @@ per optimizer step, the update span's "tokens" (it covers its micro steps), or t
 step's micro_step "tokens" when the update carries none (or has not happened yet). A micro_step
 belongs to the update with the same "step" arg; without one, to the first update ending at or
 after it. A metric whose spans are missing (no update yet, say) is NaN (null in the JSONL).
+
+With several sampler replicas (the Ray runtime), slot spans carry args["replica"], and
+`replica_metrics` gives replica{i}_slot_occupancy and replica{i}_tokens_per_s over each replica's
+own rollout window [t0, end of its last sequence of the round].
 """
 
 from __future__ import annotations
@@ -150,6 +154,33 @@ def round_metrics(
         "sampler_tokens": sampler_tokens,
         "learner_tokens": learner_tokens,
     }
+
+
+def replica_metrics(
+    timeline: Timeline, *, round: int, rollout_start: float, replica_slots: tuple[int, ...]
+) -> dict[str, float]:
+    """Per-replica slot occupancy and tokens/s of one round (slot spans' args["replica"]).
+
+    Args:
+      timeline: the run's Timeline.
+      round: which round.
+      rollout_start: when the round's rollout started (seconds, the timeline's clock).
+      replica_slots: engine slots of each replica, by replica index.
+    """
+    spans = [s for s in timeline.spans(since=rollout_start) if s.lane.startswith(SLOT_PREFIX)]
+    out = {}
+    for i, slots in enumerate(replica_slots):
+        lanes: dict[str, list[Span]] = {}
+        for s in spans:
+            if s.args.get("replica") == i:
+                lanes.setdefault(s.lane, []).append(s)
+        mine = [s for lane in lanes.values() for s in lane if s.args.get("round") == round]
+        end = max((s.end for s in mine), default=NAN)
+        busy = sum(_busy(lane, rollout_start, end) for lane in lanes.values())
+        out[f"replica{i}_slot_occupancy"] = _div(busy, slots * (end - rollout_start))
+        out[f"replica{i}_tokens_per_s"] = _div(_tokens(mine), end - rollout_start)
+        out[f"replica{i}_sequences"] = float(len(mine))
+    return out
 
 
 def staleness_metrics(groups: Iterable[Any], version: int) -> dict[str, float]:

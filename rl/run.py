@@ -17,18 +17,12 @@ import numpy as np
 
 from rl.config_check import check_config
 from rl.curves import read_metrics, write_learning_curve_png
-from rl.driver import Driver, driver_config_from
-from rl.evaluate import evaluate
+from rl.driver import driver_config_from
 from rl.logs import flush_held_to
 from rl.metrics import MetricsWriter
-from rl.models.build import build_model
-from rl.models.sharding import normalize_rules
-from rl.models.summary import tokenizer_from
-from rl.overlong import OverlongPenalty
-from rl.rewards import RewardRunner, get_reward
-from rl.tasks.data import DataConfig, data_config_from, load_task
+from rl.runtime.compose import Setup, check_runtime_config, make_runtime
+from rl.tasks.data import DataConfig, load_task
 from rl.tasks.pipeline import prompt_dataset
-from rl.types import SamplingParams
 
 # What a run writes into its workdir; a fresh run replaces them only with config.overwrite.
 RESULTS = (
@@ -78,21 +72,11 @@ def _prepare_workdir(config: Any) -> bool:
     return False
 
 
-def _reward_counts(runner: RewardRunner, seen: dict[str, int]) -> dict[str, float]:
+def _reward_counts(stats: dict[str, int], seen: dict[str, int]) -> dict[str, float]:
     """Reward errors and timeouts since the last call (`seen` holds the totals then)."""
-    stats = runner.stats()
     out = {f"reward_{k}": float(stats[k] - seen.get(k, 0)) for k in ("errors", "timeouts")}
     seen.update(stats)
     return out
-
-
-def _shaped(reward: RewardRunner, config: Any) -> Any:
-    """The rollout reward: the task's, plus DAPO's soft overlong punishment when configured."""
-    if not config.overlong.cache_tokens:
-        return reward
-    return OverlongPenalty(
-        reward, cache_tokens=config.overlong.cache_tokens, factor=config.overlong.factor
-    )
 
 
 def _sft(
@@ -145,92 +129,65 @@ def _sft(
 def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     """Runs `config.rounds` rounds of the configured pipeline; writes metrics and the timeline.
 
+    The components come from the composition root (rl.runtime.compose) for config.runtime:
+    `threads` (one process) or `ray` (a learner worker and sampler replica actors).
+
     Returns:
       A summary: per-round metrics of the rounds run here, the first round run (> 0 after a resume),
       the final TrainState, wall time, and the paths written under config.workdir.
     """
-    from learner.checkpoint import Checkpointer
-    from learner.config import learner_config_from
-    from learner.learner import Learner
-    from learner.mesh import MeshConfig, make_meshes
-    from learner.publish import DevicePutSync
-    from sampler.engine import Engine, EngineConfig
-
     start = time.perf_counter()
     check_config(config)  # every field, before anything is built or written (rl/config_check.py)
-    data_cfg = data_config_from(config)
-    rules = normalize_rules(config.sharding_rules)
-    learner_mesh, sampler_mesh = make_meshes(MeshConfig(**config.mesh))
-    tokenizer = tokenizer_from(config)
-    # Prompts the engine could not take (prefill limit, or no room for the response) are dropped.
-    max_prompt = config.engine.max_length - config.sampling.max_new_tokens
-    data = load_task(
-        data_cfg,
-        tokenizer,
-        max_prompt_tokens=max(1, min(config.engine.max_prefill_length, max_prompt)),
-    )
+    check_runtime_config(config)
+    setup = Setup.from_config(config)
+    data_cfg = setup.data
+    data = load_task(data_cfg, setup.tokenizer, max_prompt_tokens=setup.max_prompt_tokens)
     resume = _prepare_workdir(config)  # the config and data are good: the workdir may change now
     flush_held_to(os.path.join(config.workdir, "run.log"))  # launch.train: library logging
-    # Local HF weights (config.model.hf_path) or a fresh init, placed directly on the learner mesh.
-    model = build_model(config.model, seed=config.seed, mesh=learner_mesh, rules=rules)
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(
-            f"The tokenizer's vocabulary ({tokenizer.vocab_size}) is larger than the model's "
-            f"vocab_size ({model.config.vocab_size}); expected a tokenizer of the same model."
-        )
-    sampling = SamplingParams(**config.sampling, stop_token_ids=(tokenizer.eos_id,))
-    driver_cfg = driver_config_from(config.driver, sampling=sampling, epoch_size=len(data.train))
-    # A cosine schedule with total_steps 0 decays over the run; a run of no rounds (SFT only)
-    # makes no RL update, so any valid horizon does.
-    total_updates = config.rounds * driver_cfg.updates_per_round
-    learner_cfg = learner_config_from(
-        config.learner,
-        total_updates=total_updates or config.learner.optimizer.warmup_steps + 1,
-        temperature=sampling.temperature,  # one temperature: the loss recomputes the sampler's
+    driver_cfg = driver_config_from(
+        config.driver, sampling=setup.sampling, epoch_size=len(data.train)
     )
-    learner = Learner(model, learner_cfg, mesh=learner_mesh, rules=rules, seed=config.seed)
-    engine = Engine(
-        model, EngineConfig(**config.engine, seed=config.seed), mesh=sampler_mesh, rules=rules
+    runtime = make_runtime(
+        config, setup, total_updates=config.rounds * driver_cfg.updates_per_round
     )
-    sync = DevicePutSync(learner.params, sampler_mesh, dtype=config.sampler_dtype, rules=rules)
+    try:
+        return _train(config, start, setup, data, driver_cfg, runtime, resume, stdout)
+    finally:
+        runtime.close()
+
+
+def _train(
+    config: Any,
+    start: float,
+    setup: Setup,
+    data: Any,
+    driver_cfg: Any,
+    runtime: Any,
+    resume: bool,
+    stdout: bool,
+) -> dict[str, Any]:
+    learner, sync = runtime.learner, runtime.weight_sync
     prompts = iter(
         prompt_dataset(
             data.train,
-            tokenizer,
+            setup.tokenizer,
             seed=config.seed,
-            meta_fields=data_cfg.meta_fields,
-            **data_cfg.prompt_kwargs,
+            meta_fields=setup.data.meta_fields,
+            **setup.data.prompt_kwargs,
         )
-    )
-    # Rollouts and evaluation get their own runners, so each counts its own errors and timeouts.
-    reward, eval_reward = (
-        RewardRunner(
-            get_reward(config.task.reward),
-            decode=tokenizer.decode,
-            timeout_s=config.task.reward_timeout_s,
-            workers=config.task.reward_workers,
-            backend=config.task.reward_backend,
-        )
-        for _ in range(2)
     )
     reward_seen: dict[str, int] = {}
     os.makedirs(config.workdir, exist_ok=True)
-    ckpt = Checkpointer(os.path.join(config.workdir, "ckpt"))
+    ckpt = runtime.checkpointer(os.path.join(config.workdir, "ckpt"))
     first_round, version, planner_state, logged = 0, 0, None, None
     if resume:  # the newest intact checkpoint; a damaged newer one is reported and set aside
-        learner.state, meta = ckpt.restore(
-            abstract_state=learner.state,
-            shardings=learner.shardings,
-            strict=config.get("resume_strict", False),
-        )
+        meta = ckpt.restore(strict=config.get("resume_strict", False))
         first_round, version = meta["round"], meta["version"]
         prompts.set_state(meta["data"])
         planner_state = meta["planner"]
         logged = meta.get("metrics")  # prefix -> last step logged when the checkpoint was taken
         if first_round >= config.rounds:  # a finished run: nothing to run, nothing rewritten
             ckpt.close()
-            reward.close()
-            eval_reward.close()
             return {"rounds": [], "first_round": first_round, "state": learner.state}
     # A resumed run cuts metrics.jsonl and TensorBoard back to its checkpoint: rounds run again
     # after it get one row each.
@@ -244,20 +201,7 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
         """{"accuracy": greedy, "pass@k": unbiased from eval.pass_n samples (eval.pass_k > 1)}."""
         jax.block_until_ready(params)  # pending training steps are not billed to evaluation
         t = time.perf_counter()
-        published = sync.publish(params, version=-1).params
-        out = evaluate(
-            engine,
-            published,
-            heldout,
-            tokenizer,
-            eval_reward,
-            max_new_tokens=config.sampling.max_new_tokens,
-            meta_fields=data_cfg.meta_fields,
-            k=k,
-            n=config.eval.pass_n if k > 1 else 0,
-            temperature=config.sampling.temperature,
-            **data_cfg.prompt_kwargs,
-        )
+        out = runtime.evaluate(sync.publish(params, version=-1).params, heldout, k=k)
         phases["eval_s"] += time.perf_counter() - t
         return out
 
@@ -267,17 +211,15 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     sft_steps = 0
     if config.sft.max_steps and first_round == 0:
         t = time.perf_counter()
-        sft_steps = _sft(config, learner, tokenizer, heldout_accuracy, writer, data.train, data_cfg)
+        sft_steps = _sft(
+            config, learner, setup.tokenizer, heldout_accuracy, writer, data.train, setup.data
+        )
         phases["sft_s"] = time.perf_counter() - t - phases["eval_s"]
     eval_before = heldout_eval(learner.params)
     acc_before = eval_before["accuracy"]
-    driver = Driver(
+    driver = runtime.driver(
         driver_cfg,
-        engine=engine,
-        learner=learner,
-        weight_sync=sync,
         prompts=prompts,
-        reward_fn=_shaped(reward, config),
         version=version,
         rounds=config.rounds,  # async plans no round past the run's last
         barrier_every=config.checkpoint_every,  # async: nothing in flight at a checkpoint
@@ -301,7 +243,8 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
                 result = driver.run_round(r)
             finally:
                 bar.close()
-            metrics = {"round": float(r), **result.metrics, **_reward_counts(reward, reward_seen)}
+            counts = _reward_counts(runtime.reward_stats()[0], reward_seen)
+            metrics = {"round": float(r), **result.metrics, **counts}
             # RL time so far without evaluation: the x axis of "time to reach X% held-out"
             metrics["rl_elapsed_s"] = time.perf_counter() - t_rl - (phases["eval_s"] - eval_at_rl)
             if config.eval.every_rounds and (r + 1) % config.eval.every_rounds == 0:
@@ -321,15 +264,13 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
                     "planner": driver.planner.state_dict(),  # the long-prompt queue
                     "metrics": writer.last_steps,  # where a resume cuts the metrics log back to
                 }
-                ckpt.save(r + 1, learner.state, meta)
+                ckpt.save(r + 1, meta)
     finally:
         driver.close()
         ckpt.close()
     eval_in_rl = phases["eval_s"]
     eval_after = heldout_eval(learner.params)
     acc_after = eval_after["accuracy"]
-    reward.close()
-    eval_reward.close()
     writer.close()
     phases["rl_s"] = time.perf_counter() - t_rl - (phases["eval_s"] - eval_in_rl)
     trace = os.path.join(config.workdir, "timeline.json")
@@ -353,19 +294,9 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     )
     export = None
     if config.export.hf:  # the final policy as a Hugging Face directory (rl/models/export.py)
-        from flax import nnx
-
-        from rl.models.export import export_hf
-
         export = os.path.join(config.workdir, "hf")
-        spec = config.tokenizer or config.model.hf_path
-        export_hf(
-            nnx.merge(learner.graphdef, learner.params),
-            export,
-            tokenizer=tokenizer,
-            tokenizer_dir=None if spec == "byte" else spec,
-            dtype=config.export.dtype or None,
-        )
+        runtime.export_hf(export)
+    rollout_stats, eval_stats = runtime.reward_stats()
     summary = {
         "export_hf": export,
         "heldout_acc_before": acc_before,
@@ -388,9 +319,9 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
         if rounds
         else 0.0,
         # Rollout reward calls that raised (or returned no finite number) or timed out: scored 0.
-        "reward_errors": reward.errors,
-        "reward_timeouts": reward.timeouts,
-        "reward_stats": {"rollout": reward.stats(), "eval": eval_reward.stats()},
+        "reward_errors": rollout_stats["errors"],
+        "reward_timeouts": rollout_stats["timeouts"],
+        "reward_stats": {"rollout": rollout_stats, "eval": eval_stats},
         "data": data.counts,  # rows used and dropped (malformed, prompt too long, non-numeric)
     }
     with open(os.path.join(config.workdir, "summary.json"), "w") as f:

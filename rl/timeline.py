@@ -164,6 +164,14 @@ class Timeline:
             out = [s for s in self._spans if s.end >= since and s.lane.startswith(prefix)]
         return sorted(out, key=lambda s: (s.start, -s.end))
 
+    def take(self) -> tuple[list[Span], list[Instant]]:
+        """Removes and returns everything recorded so far, in recording order (a remote worker
+        ships its events to the driver's timeline this way)."""
+        with self._lock:
+            out = self._spans, self._instants
+            self._spans, self._instants = [], []
+        return out
+
     def instants(self, lane_prefix: str | None = None) -> list[Instant]:
         """Instants whose lane starts with `lane_prefix` (all if None), sorted by time."""
         with self._lock:

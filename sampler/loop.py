@@ -169,6 +169,15 @@ class SamplerLoop:
     def version(self) -> int:
         return self._version
 
+    @property
+    def num_slots(self) -> int:
+        return self.engine.max_concurrent_decodes
+
+    @property
+    def replica_slots(self) -> tuple[int, ...]:
+        """One replica (rl.runtime.protocols.Sampler)."""
+        return (self.engine.max_concurrent_decodes,)
+
     def submit(self, requests: Iterable[Request], cut: RoundCut | None = None) -> None:
         """Queues requests for admission; each is validated against the engine first.
 

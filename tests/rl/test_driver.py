@@ -16,6 +16,7 @@ from learner.publish import DevicePutSync
 from rl.driver import Driver, DriverConfig
 from rl.models import create_model, get_preset
 from rl.rounds import TailConfig
+from rl.runtime.threads import threaded_driver
 from rl.types import Prompt, SamplingParams
 from sampler.engine import Engine, EngineConfig
 
@@ -87,8 +88,9 @@ def build(
         dynamic_sampling=dynamic_sampling,
         max_oversample=max_oversample,
     )
-    return driver_cls(
+    return threaded_driver(
         cfg,
+        driver_cls=driver_cls,
         engine=engine,
         learner=learner,
         weight_sync=DevicePutSync(learner.params, sm),

@@ -348,7 +348,8 @@ def test_driver_and_simulator_train_the_same_groups_in_the_same_order(mode, tiny
     from learner.mesh import MeshConfig, make_meshes
     from learner.publish import DevicePutSync
     from rl.admission import POLICIES
-    from rl.driver import Driver, DriverConfig
+    from rl.driver import DriverConfig
+    from rl.runtime.threads import threaded_driver
     from rl.sim.simulator import SimConfig, Simulator
     from rl.sim.stage import StageModel
     from rl.sim.workload import Workload, WorkloadConfig
@@ -369,7 +370,7 @@ def test_driver_and_simulator_train_the_same_groups_in_the_same_order(mode, tiny
         mesh=sm,
     )
     cfg = DriverConfig(**mf, **shape, sampling=SamplingParams(max_new_tokens=6))
-    driver = Driver(
+    driver = threaded_driver(
         cfg,
         engine=engine,
         learner=learner,

@@ -1,0 +1,289 @@
+"""The composition root: every component of a run built from one config, in one place.
+
+The threaded runtime builds them all in this process; the Ray runtime's workers each build their
+own part from the same config (the learner worker its Learner, each sampler replica its Engine and
+reward runner), so both runtimes, the benchmarks and the launchers wire nothing by hand.
+
+    setup = Setup.from_config(config)              # tokenizer, sampling, rules: cheap, anywhere
+    runtime = make_runtime(config, setup, total_updates=...)   # learner, sampler side, sync
+    driver = runtime.driver(driver_cfg, prompts=prompts)        # rl.driver.Driver
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from rl.models.build import build_model
+from rl.models.sharding import Rules, normalize_rules
+from rl.models.summary import tokenizer_from
+from rl.overlong import OverlongPenalty
+from rl.rewards import RewardRunner, get_reward
+from rl.runtime import RUNTIMES
+from rl.tasks.data import DataConfig, data_config_from
+from rl.types import SamplingParams
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from learner.learner import Learner
+    from rl.driver import Driver, DriverConfig
+    from sampler.engine import Engine
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What every process of a run derives from the config alone (no devices, no data)."""
+
+    data: DataConfig
+    rules: Rules
+    tokenizer: Any
+    sampling: SamplingParams
+    max_prompt_tokens: int  # prompts the engine could not take are dropped at load time
+
+    @classmethod
+    def from_config(cls, config: Any) -> Setup:
+        tokenizer = tokenizer_from(config)
+        max_prompt = config.engine.max_length - config.sampling.max_new_tokens
+        return cls(
+            data=data_config_from(config),
+            rules=normalize_rules(config.sharding_rules),
+            tokenizer=tokenizer,
+            sampling=SamplingParams(**config.sampling, stop_token_ids=(tokenizer.eos_id,)),
+            max_prompt_tokens=max(1, min(config.engine.max_prefill_length, max_prompt)),
+        )
+
+
+def check_runtime_config(config: Any) -> None:
+    """config.runtime and, with "ray", config.ray: a clear error before anything starts."""
+    runtime = config.get("runtime", "threads")
+    if runtime not in RUNTIMES:
+        raise ValueError(f"config.runtime={runtime!r}; expected one of {RUNTIMES}.")
+    if runtime == "ray":
+        from rl.runtime.ray_runtime import check_ray_config
+
+        check_ray_config(config)
+
+
+def build_checked_model(config: Any, setup: Setup, mesh: Mesh | None) -> Any:
+    """The model config.model names on `mesh`: local HF weights (hf_path) or a fresh init."""
+    model = build_model(config.model, seed=config.seed, mesh=mesh, rules=setup.rules)
+    if setup.tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(
+            f"The tokenizer's vocabulary ({setup.tokenizer.vocab_size}) is larger than the "
+            f"model's vocab_size ({model.config.vocab_size}); expected a tokenizer of the same "
+            "model."
+        )
+    return model
+
+
+def build_learner(
+    config: Any, setup: Setup, model: Any, mesh: Mesh, *, total_updates: int
+) -> Learner:
+    """The Learner of `model` (on `mesh`), its optimizer over `total_updates` updates."""
+    from learner.config import learner_config_from
+    from learner.learner import Learner
+
+    # A cosine schedule with total_steps 0 decays over the run; a run of no rounds (SFT only)
+    # makes no RL update, so any valid horizon does.
+    learner_cfg = learner_config_from(
+        config.learner,
+        total_updates=total_updates or config.learner.optimizer.warmup_steps + 1,
+        temperature=setup.sampling.temperature,  # one temperature: the loss recomputes the sampler's
+    )
+    return Learner(model, learner_cfg, mesh=mesh, rules=setup.rules, seed=config.seed)
+
+
+def build_engine(config: Any, setup: Setup, mesh: Mesh, model: Any) -> Engine:
+    """A sampler Engine on `mesh`; `model` gives its structure (weights come by WeightSync)."""
+    from sampler.engine import Engine, EngineConfig
+
+    return Engine(
+        model, EngineConfig(**config.engine, seed=config.seed), mesh=mesh, rules=setup.rules
+    )
+
+
+def build_reward(config: Any, setup: Setup) -> RewardRunner:
+    """The reward runner of config.task.reward (a worker pool with timeouts)."""
+    return RewardRunner(
+        get_reward(config.task.reward),
+        decode=setup.tokenizer.decode,
+        timeout_s=config.task.reward_timeout_s,
+        workers=config.task.reward_workers,
+        backend=config.task.reward_backend,
+    )
+
+
+def rollout_reward(config: Any, runner: RewardRunner) -> Any:
+    """What the sampler scores rollouts with: the task's reward, plus DAPO's soft overlong
+    punishment when config.overlong.cache_tokens > 0 (evaluation scores the plain reward)."""
+    if not config.overlong.cache_tokens:
+        return runner
+    return OverlongPenalty(
+        runner, cache_tokens=config.overlong.cache_tokens, factor=config.overlong.factor
+    )
+
+
+def evaluate_heldout(
+    config: Any, setup: Setup, engine: Engine, published: Any, records: Any, reward: Any, k: int
+) -> dict[str, float]:
+    """Greedy accuracy of published params on `records`, and pass@k from config.eval.pass_n
+    samples when k > 1 (rl.evaluate); every runtime evaluates through this."""
+    from rl.evaluate import evaluate
+
+    return evaluate(
+        engine,
+        published,
+        records,
+        setup.tokenizer,
+        reward,
+        max_new_tokens=config.sampling.max_new_tokens,
+        meta_fields=setup.data.meta_fields,
+        k=k,
+        n=config.eval.pass_n if k > 1 else 0,
+        temperature=config.sampling.temperature,
+        **setup.data.prompt_kwargs,
+    )
+
+
+def export_policy(config: Any, setup: Setup, learner: Learner, path: str) -> None:
+    """`learner`'s policy as a Hugging Face directory at `path`, with the tokenizer's files when
+    one was loaded from a directory (rl.models.export; in the process that owns the learner)."""
+    from flax import nnx
+
+    from rl.models.export import export_hf
+
+    spec = config.tokenizer or config.model.hf_path
+    export_hf(
+        nnx.merge(learner.graphdef, learner.params),
+        path,
+        tokenizer=setup.tokenizer,
+        tokenizer_dir=None if spec == "byte" else spec,
+        dtype=config.export.dtype or None,
+    )
+
+
+class ThreadsRuntime:
+    """Everything in this process: the learner and one sampler on disjoint meshes (or colocated).
+
+    Attributes:
+      learner: the Learner.
+      weight_sync: a DevicePutSync learner mesh -> sampler mesh.
+      engine: the sampler Engine (evaluation uses it too).
+      reward, eval_reward: rollouts and evaluation get their own runners, so each counts its own
+        errors and timeouts.
+    """
+
+    def __init__(self, config: Any, setup: Setup, *, total_updates: int):
+        from learner.mesh import MeshConfig, make_meshes
+        from learner.publish import DevicePutSync
+
+        self.config, self.setup = config, setup
+        learner_mesh, sampler_mesh = make_meshes(MeshConfig(**config.mesh))
+        model = build_checked_model(config, setup, learner_mesh)
+        self.learner = build_learner(
+            config, setup, model, learner_mesh, total_updates=total_updates
+        )
+        self.engine = build_engine(config, setup, sampler_mesh, model)
+        self.weight_sync = DevicePutSync(
+            self.learner.params, sampler_mesh, dtype=config.sampler_dtype, rules=setup.rules
+        )
+        self.reward, self.eval_reward = build_reward(config, setup), build_reward(config, setup)
+        self._ckpt = None
+
+    def driver(self, cfg: DriverConfig, **kwargs: Any) -> Driver:
+        """A Driver over a sampler thread (rl.runtime.threads); kwargs go to the Driver."""
+        from rl.runtime.threads import threaded_driver
+
+        return threaded_driver(
+            cfg,
+            engine=self.engine,
+            learner=self.learner,
+            weight_sync=self.weight_sync,
+            reward_fn=rollout_reward(self.config, self.reward),
+            **kwargs,
+        )
+
+    def evaluate(self, published: Any, records: Any, *, k: int = 1) -> dict[str, float]:
+        """Held-out accuracy (and pass@k, k > 1) of published params (WeightSync output)."""
+        return evaluate_heldout(
+            self.config, self.setup, self.engine, published, records, self.eval_reward, k
+        )
+
+    def export_hf(self, path: str) -> None:
+        """Writes the trained policy as a Hugging Face directory (config.export)."""
+        export_policy(self.config, self.setup, self.learner, path)
+
+    def reward_stats(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Counters of the rollout and the evaluation reward runners."""
+        return self.reward.stats(), self.eval_reward.stats()
+
+    def checkpointer(self, directory: str) -> LocalCheckpoints:
+        return LocalCheckpoints(directory, self.learner)
+
+    def close(self) -> None:
+        self.reward.close()
+        self.eval_reward.close()
+
+
+class LocalCheckpoints:
+    """Checkpoints written where the learner state lives (this process)."""
+
+    def __init__(self, directory: str, learner: Learner):
+        from learner.checkpoint import Checkpointer
+
+        self.learner = learner
+        self.ckpt = Checkpointer(directory)
+
+    def save(self, step: int, meta: dict[str, Any]) -> None:
+        self.ckpt.save(step, self.learner.state, meta)
+
+    def restore(self, *, strict: bool) -> dict[str, Any]:
+        """Restores the newest intact checkpoint into the learner; returns its meta."""
+        self.learner.state, meta = self.ckpt.restore(
+            abstract_state=self.learner.state, shardings=self.learner.shardings, strict=strict
+        )
+        return meta
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+def make_runtime(config: Any, setup: Setup, *, total_updates: int) -> Any:
+    """The runtime config.runtime names: ThreadsRuntime or rl.runtime.ray_runtime.RayRuntime."""
+    if config.get("runtime", "threads") == "ray":
+        from rl.runtime.ray_runtime import RayRuntime
+
+        return RayRuntime(config, setup, total_updates=total_updates)
+    return ThreadsRuntime(config, setup, total_updates=total_updates)
+
+
+def build_driver(config: Any, *, rounds: int) -> tuple[Any, Driver]:
+    """A runtime and its Driver for `rounds` rounds from the start of the config's data (no
+    workdir, logging or checkpoints: what benchmarks and tests drive). Close the driver, then
+    the runtime."""
+    from rl.driver import driver_config_from
+    from rl.tasks.data import load_task
+    from rl.tasks.pipeline import prompt_dataset
+
+    check_runtime_config(config)
+    setup = Setup.from_config(config)
+    data = load_task(setup.data, setup.tokenizer, max_prompt_tokens=setup.max_prompt_tokens)
+    driver_cfg = driver_config_from(
+        config.driver, sampling=setup.sampling, epoch_size=len(data.train)
+    )
+    runtime = make_runtime(config, setup, total_updates=rounds * driver_cfg.updates_per_round)
+    try:
+        prompts = iter(
+            prompt_dataset(
+                data.train,
+                setup.tokenizer,
+                seed=config.seed,
+                meta_fields=setup.data.meta_fields,
+                **setup.data.prompt_kwargs,
+            )
+        )
+        return runtime, runtime.driver(driver_cfg, prompts=prompts, rounds=rounds)
+    except BaseException:
+        runtime.close()
+        raise

@@ -1,0 +1,203 @@
+"""The Ray runtime's sampler side as the Driver sees it: the replica router and the queue client.
+
+`ReplicaRouter` is the Driver's Sampler (rl.runtime.protocols) over N SamplerReplica actors: it
+routes each request (one group) round-robin or to the least-loaded replica, keeps every request
+until its group is delivered (so a dead replica's unfinished ones are re-sampled elsewhere, and a
+second copy is dropped), and merges the replicas' timeline events into the driver's timeline (slot
+lanes numbered across replicas, args["replica"]) for per-replica metrics. `QueueClient` is the
+Driver's Queue over the queue actor.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from rl.rounds import RoundCut
+from rl.timeline import SLOT_PREFIX, Timeline
+from rl.types import Group, Request
+
+ROUTINGS = ("round_robin", "least_loaded")
+
+
+class QueueClient:
+    """The Driver's Queue over the queue actor; `accept` drops a group already taken (a replica's
+    re-sampled request whose first copy was delivered before the replica died)."""
+
+    def __init__(self, actor: Any, accept: Any):
+        self.actor, self.accept = actor, accept
+
+    def put(self, group: Group, timeout: float | None = None) -> None:
+        error = ray.get(self.actor.put.remote(group, timeout))
+        if error is not None:
+            raise error
+
+    def get(self, timeout: float | None = None) -> Group:
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            group, error = ray.get(self.actor.get.remote(left))
+            if error is not None:
+                raise error
+            if self.accept(group):
+                return group
+
+    def close(self) -> None:
+        ray.get(self.actor.close.remote())
+
+    def fail(self, error: BaseException) -> None:
+        try:
+            ray.get(self.actor.fail.remote(error))
+        except Exception:  # an error that does not pickle: its message still stops the other side
+            ray.get(self.actor.fail.remote(RuntimeError(f"{type(error).__name__}: {error}")))
+
+    def qsize(self) -> int:
+        c = ray.get(self.actor.counters.remote())
+        return int(c["puts"] - c["gets"])
+
+
+class ReplicaRouter:
+    """The Driver's Sampler over N replica actors; see the module docstring.
+
+    Args:
+      replicas: SamplerReplica handles, by index.
+      routing: "round_robin" or "least_loaded" (fewest requests submitted and not delivered).
+      on_failure: "resample" (a dead replica's requests go to the others) or "stop".
+      timeline: the driver's Timeline; replicas' events are merged into it.
+    """
+
+    def __init__(self, replicas: list[Any], *, routing: str, on_failure: str, timeline: Timeline):
+        self.replicas, self.routing, self.on_failure = replicas, routing, on_failure
+        self.timeline = timeline
+        self.replica_slots = tuple(ray.get([r.num_slots.remote() for r in replicas]))
+        self.num_slots = sum(self.replica_slots)
+        self._offset = [sum(self.replica_slots[:i]) for i in range(len(replicas))]
+        self.alive = list(range(len(replicas)))
+        self._outstanding: dict[tuple[int, int], tuple[int, Request]] = {}
+        self._load = collections.Counter()
+        self._rr = itertools.count()
+        self._error: BaseException | None = None
+        self._stats: dict[int, Any] = {}  # the last counters of each replica (a dead one's stay)
+        self.resampled = 0  # requests re-submitted after their replica died
+        self.routed = collections.Counter()  # requests per replica
+
+    def _route(self) -> int:
+        if self.routing == "least_loaded":
+            return min(self.alive, key=lambda i: (self._load[i], i))
+        return self.alive[next(self._rr) % len(self.alive)]
+
+    def _each(self, method: str, *args: Any, replicas: Iterable[int] | None = None) -> dict:
+        """Calls `method` on replicas (default: the live ones); handles the dead ones."""
+        idx = list(self.alive if replicas is None else replicas)
+        refs = {i: getattr(self.replicas[i], method).remote(*args) for i in idx}
+        out = {}
+        for i, ref in refs.items():
+            try:
+                out[i] = ray.get(ref)
+            except RayActorError as e:
+                self._lost(i, e)
+        return out
+
+    def _lost(self, i: int, e: BaseException) -> None:
+        if i not in self.alive:
+            return
+        self.alive.remove(i)
+        why = f"sampler replica {i} died ({type(e).__name__}: {str(e).splitlines()[0]})"
+        if self.on_failure == "stop" or not self.alive:
+            if self._error is None:
+                extra = "" if self.alive else "; no replica is left"
+                self._error = RuntimeError(
+                    f"The {why}{extra}; the run stopped (config.ray.on_replica_failure="
+                    f"{self.on_failure!r})."
+                )
+            return
+        logging.warning("%s: re-sampling its unfinished requests on replicas %s", why, self.alive)
+        lost = [r for j, r in self._outstanding.values() if j == i]
+        self._load.pop(i, None)
+        for r in lost:
+            del self._outstanding[r.key]
+        self.resampled += len(lost)
+        if lost:
+            self.submit(sorted(lost, key=lambda r: r.key))
+
+    @property
+    def error(self) -> BaseException | None:
+        for err in self._each("error").values():
+            if err is not None and self._error is None:
+                self._error = err
+        return self._error
+
+    @property
+    def stats(self) -> Any:
+        from sampler.loop import SamplerStats
+
+        for i, (stats, spans, instants) in self._each("stats").items():
+            self._merge(i, spans, instants)
+            self._stats[i] = stats
+        total = SamplerStats()
+        for stats in self._stats.values():
+            for f in dataclasses.fields(SamplerStats):
+                setattr(total, f.name, getattr(total, f.name) + getattr(stats, f.name))
+        return total
+
+    def _merge(self, i: int, spans: list[Any], instants: list[Any]) -> None:
+        for s in spans:
+            lane = s.lane
+            if lane.startswith(SLOT_PREFIX):
+                lane = f"{SLOT_PREFIX}{self._offset[i] + int(lane[len(SLOT_PREFIX) :])}"
+            elif lane.startswith("sampler/"):
+                lane = f"sampler/replica{i}/{lane.removeprefix('sampler/')}"
+            self.timeline.span(lane, s.name, s.start, s.end, **s.args, replica=i)
+        for t in instants:
+            self.timeline.instant(t.lane, t.name, t.t, **t.args, replica=i)
+
+    def start(self) -> None:
+        self._each("start")
+
+    def set_params(self, params: Any, version: int) -> None:
+        self._each("set_params", params, version)
+
+    def submit(self, requests: Iterable[Request], cut: RoundCut | None = None) -> None:
+        if cut is not None:
+            raise ValueError(
+                "ReplicaRouter.submit received a round cut (tail batching); the Ray runtime "
+                "expects none (rl.runtime.ray_runtime.check_ray_config)."
+            )
+        if self._error is not None:
+            raise self._error
+        by_replica: dict[int, list[Request]] = collections.defaultdict(list)
+        for r in requests:
+            i = self._route()
+            self._outstanding[r.key] = (i, r)
+            self._load[i] += 1
+            self.routed[i] += 1
+            by_replica[i].append(r)
+        for i, rs in by_replica.items():
+            try:
+                ray.get(self.replicas[i].submit.remote(rs))
+            except RayActorError as e:
+                self._lost(i, e)  # re-samples rs with the rest of its requests
+
+    def accept(self, group: Group) -> bool:
+        """Marks a delivered group; False for a second copy (see QueueClient)."""
+        owner = self._outstanding.pop(group.request.key, None)
+        if owner is None:
+            return False
+        self._load[owner[0]] -= 1
+        return True
+
+    def request_stop(self) -> None:
+        self._each("request_stop")
+
+    def close(self) -> None:
+        for err in self._each("close").values():
+            if err is not None:
+                raise err

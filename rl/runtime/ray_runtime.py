@@ -1,0 +1,316 @@
+"""The Ray runtime: the same Driver and schedules as the threaded one, its sides in Ray actors.
+
+    python -m launch.train --config=configs/smoke.py --config.runtime=ray \
+        --config.ray.sampler_replicas=2
+
+This process (the Ray driver) runs rl.driver.Driver and its schedule. Around it:
+- a learner worker (rl.runtime.ray_workers.LearnerWorker) owning the Learner on its devices;
+  `LearnerClient` gives the Driver the Learner's methods;
+- N sampler replicas (SamplerReplica: an Engine + SamplerLoop each, rewards computed there) behind
+  `ReplicaRouter`, the Driver's Sampler: it routes each request (one group) round-robin or to the
+  least-loaded replica, and merges the replicas' timeline events into the driver's timeline (slot
+  lanes numbered across replicas, args["replica"]) for per-replica metrics;
+- the complete-group queue (QueueActor: rl.queue.GroupQueue's semantics, backpressure, close,
+  fail) that replicas put into and `QueueClient` takes from;
+- weights through the object store (`ObjectStoreSync`, a WeightSync): the learner worker puts the
+  params as host arrays once, every replica gets them.
+
+Faults: a replica that dies (RayActorError) has its unfinished requests re-sampled on the others
+(config.ray.on_replica_failure="resample"; per-request randomness makes their tokens identical, and
+a group already delivered is never taken twice) or the run stops with its error ("stop"). A dead
+learner worker stops the run with a clear error; resume from the last checkpoint continues the
+exact trajectory (the checkpoint is written by the learner worker, the data and planner state by
+this process, at the same round).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from rl.runtime.ray_router import ROUTINGS, QueueClient, ReplicaRouter
+from rl.timeline import Timeline
+from rl.types import Group
+
+ON_REPLICA_FAILURE = ("resample", "stop")
+
+
+def check_ray_config(config: Any) -> None:
+    """config.ray's fields, with what was received and what is expected."""
+    r = config.ray
+    if r.routing not in ROUTINGS:
+        raise ValueError(f"config.ray.routing={r.routing!r}; expected one of {ROUTINGS}.")
+    if r.on_replica_failure not in ON_REPLICA_FAILURE:
+        raise ValueError(
+            f"config.ray.on_replica_failure={r.on_replica_failure!r}; expected one of "
+            f"{ON_REPLICA_FAILURE}."
+        )
+    for name in ("sampler_replicas",):
+        if not isinstance(r[name], int) or r[name] < 1:
+            raise ValueError(f"config.ray.{name} must be an int >= 1; received {r[name]!r}.")
+    for name in ("num_cpus", "learner_cpus", "replica_cpus", "learner_gpus", "replica_gpus"):
+        if not isinstance(r[name], (int, float)) or r[name] < 0:
+            raise ValueError(f"config.ray.{name} must be a number >= 0; received {r[name]!r}.")
+    if config.driver.tail.enabled or config.driver.tail.response_eta > 1:
+        raise ValueError(
+            "config.driver.tail with config.runtime='ray': tail batching cuts a round across "
+            "replicas, which the Ray runtime does not do yet; expected driver.tail.enabled=False "
+            "and driver.tail.response_eta=1.0, or config.runtime='threads'."
+        )
+    if config.sft.max_steps:
+        raise ValueError(
+            f"config.sft.max_steps={config.sft.max_steps} with config.runtime='ray': the SFT warm "
+            "start runs in one process; expected config.sft.max_steps=0 (warm-start with "
+            "runtime='threads' and resume), or config.runtime='threads'."
+        )
+
+
+def worker_env() -> dict[str, Any]:
+    """runtime_env for the workers: this checkout's code first on their path, and this process's
+    JAX/XLA settings (platform, fake CPU device count, compilation cache)."""
+    import rl
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(rl.__file__)))
+    env = {k: v for k, v in os.environ.items() if k.startswith(("JAX_", "XLA_"))}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    return {"env_vars": env}
+
+
+def connect(cfg: Any) -> bool:
+    """Joins the cluster at cfg.address ("auto" or host:port), or starts a local one ("").
+
+    Returns:
+      Whether this call started Ray (and so shuts it down at the end).
+    """
+    if ray.is_initialized():
+        return False
+    kwargs: dict[str, Any] = dict(
+        log_to_driver=cfg.log_to_driver,  # workers' output stays in Ray's log files unless asked
+        logging_level=logging.INFO if cfg.log_to_driver else logging.ERROR,
+        include_dashboard=False,
+    )
+    if cfg.address:
+        ray.init(address=cfg.address, **kwargs)
+    else:
+        ray.init(num_cpus=cfg.num_cpus or None, **kwargs)
+    return True
+
+
+def actor_name(config: Any, role: str) -> str:
+    """The Ray name of a run's worker ("learner", "replica0", "queue"): one run per workdir."""
+    return f"rolloutpipe:{os.path.abspath(config.workdir)}:{role}"
+
+
+class LearnerDied(RuntimeError):
+    """The learner worker died: the run stops; resume continues from the last checkpoint."""
+
+
+def _learner_died(e: BaseException) -> LearnerDied:
+    return LearnerDied(
+        f"The learner worker died ({type(e).__name__}: {str(e).splitlines()[0]}); the run "
+        "stopped. Expected it to live: resume with --config.resume=True continues from the last "
+        "checkpoint in <workdir>/ckpt."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteParams:
+    """The learner's params, left where they live (the learner worker)."""
+
+    client: LearnerClient
+
+
+class LearnerClient:
+    """The Learner's interface over the learner worker group (one worker per host; rank 0 answers)."""
+
+    def __init__(self, workers: list[Any]):
+        self.workers = workers
+        self._step = self._call("step")
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return ray.get([getattr(w, method).remote(*args) for w in self.workers])[0]
+        except RayActorError as e:
+            raise _learner_died(e) from None
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def params(self) -> RemoteParams:
+        return RemoteParams(self)
+
+    @property
+    def state(self) -> Any:
+        """The TrainState, fetched as host arrays."""
+        return self._call("state")
+
+    def begin_round(self, updates: int) -> None:
+        self._step = self._call("begin_round", updates)
+
+    def add_groups(self, groups: Iterable[Group]) -> None:
+        self._step = self._call("add_groups", list(groups))
+
+    def update(self) -> dict[str, float]:
+        metrics, self._step = self._call("update")
+        return metrics
+
+    def publish(self, version: int) -> Any:
+        return self._call("publish", version)[0]
+
+    def export_hf(self, path: str) -> None:
+        self._call("export_hf", path)
+
+
+class ObjectStoreSync:
+    """WeightSync through the object store: one put by the learner worker, a get per replica.
+
+    Published.params is an ObjectRef; ReplicaRouter.set_params hands it to every replica, which
+    places the host arrays on its devices. On a GPU cluster the fast path is a device-to-device
+    transfer (jax.experimental.transfer, or NCCL via ray.util.collective): a WeightSync whose
+    publish returns a transfer handle instead of a ref, with replicas pulling from the learner's
+    devices; the Driver and the router need no change.
+    """
+
+    def publish(self, params: Any, version: int) -> Any:
+        from learner.publish import Published
+
+        if not isinstance(params, RemoteParams):
+            raise TypeError(
+                "ObjectStoreSync.publish expects the learner worker's params (LearnerClient."
+                f"params); received {type(params).__name__}."
+            )
+        start = time.perf_counter()
+        ref = params.client.publish(version)
+        return Published(params=ref, version=version, seconds=time.perf_counter() - start)
+
+
+class RemoteCheckpoints:
+    """Checkpoints written by the learner worker (where the state lives)."""
+
+    def __init__(self, learner: LearnerClient, directory: str):
+        self.learner = learner
+        learner._call("open_checkpoints", directory)
+
+    def save(self, step: int, meta: dict[str, Any]) -> None:
+        self.learner._call("save", step, meta)
+
+    def restore(self, *, strict: bool) -> dict[str, Any]:
+        meta = self.learner._call("restore", strict)
+        self.learner._step = self.learner._call("step")
+        return meta
+
+    def close(self) -> None:
+        try:
+            self.learner._call("close_checkpoints")
+        except LearnerDied:
+            pass  # the error that stopped the run is what the caller sees
+
+
+class RayRuntime:
+    """The learner worker, the sampler replicas and the queue actor of one run.
+
+    Attributes:
+      learner: LearnerClient.
+      weight_sync: ObjectStoreSync.
+      replicas: SamplerReplica handles.
+      router: the ReplicaRouter of the last `driver()`.
+    """
+
+    def __init__(self, config: Any, setup: Any, *, total_updates: int):
+        from rl.runtime.ray_workers import LearnerWorker, QueueActor, SamplerReplica
+
+        check_ray_config(config)
+        self.config, self.setup = config, setup
+        self._owns_ray = connect(config.ray)
+        env, cfg = worker_env(), config.to_dict()
+        r = config.ray
+        self.queue_actor = QueueActor.options(
+            name=actor_name(config, "queue"),
+            num_cpus=0,
+            max_concurrency=4 + 2 * r.sampler_replicas,
+            runtime_env=env,
+        ).remote(config.driver.queue_size)
+        workers = [
+            LearnerWorker.options(
+                name=actor_name(config, "learner"),
+                num_cpus=r.learner_cpus,
+                num_gpus=r.learner_gpus,
+                runtime_env=env,
+            ).remote(cfg, total_updates)
+        ]
+        self.replicas = [
+            SamplerReplica.options(
+                name=actor_name(config, f"replica{i}"),
+                num_cpus=r.replica_cpus,
+                num_gpus=r.replica_gpus,
+                runtime_env=env,
+            ).remote(cfg, i, self.queue_actor)
+            for i in range(r.sampler_replicas)
+        ]
+        self.learner = LearnerClient(workers)
+        self.weight_sync = ObjectStoreSync()
+        self.router: ReplicaRouter | None = None
+
+    def driver(self, cfg: Any, **kwargs: Any) -> Any:
+        """A Driver over the replicas (ReplicaRouter) and the queue actor; kwargs go to it."""
+        from rl.driver import Driver
+
+        timeline = kwargs.pop("timeline", None) or Timeline()
+        r = self.config.ray
+        self.router = ReplicaRouter(
+            self.replicas, routing=r.routing, on_failure=r.on_replica_failure, timeline=timeline
+        )
+        return Driver(
+            cfg,
+            sampler=self.router,
+            queue=QueueClient(self.queue_actor, self.router.accept),
+            learner=self.learner,
+            weight_sync=self.weight_sync,
+            timeline=timeline,
+            **kwargs,
+        )
+
+    def _live(self) -> list[int]:
+        return self.router.alive if self.router is not None else list(range(len(self.replicas)))
+
+    def evaluate(self, published: Any, records: Any, *, k: int = 1) -> dict[str, float]:
+        """Held-out accuracy (and pass@k, k > 1), evaluated on the first live replica."""
+        replica = self.replicas[self._live()[0]]
+        return ray.get(replica.evaluate.remote(published, list(records), k))
+
+    def export_hf(self, path: str) -> None:
+        """The learner worker (rank 0 of its group) writes the policy: the workdir is shared."""
+        self.learner.export_hf(path)
+
+    def reward_stats(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Reward counters summed over the live replicas (rollouts, evaluation)."""
+        out: tuple[collections.Counter, collections.Counter] = (
+            collections.Counter(),
+            collections.Counter(),
+        )
+        for i in self._live():
+            for total, part in zip(
+                out, ray.get(self.replicas[i].reward_stats.remote()), strict=True
+            ):
+                total.update(part)
+        return dict(out[0]), dict(out[1])
+
+    def checkpointer(self, directory: str) -> RemoteCheckpoints:
+        return RemoteCheckpoints(self.learner, directory)
+
+    def close(self) -> None:
+        """Ends the workers (and the local cluster this runtime started)."""
+        for actor in (*self.learner.workers, *self.replicas, self.queue_actor):
+            ray.kill(actor)
+        if self._owns_ray:
+            ray.shutdown()

@@ -1,0 +1,267 @@
+"""The Ray runtime's workers: the learner worker, the sampler replicas and the complete-group queue.
+
+Each worker builds its own part of the run from the run's config through the composition root
+(rl.runtime.compose), on the devices its process sees (Ray gives each its GPUs; on CPU every
+process sees the host). Methods return errors as values where the caller must re-raise the exact
+exception (the queue's QueueClosed, a sampler thread's crash); a dead worker surfaces in the caller
+as ray.exceptions.RayActorError, which rl.runtime.ray_runtime turns into a fault decision.
+
+The learner worker is one process here. A learner spanning hosts is a group of them, one per host,
+forming one jax.distributed job whose mesh spans the group: rl.runtime.ray_runtime.LearnerClient
+already sends every call to each worker of its group and takes rank 0's answer.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+
+
+def _config(config_dict: dict[str, Any]) -> Any:
+    import ml_collections
+
+    return ml_collections.ConfigDict(config_dict)
+
+
+def local_mesh(config: Any, side: str) -> Any:
+    """The `side` ("learner" | "sampler") mesh over this process's first config.mesh.<side>_devices
+    devices (0: every device the process sees) with config.mesh.<side>_tp."""
+    import jax
+
+    from learner.mesh import MeshConfig, make_meshes
+
+    n = config.mesh[f"{side}_devices"] or len(jax.devices())
+    tp = config.mesh[f"{side}_tp"]
+    learner, sampler = make_meshes(
+        MeshConfig(
+            learner_devices=n, sampler_devices=n, learner_tp=tp, sampler_tp=tp, colocated=True
+        )
+    )
+    return learner if side == "learner" else sampler
+
+
+def pin(cores: list[int]) -> list[int]:
+    """Pins this worker process to `cores` (os.sched_setaffinity); returns the cores it has."""
+    os.sched_setaffinity(0, cores)
+    return sorted(os.sched_getaffinity(0))
+
+
+@ray.remote
+class QueueActor:
+    """rl.queue.GroupQueue in an actor: backpressure, close and fail across processes.
+
+    A threaded actor, so a put blocked on a full queue does not block gets.
+    """
+
+    def __init__(self, maxsize: int):
+        from rl.queue import GroupQueue
+
+        self.queue = GroupQueue(maxsize)
+
+    def put(self, group: Any, timeout: float | None = None) -> BaseException | None:
+        try:
+            self.queue.put(group, timeout)
+        except BaseException as e:  # re-raised in the caller, same type
+            return e
+        return None
+
+    def get(self, timeout: float | None = None) -> tuple[Any, BaseException | None]:
+        try:
+            return self.queue.get(timeout), None
+        except BaseException as e:
+            return None, e
+
+    def close(self) -> None:
+        self.queue.close()
+
+    def fail(self, error: BaseException) -> None:
+        self.queue.fail(error)
+
+    def counters(self) -> dict[str, float]:
+        q = self.queue
+        return {
+            "puts": q.puts,
+            "gets": q.gets,
+            "max_depth": q.max_depth,
+            "put_wait_s": q.put_wait_s,
+            "get_wait_s": q.get_wait_s,
+        }
+
+
+@ray.remote
+class LearnerWorker:
+    """Owns the Learner (and its checkpoints) on this process's devices."""
+
+    def __init__(self, config_dict: dict[str, Any], total_updates: int):
+        import jax
+        import jax.numpy as jnp
+
+        from rl.models.config import DTYPES
+        from rl.runtime.compose import Setup, build_checked_model, build_learner
+
+        config = _config(config_dict)
+        setup = Setup.from_config(config)
+        mesh = local_mesh(config, "learner")
+        model = build_checked_model(config, setup, mesh)
+        self.learner = build_learner(config, setup, model, mesh, total_updates=total_updates)
+        self.config, self.setup = config, setup
+        dtype = DTYPES[config.sampler_dtype] if config.sampler_dtype else None
+        # The cast DevicePutSync makes, on the learner's devices: a replica gets the same bits.
+        self._cast = jax.jit(
+            lambda p: jax.tree.map(
+                lambda x: x.astype(dtype) if dtype and jnp.issubdtype(x.dtype, jnp.floating) else x,
+                p,
+            )
+        )
+        self.ckpt = None
+
+    def pin(self, cores: list[int]) -> list[int]:
+        return pin(cores)
+
+    def step(self) -> int:
+        return self.learner.step
+
+    def begin_round(self, updates: int) -> int:
+        self.learner.begin_round(updates=updates)
+        return self.learner.step
+
+    def add_groups(self, groups: list[Any]) -> int:
+        self.learner.add_groups(groups)
+        return self.learner.step
+
+    def update(self) -> tuple[dict[str, float], int]:
+        return self.learner.update(), self.learner.step
+
+    def publish(self, version: int) -> list[Any]:
+        """Puts the params, cast to the sampler's dtype, in the object store once; returns
+        [ref] (in a list, so Ray hands the caller the reference, not the arrays)."""
+        import jax
+
+        return [ray.put(jax.device_get(self._cast(self.learner.params)))]
+
+    def state(self) -> Any:
+        """The TrainState as host arrays."""
+        import jax
+
+        return jax.device_get(self.learner.state)
+
+    def export_hf(self, path: str) -> None:
+        from rl.runtime.compose import export_policy
+
+        export_policy(self.config, self.setup, self.learner, path)
+
+    def open_checkpoints(self, directory: str) -> None:
+        from learner.checkpoint import Checkpointer
+
+        self.ckpt = Checkpointer(directory)
+
+    def save(self, step: int, meta: dict[str, Any]) -> None:
+        self.ckpt.save(step, self.learner.state, meta)
+
+    def restore(self, strict: bool) -> dict[str, Any]:
+        self.learner.state, meta = self.ckpt.restore(
+            abstract_state=self.learner.state, shardings=self.learner.shardings, strict=strict
+        )
+        return meta
+
+    def close_checkpoints(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.close()
+            self.ckpt = None
+
+
+@ray.remote
+class SamplerReplica:
+    """An Engine + SamplerLoop on this process's devices; rewards computed here; complete groups
+    go straight onto the queue actor."""
+
+    def __init__(self, config_dict: dict[str, Any], index: int, queue: Any):
+        from flax import nnx
+
+        from learner.publish import DevicePutSync
+        from rl.admission import make_policy
+        from rl.runtime.compose import (
+            Setup,
+            build_checked_model,
+            build_engine,
+            build_reward,
+            rollout_reward,
+        )
+        from rl.timeline import Timeline
+        from sampler.loop import SamplerLoop
+
+        config = _config(config_dict)
+        self.config, self.setup = config, Setup.from_config(config)
+        self.index, self.queue = index, queue
+        mesh = local_mesh(config, "sampler")
+        model = build_checked_model(config, self.setup, mesh)  # structure; weights are published
+        self.engine = build_engine(config, self.setup, mesh, model)
+        # The learner worker already cast to the sampler dtype: this only places the arrays.
+        self.sync = DevicePutSync(nnx.split(model)[1], mesh, rules=self.setup.rules)
+        self.reward = build_reward(config, self.setup)
+        self.eval_reward = build_reward(config, self.setup)
+        self.timeline = Timeline()
+        self.loop = SamplerLoop(
+            self.engine,
+            None,
+            admission=make_policy(config.driver.admission),
+            reward_fn=rollout_reward(config, self.reward),
+            emit=self._emit,
+            group_atomic=config.driver.group_atomic,
+            recompute_kv=config.driver.recompute_kv,
+            timeline=self.timeline,
+        )
+
+    def _emit(self, group: Any) -> None:
+        error = ray.get(self.queue.put.remote(group))
+        if error is not None:
+            raise error
+
+    def pin(self, cores: list[int]) -> list[int]:
+        return pin(cores)
+
+    def num_slots(self) -> int:
+        return self.engine.max_concurrent_decodes
+
+    def set_params(self, params: Any, version: int) -> None:
+        self.loop.set_params(self.sync.publish(params, version).params, version)
+
+    def start(self) -> None:
+        self.loop.start()
+
+    def submit(self, requests: list[Any]) -> None:
+        self.loop.submit(requests)
+
+    def error(self) -> BaseException | None:
+        return self.loop.error
+
+    def stats(self) -> tuple[Any, list[Any], list[Any]]:
+        """(SamplerStats, the timeline's spans and instants since the last call)."""
+        import dataclasses
+
+        stats = dataclasses.replace(self.loop.stats)
+        return stats, *self.timeline.take()
+
+    def reward_stats(self) -> tuple[dict[str, int], dict[str, int]]:
+        return self.reward.stats(), self.eval_reward.stats()
+
+    def evaluate(self, params: Any, records: list[Any], k: int) -> dict[str, float]:
+        from rl.runtime.compose import evaluate_heldout
+
+        published = self.sync.publish(params, -1).params
+        return evaluate_heldout(
+            self.config, self.setup, self.engine, published, records, self.eval_reward, k
+        )
+
+    def request_stop(self) -> None:
+        self.loop.request_stop()
+
+    def close(self) -> BaseException | None:
+        """Stops the sampler loop (evaluation still runs; RayRuntime.close ends the actor)."""
+        try:
+            self.loop.close()
+        except BaseException as e:
+            return e
+        return None

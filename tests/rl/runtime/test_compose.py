@@ -1,0 +1,46 @@
+"""The composition root: config.runtime and config.ray are checked before anything starts."""
+
+import pytest
+
+from configs import base
+from rl.runtime.compose import check_runtime_config
+
+
+def config(**fields):
+    c = base.get_config("smoke")
+    c.sft.max_steps = 0
+    for key, value in fields.items():
+        node = c
+        *path, last = key.split(".")
+        for p in path:
+            node = node[p]
+        node[last] = value
+    return c
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (
+            {"runtime": "processes"},
+            r"config.runtime='processes'; expected one of \('threads', 'ray'\)",
+        ),
+        ({"runtime": "ray", "ray.routing": "random"}, r"config.ray.routing='random'; expected one"),
+        (
+            {"runtime": "ray", "ray.on_replica_failure": "retry"},
+            r"on_replica_failure='retry'; expected one of \('resample', 'stop'\)",
+        ),
+        ({"runtime": "ray", "ray.sampler_replicas": 0}, r"sampler_replicas must be an int >= 1"),
+        ({"runtime": "ray", "ray.replica_gpus": -1}, r"replica_gpus must be a number >= 0"),
+        ({"runtime": "ray", "driver.tail.enabled": True}, r"tail batching .* expected"),
+        ({"runtime": "ray", "sft.max_steps": 5}, r"sft.max_steps=5 with config.runtime='ray'"),
+    ],
+)
+def test_bad_runtime_config_is_named(fields, match):
+    with pytest.raises(ValueError, match=match):
+        check_runtime_config(config(**fields))
+
+
+def test_good_runtime_configs_pass():
+    check_runtime_config(config())
+    check_runtime_config(config(runtime="ray", **{"ray.sampler_replicas": 2}))
