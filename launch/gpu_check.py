@@ -46,9 +46,10 @@ from learner.config import LearnerConfig, OptimizerConfig
 from learner.learner import Learner
 from learner.mesh import MeshConfig, make_meshes
 from learner.publish import DevicePutSync
-from rl.driver import Driver, DriverConfig
+from rl.driver import DriverConfig
 from rl.models import create_model, get_preset
 from rl.models.config import ModelConfig
+from rl.runtime.threads import threaded_driver
 from rl.schedules import mode_fields
 from rl.types import Completion, Group, Prompt, Request, SamplingParams
 from sampler.engine import Engine, EngineConfig
@@ -310,7 +311,7 @@ def check_model(name: str, shapes: Shapes, kind: str) -> dict[str, Any]:
                 )
                 uid += 1
 
-        driver = Driver(
+        driver = threaded_driver(
             dcfg,
             engine=engine,
             learner=learner,
