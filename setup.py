@@ -20,6 +20,7 @@ INSTALL_REQUIRES = [
     "tqdm>=4.70",
     "tensorboardX>=2.6.5",
     "matplotlib>=3.11",
+    "scipy>=1.10",  # rl/sim/stage.py: non-negative least squares fits of stage-time models
     "math-verify>=0.9.0",  # symbolic checks of math answers that are not one number
     # config.runtime="ray": the learner and sampler replicas as actors (rl/runtime/ray_runtime.py)
     "ray>=2.60.0",

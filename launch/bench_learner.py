@@ -255,10 +255,10 @@ def main(argv: list[str]) -> None:
     mesh_batch = jax.device_put(host_batch, batch_shardings)
 
     # --- learner: the whole public path, add_groups and update timed apart too.
-    learner = Learner(model, cfg, mesh=mesh, seed=_SEED.value)
+    learner = Learner(model, cfg, mesh=mesh)
     learner.begin_round(updates=1 << 30)  # old log-probs from the sampler: no snapshot is taken
     unpacked_cfg = dataclasses.replace(cfg, packing=False)
-    unpacked = Learner(model, unpacked_cfg, mesh=mesh, seed=_SEED.value)
+    unpacked = Learner(model, unpacked_cfg, mesh=mesh)
     unpacked.begin_round(updates=1 << 30)
     first: dict[str, dict[str, float]] = {}
     learner_parts: dict[str, list[float]] = {"add_groups": [], "update": []}
@@ -320,9 +320,7 @@ def main(argv: list[str]) -> None:
     # --- the learner's own step functions, jitted here, on the mesh batch: breakdown and pieces.
     ltx, schedule = make_optimizer(opt_cfg), make_schedule(opt_cfg)
     with jax.set_mesh(mesh):
-        state, _ = create_train_state(
-            jax.tree.map(jnp.copy, params0), ltx, seed=_SEED.value, mesh=mesh
-        )
+        state, _ = create_train_state(jax.tree.map(jnp.copy, params0), ltx, mesh=mesh)
     own: dict[str, Any] = dict(state=state)
     kw = dict(graphdef=graphdef, cfg=cfg)
     zero_fn = jax.jit(zero_accum)

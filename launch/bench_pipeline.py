@@ -65,7 +65,6 @@ from launch import bench_env  # before jax: two CPU devices
 
 # isort: split
 
-import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import hashlib  # noqa: E402
 import itertools  # noqa: E402
@@ -85,7 +84,7 @@ from learner.mesh import MeshConfig, make_meshes  # noqa: E402
 from learner.publish import DevicePutSync  # noqa: E402
 from rl.driver import Driver, DriverConfig, RoundResult  # noqa: E402
 from rl.models import create_model, get_preset  # noqa: E402
-from rl.rounds import RoundPlan, TailConfig  # noqa: E402
+from rl.rounds import TailConfig  # noqa: E402
 from rl.runtime.threads import threaded_driver  # noqa: E402
 from rl.schedules import mode_fields  # noqa: E402
 from rl.types import Completion, Prompt, Request, SamplingParams  # noqa: E402
@@ -188,34 +187,17 @@ def epoch_size() -> int:
     return _GROUPS.value * (_ROUNDS.value + 1)
 
 
-def round_half_up(x: float) -> int:
-    return int(math.floor(x + 0.5))
-
-
 def prompts(seed: int) -> Iterator[Prompt]:
     rng = np.random.default_rng(seed)
     for uid in itertools.count():
         n = int(rng.integers(_PROMPT_MIN.value, _PROMPT_MAX.value + 1))
-        yield Prompt(uid=uid, tokens=tuple(int(t) for t in rng.integers(0, 256, n)))
+        tokens = tuple(int(t) for t in rng.integers(0, 256, n))
+        # each prompt's drawn response length caps its requests (rl.rounds.RoundPlan.requests)
+        yield Prompt(uid=uid, tokens=tokens, max_new_tokens=response_length(uid))
 
 
 def parity_reward(request: Request, completion: Completion) -> float:
     return float(completion.tokens[0] % 2)
-
-
-class LongTailDriver(Driver):
-    """A Driver whose requests take their max_new_tokens from their prompt's response_length."""
-
-    def _requests(self, plan: RoundPlan) -> list[Request]:
-        return [
-            dataclasses.replace(
-                r,
-                params=dataclasses.replace(
-                    r.params, max_new_tokens=min(response_length(r.uid), r.params.max_new_tokens)
-                ),
-            )
-            for r in super()._requests(plan)
-        ]
 
 
 def driver_config(mode: str) -> DriverConfig:
@@ -244,7 +226,7 @@ def driver_config(mode: str) -> DriverConfig:
     return cfg
 
 
-def build(mode: str, max_length: int, max_prefill: int) -> tuple[LongTailDriver, Engine]:
+def build(mode: str, max_length: int, max_prefill: int) -> tuple[Driver, Engine]:
     """Fresh model, learner, engine, weight sync and driver; the same seeds for every mode."""
     learner_mesh, sampler_mesh = make_meshes(MeshConfig(learner_devices=1, sampler_devices=1))
     model = create_model(get_preset("tiny", init_std=0.3), seed=_SEED.value)
@@ -270,7 +252,6 @@ def build(mode: str, max_length: int, max_prefill: int) -> tuple[LongTailDriver,
     )
     driver = threaded_driver(
         driver_config(mode),
-        driver_cls=LongTailDriver,
         engine=engine,
         learner=learner,
         weight_sync=DevicePutSync(learner.params, sampler_mesh),
@@ -322,7 +303,7 @@ def run_modes(modes: list[str], max_length: int, max_prefill: int) -> dict[str, 
     Timed round r runs every mode still in its epoch in turn, the order rotated by one each round,
     so a drift in the machine's speed (others' load, clocks) spreads over the modes.
     """
-    built: dict[str, tuple[LongTailDriver, Engine]] = {}
+    built: dict[str, tuple[Driver, Engine]] = {}
     warmup_s, compiles_warm, results = {}, {}, {m: [] for m in modes}
     wall: dict[str, list[float]] = {m: [] for m in modes}  # each timed run_round call
     tail = {m: m.endswith("+tail") for m in modes}

@@ -195,7 +195,7 @@ def check_model(name: str, shapes: Shapes, kind: str) -> dict[str, Any]:
         entropy_metric=False,
         min_length_bucket=shapes.seq_len,
     )
-    learner = Learner(model, lcfg, mesh=learner_mesh, seed=seed)
+    learner = Learner(model, lcfg, mesh=learner_mesh)
     groups = random_groups(rng, shapes, cfg.vocab_size)
 
     def update() -> None:

@@ -146,7 +146,7 @@ def make_groups(rng: np.random.Generator, lengths: list[int]) -> list[Group]:
 def learner_trial(learner: Learner, batch: list[Group]) -> tuple[int, float, float]:
     """(padded tokens, add_groups seconds with its compute awaited, update seconds)."""
     learner.begin_round(updates=1)
-    micro = timed(lambda: (learner.add_groups(batch), learner._acc)[1])
+    micro = timed(lambda: (learner.add_groups(batch), learner.block_until_ready()))
     update = timed(learner.update)
     longest = max(len(c.prompt) + len(c.tokens) - 1 for g in batch for c in g.completions)
     bucket = learner.cfg.min_length_bucket

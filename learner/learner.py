@@ -57,7 +57,6 @@ class Learner:
         *,
         mesh: Mesh,
         rules: Rules | None = None,
-        seed: int = 0,
     ):
         if cfg.policy_loss == "decoupled_ppo" and cfg.old_logprobs != "sampler":
             raise ValueError(
@@ -80,7 +79,7 @@ class Learner:
         self.schedule = make_schedule(cfg.optimizer)
         with self._on_mesh():
             self.state, self.shardings = create_train_state(
-                params, self.tx, seed=seed, mesh=mesh, rules=self.rules
+                params, self.tx, mesh=mesh, rules=self.rules
             )
         self.ref_params = None
         if cfg.loss.kl_coef > 0:  # frozen reference: the initial policy, never donated
@@ -205,6 +204,10 @@ class Learner:
             self._filtered_in_update += len(truncated)
         self._tokens_in_update += batch.num_tokens
         self._accumulate_batch(batch)
+
+    def block_until_ready(self) -> None:
+        """Waits for the micro-steps dispatched so far to finish computing (for timing them)."""
+        jax.block_until_ready(self._acc)
 
     def _batch_shardings(self, batch: Batch) -> Batch:
         def one(x: np.ndarray) -> NamedSharding:

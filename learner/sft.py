@@ -75,7 +75,6 @@ def sft_step(
         params=optax.apply_updates(state.params, updates),
         opt_state=opt_state,
         step=state.step + 1,
-        rng=state.rng,
     )
     return new, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 

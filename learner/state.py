@@ -1,4 +1,4 @@
-"""TrainState (params, opt_state, step, rng), the optimizer, and placing both on the learner mesh."""
+"""TrainState (params, opt_state, step), the optimizer, and placing both on the learner mesh."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ class TrainState:
     params: Any  # nnx.State of the model's parameters
     opt_state: Any  # optax state
     step: jax.Array  # int32 scalar: optimizer updates applied
-    rng: jax.Array  # PRNG key; fold in `step` for per-update randomness
 
 
 def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
@@ -95,7 +94,6 @@ def state_shardings(
         params=params,
         opt_state=opt_state_shardings(abstract_opt, params, mesh),
         step=replicated,
-        rng=replicated,
     )
 
 
@@ -103,7 +101,6 @@ def create_train_state(
     params: Any,
     tx: optax.GradientTransformation,
     *,
-    seed: int,
     mesh: Mesh,
     rules: Rules | None = None,
 ) -> tuple[TrainState, TrainState]:
@@ -117,9 +114,7 @@ def create_train_state(
 
     def init(p: Any) -> TrainState:
         p = jax.tree.map(jnp.copy, p)
-        return TrainState(
-            params=p, opt_state=tx.init(p), step=jnp.zeros((), jnp.int32), rng=jax.random.key(seed)
-        )
+        return TrainState(params=p, opt_state=tx.init(p), step=jnp.zeros((), jnp.int32))
 
     state = jax.jit(init, out_shardings=shardings)(params)
     return state, shardings

@@ -211,7 +211,7 @@ def apply(
         "ratio_max": acc.maxes["ratio_max"],
         "ratio_min": -acc.maxes["ratio_min_neg"],
     }
-    new = TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=state.rng)
+    new = TrainState(params=params, opt_state=opt_state, step=state.step + 1)
     # A non-finite loss, gradient, parameter or optimizer state leaves the state as it was; the
     # caller reports and stops (learner.Learner.update names the step and the leaf).
     metrics["nonfinite_leaf"] = _first_nonfinite((params, opt_state))

@@ -86,6 +86,12 @@ class RoundPlan:
         if self.max_new_tokens is not None:
             params = dataclasses.replace(params, max_new_tokens=self.max_new_tokens)
         launched = math.ceil(self.response_eta * group_size)
+
+        def capped(p: Prompt) -> SamplingParams:
+            if p.max_new_tokens is None or p.max_new_tokens >= params.max_new_tokens:
+                return params
+            return dataclasses.replace(params, max_new_tokens=p.max_new_tokens)
+
         return [
             Request(
                 uid=p.uid,
@@ -94,7 +100,7 @@ class RoundPlan:
                 prompt=p.tokens,
                 group_size=launched,
                 keep=group_size if launched > group_size else 0,
-                params=params,
+                params=capped(p),
                 meta=p.meta,
             )
             for i, p in enumerate(self.prompts)

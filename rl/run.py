@@ -100,7 +100,7 @@ def _sft(
         )
     tx = make_optimizer(OptimizerConfig(lr=config.sft.lr, warmup_steps=config.sft.warmup_steps))
     state, shardings = create_train_state(
-        learner.params, tx, seed=config.seed, mesh=learner.mesh, rules=learner.rules
+        learner.params, tx, mesh=learner.mesh, rules=learner.rules
     )
     step = make_sft_step(learner.graphdef, tx, shardings)
     batches = sft_batches(

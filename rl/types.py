@@ -41,6 +41,7 @@ class Prompt:
     uid: int  # unique within an epoch
     tokens: tuple[int, ...]
     meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # e.g. the reference answer
+    max_new_tokens: int | None = None  # this prompt's response cap, below the round's; None: none
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,4 @@
-"""Creating a Transformer directly on a device mesh."""
+"""Creating a Transformer on a device mesh: fresh, or from a config (a preset or local HF weights)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from rl.models.config import ModelConfig, get_preset
+from rl.models.hf_io import hf_config, load_hf
 from rl.models.sharding import Rules, tree_shardings
-from rl.models.transformer import Transformer
-
-
-def abstract_model(cfg: ModelConfig) -> Transformer:
-    """The model with ShapeDtypeStruct leaves: shapes, dtypes and logical axes, no memory."""
-    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+from rl.models.transformer import Transformer, abstract_model
 
 
 def model_shardings(cfg: ModelConfig, mesh: Mesh, rules: Rules | None = None) -> Any:
@@ -47,8 +43,6 @@ def model_config_from(model_cfg: Mapping[str, Any]) -> ModelConfig:
     """The typed ModelConfig for a `config.model` ConfigDict (preset + overrides, no weights)."""
     overrides = {k: model_cfg[k] for k in _OVERRIDABLE if k in model_cfg}
     if model_cfg.get("hf_path"):
-        from rl.models.hf_io import hf_config
-
         return hf_config(model_cfg["hf_path"], **overrides)
     shape = {k: model_cfg[k] for k in _SHAPE_FIELDS if model_cfg.get(k)}
     tie = model_cfg.get("tie_embeddings", "preset")
@@ -71,8 +65,6 @@ def build_model(
 ) -> Transformer:
     """The model a `config.model` ConfigDict names: local HF weights if `hf_path`, else a fresh init."""
     if model_cfg.get("hf_path"):
-        from rl.models.hf_io import load_hf
-
         overrides = {k: model_cfg[k] for k in _OVERRIDABLE if k in model_cfg}
         return load_hf(model_cfg["hf_path"], mesh=mesh, rules=rules, **overrides)
     return create_model(model_config_from(model_cfg), seed=seed, mesh=mesh, rules=rules)

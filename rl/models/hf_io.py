@@ -23,10 +23,9 @@ from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from rl.models.build import abstract_model
 from rl.models.config import DTYPES, ModelConfig, RopeScaling
 from rl.models.sharding import Rules, tree_shardings
-from rl.models.transformer import Transformer
+from rl.models.transformer import Transformer, abstract_model
 
 ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",

@@ -399,3 +399,8 @@ def chunked_logprobs(
     if not with_entropy:
         return logp
     return logp, ent.transpose(1, 0, 2).reshape(b, n * c)[:, :t]
+
+
+def abstract_model(cfg: ModelConfig) -> Transformer:
+    """The model with ShapeDtypeStruct leaves: shapes, dtypes and logical axes, no memory."""
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))

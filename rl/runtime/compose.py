@@ -91,7 +91,7 @@ def build_learner(
         total_updates=total_updates or config.learner.optimizer.warmup_steps + 1,
         temperature=setup.sampling.temperature,  # one temperature: the loss recomputes the sampler's
     )
-    return Learner(model, learner_cfg, mesh=mesh, rules=setup.rules, seed=config.seed)
+    return Learner(model, learner_cfg, mesh=mesh, rules=setup.rules)
 
 
 def build_engine(config: Any, setup: Setup, mesh: Mesh, model: Any) -> Engine:

@@ -19,12 +19,13 @@ from typing import Any, Literal
 
 from absl import logging
 
+from rl.rewards.verifiers import extract_boxed
+
 OnError = Literal["skip", "raise"]
 MAX_REPORTED = 5  # (line, reason) pairs kept in LoadedRecords.errors
 MAX_DEPTH = 100  # JSON nesting a row may have (rows are flat objects; the parser recurses)
 _JSON_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|[\[\]{}]')  # a string literal, or a bracket
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-_BOXED = ("\\boxed{", "\\fbox{")
 
 
 class LoadedRecords(list):
@@ -105,27 +106,6 @@ def gsm8k_answer(solution: str) -> str:
     if not _NUMBER.fullmatch(number):
         raise ValueError(f"expected a number after '####'; found {tail!r}")
     return number
-
-
-def extract_boxed(text: str) -> str | None:
-    """The content of the last \\boxed{...} (or \\fbox{...}) in `text`, nested braces allowed.
-
-    Args:
-        text: A solution, e.g. "so $x = \\boxed{\\frac{1}{2}}$."
-
-    Returns:
-        The content, e.g. "\\frac{1}{2}"; None if there is no complete boxed group.
-    """
-    start = max(text.rfind(tag) for tag in _BOXED)
-    if start < 0:
-        return None
-    begin = text.index("{", start) + 1
-    depth = 1
-    for k in range(begin, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[k], 0)
-        if depth == 0:
-            return text[begin:k]
-    return None
 
 
 def _parse_gsm8k(row: Mapping[str, Any]) -> dict[str, Any]:

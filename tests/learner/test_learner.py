@@ -77,7 +77,7 @@ def test_accumulating_any_split_equals_one_batch(aggregation):
     tx, schedule = make_optimizer(cfg.optimizer), make_schedule(cfg.optimizer)
     groups = make_groups(4, g=2)
     advs = _advantages(groups)
-    state, _ = create_train_state(params, tx, seed=0, mesh=_single_mesh())
+    state, _ = create_train_state(params, tx, mesh=_single_mesh())
     # Every micro-batch is padded to the full batch's 8 rows: one compile, padding rows add nothing.
     acc_fn = jax.jit(lambda a, b: accumulate(a, state.params, b, graphdef=graphdef, cfg=cfg))
     apply_fn = jax.jit(lambda a: apply(state, a, tx=tx, schedule=schedule))
@@ -394,7 +394,7 @@ def test_overlong_filter_masks_truncated_responses_out_of_the_loss():
 
     graphdef, params = nnx.split(create_model(get_preset("tiny"), seed=2))
     tx, schedule = make_optimizer(cfg.optimizer), make_schedule(cfg.optimizer)
-    state, _ = create_train_state(params, tx, seed=0, mesh=_single_mesh())
+    state, _ = create_train_state(params, tx, mesh=_single_mesh())
     batch = make_batch([g], _advantages([g]), rows=4, min_length_bucket=32)
     batch.loss_mask[[1, 3]] = 0.0  # by hand: rows 1 and 3 are the truncated completions
     ref_state, ref = train_step(state, batch, graphdef=graphdef, cfg=cfg, tx=tx, schedule=schedule)

@@ -36,7 +36,7 @@ def test_sft_raises_heldout_accuracy():
     graphdef, params = nnx.split(model)
     tx = make_optimizer(OptimizerConfig(lr=3e-3))
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
-    state, shardings = create_train_state(params, tx, seed=0, mesh=mesh)
+    state, shardings = create_train_state(params, tx, mesh=mesh)
     train = addition_records(80, digits=1, seed=0, split="train")
     heldout = addition_records(6, digits=1, seed=0, split="heldout")
     engine = Engine(model, EngineConfig(max_slots=16, max_length=32, max_prefill_length=16))

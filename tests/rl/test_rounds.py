@@ -245,3 +245,12 @@ def test_round_cuts_emit_the_first_target_and_name_the_rest_to_abort():
     assert abort == [r.key for r in requests]
     out, abort, refused = cuts.apply([group(1)])  # the round's cut is gone: nothing to apply
     assert [g.request.uid for g in out] == [1] and abort == [] and refused == 0
+
+
+def test_a_prompts_own_cap_lowers_its_requests_only():
+    caps = [None, 3, 50]  # no cap, below the round's 8, above it
+    prompts = iter(Prompt(uid=i, tokens=(1, 2), max_new_tokens=c) for i, c in enumerate(caps * 10))
+    plan = RoundPlanner(TailConfig(), groups_per_round=3, prompts=prompts).plan(0)
+    reqs = plan.requests(group_size=2, params=SamplingParams(max_new_tokens=8, temperature=0.7))
+    assert [r.params.max_new_tokens for r in reqs] == [8, 3, 8]
+    assert {r.params.temperature for r in reqs} == {0.7}  # the rest of the round's params kept
