@@ -1,4 +1,7 @@
-"""Per-token policy losses, KL estimators and loss aggregations, by name. Pure JAX.
+"""Per-token policy losses by name, each with its registered options dataclass. Pure JAX.
+
+The KL estimators live in rl/kl.py, the options and LossConfig in rl/loss_config.py, the
+aggregations in rl/aggregation.py; their public names are importable from here too.
 
 A policy loss maps per-token log-probs of the current policy (`logp_BxT`), of the policy that
 sampled (`old_logp_BxT`) and per-sequence advantages (`adv_B`) to a per-token loss `loss_BxT`,
@@ -16,256 +19,43 @@ A KL penalty to a reference policy is added by the caller per token, before aggr
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
-from jax.typing import ArrayLike
 
 from rl.aggregation import masked_mean
+from rl.kl import KL_ESTIMATORS, _valid, kl_penalty
+from rl.loss_config import (
+    LOSS_OPTIONS,
+    DecoupledPpoOptions,
+    GspoOptions,
+    LossConfig,
+    NoOptions,
+    PpoClipOptions,
+    TisOptions,
+    loss_config_from,
+)
 from rl.registry import Registry
 
+__all__ = [  # the KL and config names stay importable from here
+    "KL_ESTIMATORS",
+    "LOSS_OPTIONS",
+    "POLICY_LOSSES",
+    "DecoupledPpoOptions",
+    "GspoOptions",
+    "LossConfig",
+    "NoOptions",
+    "PpoClipOptions",
+    "TisOptions",
+    "get_policy_loss",
+    "kl_penalty",
+    "loss_config_from",
+    "register_policy_loss",
+]
+
 Metrics = dict[str, jax.Array]
-# ---------------------------------------------------------------------------------------------
-# KL to a reference policy.
-
-
-def _k3(d: jax.Array) -> jax.Array:
-    """exp(x) - x - 1 with x = -d = ref - logp, accurate in float32 also for tiny |x|."""
-    x = -d
-    # Below |x| = 0.1 the direct form cancels (relative error ~1e-7 / |x|); the Taylor series to
-    # x^6 is exact there to ~1e-8. The series sees x only where it is used, so it cannot overflow.
-    small = jnp.abs(x) < 0.1
-    xs = jnp.where(small, x, 0.0)
-    series = jnp.square(xs) * (1 / 2 + xs * (1 / 6 + xs * (1 / 24 + xs * (1 / 120 + xs / 720))))
-    return jnp.where(small, series, jnp.expm1(x) - x)
-
-
-KL_ESTIMATORS: Registry[Callable[[jax.Array], jax.Array]] = Registry("KL estimator")
-KL_ESTIMATORS.update(
-    {
-        # d = logp - ref_logp at tokens sampled from the current policy (Schulman, "Approximating KL
-        # divergence"): all three estimate KL(current || ref); k1 is unbiased but noisy, k3 unbiased
-        # and >= 0, k2 biased with low variance.
-        "k1": lambda d: d,
-        "k2": lambda d: 0.5 * jnp.square(d),
-        "k3": _k3,  # exp(ref - logp) - (ref - logp) - 1
-    }
-)
-
-
-def kl_penalty(
-    logp_BxT: ArrayLike,
-    ref_logp_BxT: ArrayLike,
-    estimator: str,
-    *,
-    mask_BxT: ArrayLike | None = None,
-) -> jax.Array:
-    """Per-token estimate of KL(current || reference) from tokens sampled by the current policy.
-
-    Used as a loss term (sampling not differentiated), "k2" has the gradient of KL(current ||
-    ref), "k3" that of KL(ref || current), and "k1" none in expectation.
-
-    Args:
-        logp_BxT: Log-probs of the sampled tokens under the current policy.
-        ref_logp_BxT: Log-probs of the same tokens under the reference policy.
-        estimator: "k1" (logp - ref), "k2" (0.5 (logp - ref)^2) or "k3"
-            (exp(ref - logp) - (ref - logp) - 1).
-        mask_BxT: Optional; where 0 the result is 0 (and its gradient too, even if the padding
-            holds -inf or NaN log-probs).
-
-    Returns:
-        kl_BxT, the per-token estimate.
-
-    Raises:
-        ValueError: If `estimator` is unknown or the shapes differ.
-    """
-    fn = KL_ESTIMATORS.get(estimator)
-    logp_BxT, ref_logp_BxT = jnp.asarray(logp_BxT), jnp.asarray(ref_logp_BxT)
-    if logp_BxT.shape != ref_logp_BxT.shape:
-        raise ValueError(
-            f"kl_penalty: logp_BxT and ref_logp_BxT must have one shape; received "
-            f"{logp_BxT.shape} and {ref_logp_BxT.shape}."
-        )
-    if mask_BxT is None:
-        return fn(logp_BxT - ref_logp_BxT)
-    valid_BxT = _valid(mask_BxT, logp_BxT.shape, "kl_penalty")
-    d_BxT = jnp.where(valid_BxT, logp_BxT - ref_logp_BxT, 0.0)
-    return jnp.where(valid_BxT, fn(d_BxT), 0.0)
-
-
-# ---------------------------------------------------------------------------------------------
-# Config.
-
-
-def _is_real(v: object) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
-
-
-def _check_fields(cfg: object, where: str, *, below_one=(), nonneg=(), positive=()) -> None:
-    """Range checks of float fields; errors name `where.field`, the value and the range."""
-    for name in below_one:
-        v = getattr(cfg, name)
-        if not (_is_real(v) and 0.0 <= v < 1.0):
-            raise ValueError(f"{where}.{name} must be in [0, 1); received {v!r}.")
-    for name in nonneg:
-        v = getattr(cfg, name)
-        if not (_is_real(v) and math.isfinite(v) and v >= 0.0):
-            raise ValueError(f"{where}.{name} must be finite and >= 0; received {v!r}.")
-    for name in positive:
-        v = getattr(cfg, name)
-        if not (_is_real(v) and math.isfinite(v) and v > 0.0):
-            raise ValueError(f"{where}.{name} must be finite and > 0; received {v!r}.")
-
-
-# Each policy loss declares its hyperparameters in its own frozen dataclass, registered with it
-# (`register_policy_loss(name, options=...)`) and set from the command line as
-# --config.learner.loss.<name>.<field>=...; the loss function receives that dataclass.
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class NoOptions:
-    """The options of a loss that declares none."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PpoClipOptions:
-    clip_low: float = 0.2  # ratio clipped below at 1 - clip_low
-    clip_high: float = 0.28  # ratio clipped above at 1 + clip_high (DAPO clip-higher; PPO: 0.2)
-
-    def __post_init__(self) -> None:
-        _check_fields(self, "learner.loss.ppo_clip", below_one=("clip_low",), nonneg=("clip_high",))
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GspoOptions:
-    clip_low: float = 3e-4  # sequence ratio clipped below at 1 - clip_low (GSPO paper)
-    clip_high: float = 4e-4  # sequence ratio clipped above at 1 + clip_high
-
-    def __post_init__(self) -> None:
-        _check_fields(self, "learner.loss.gspo", below_one=("clip_low",), nonneg=("clip_high",))
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TisOptions:
-    clip: float = 5.0  # importance weights truncated at this cap c (PipelineRL)
-
-    def __post_init__(self) -> None:
-        _check_fields(self, "learner.loss.tis_reinforce", positive=("clip",))
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DecoupledPpoOptions:
-    clip_low: float = 0.2  # proximal ratio clipped below at 1 - clip_low
-    clip_high: float = 0.28  # proximal ratio clipped above at 1 + clip_high
-    behav_clip: float = 5.0  # behaviour importance weight cap
-
-    def __post_init__(self) -> None:
-        _check_fields(
-            self,
-            "learner.loss.decoupled_ppo",
-            below_one=("clip_low",),
-            nonneg=("clip_high",),
-            positive=("behav_clip",),
-        )
-
-
-LOSS_OPTIONS: dict[str, type] = {}  # policy loss name -> its options dataclass
-_BUILTIN = {
-    "ppo_clip": PpoClipOptions,
-    "gspo": GspoOptions,
-    "tis_reinforce": TisOptions,
-    "decoupled_ppo": DecoupledPpoOptions,
-}
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LossConfig:
-    """The KL penalty, and each policy loss's own options (`options(name)`)."""
-
-    kl_coef: float = 0.0  # weight of the per-token KL penalty to the reference; 0: off
-    kl_estimator: str = "k3"  # one of KL_ESTIMATORS
-    ppo_clip: PpoClipOptions = PpoClipOptions()
-    gspo: GspoOptions = GspoOptions()
-    tis_reinforce: TisOptions = TisOptions()
-    decoupled_ppo: DecoupledPpoOptions = DecoupledPpoOptions()
-    # Options of losses registered outside this module: (name, options instance) pairs.
-    custom: tuple[tuple[str, object], ...] = ()
-
-    def __post_init__(self) -> None:
-        _check_fields(self, "learner.loss", nonneg=("kl_coef",))
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(
-                f"learner.loss.kl_estimator must be one of {sorted(KL_ESTIMATORS)}; received "
-                f"{self.kl_estimator!r}."
-            )
-        for name, cls in _BUILTIN.items():
-            if not isinstance(getattr(self, name), cls):
-                raise ValueError(
-                    f"learner.loss.{name} must be a {cls.__name__}; received "
-                    f"{getattr(self, name)!r}."
-                )
-        for name, opts in self.custom:
-            expected = LOSS_OPTIONS.get(name)
-            if expected is None or name in _BUILTIN or not isinstance(opts, expected):
-                raise ValueError(
-                    f"learner.loss.custom entry {name!r}: expected a policy loss registered "
-                    f"outside rl.losses with its options dataclass ({expected}); received "
-                    f"{type(opts).__name__}."
-                )
-
-    def options(self, name: str) -> object:
-        """The options of policy loss `name`: its field here, its `custom` entry, or defaults."""
-        if name in _BUILTIN:
-            return getattr(self, name)
-        custom = dict(self.custom)
-        if name in custom:
-            return custom[name]
-        if name not in LOSS_OPTIONS:
-            raise ValueError(
-                f"Unknown policy loss {name!r}; expected one of {sorted(LOSS_OPTIONS)}."
-            )
-        return LOSS_OPTIONS[name]()
-
-
-def loss_config_from(section: Mapping[str, Any]) -> LossConfig:
-    """LossConfig from a `config.learner.loss` section: kl_coef, kl_estimator, and one sub-section
-    per policy loss (`gspo: {clip_low: ...}`), each built into that loss's options dataclass."""
-    fields: dict[str, Any] = {}
-    custom = []
-    for key, value in dict(section).items():
-        if key in ("kl_coef", "kl_estimator"):
-            fields[key] = value
-        elif key in LOSS_OPTIONS:
-            cls = LOSS_OPTIONS[key]
-            if not hasattr(value, "keys"):
-                raise ValueError(
-                    f"learner.loss.{key} must be a section of {cls.__name__} fields; received "
-                    f"{value!r}."
-                )
-            known = {f.name for f in dataclasses.fields(cls)}
-            unknown = sorted(set(value.keys()) - known)
-            if unknown:
-                raise ValueError(
-                    f"learner.loss.{key} has no field(s) {unknown}; expected some of "
-                    f"{sorted(known)}."
-                )
-            opts = cls(**dict(value))
-            if key in _BUILTIN:
-                fields[key] = opts
-            else:
-                custom.append((key, opts))
-        else:
-            raise ValueError(
-                f"learner.loss has no field {key!r}; expected kl_coef, kl_estimator or a policy "
-                f"loss's options section, one of {sorted(LOSS_OPTIONS)}."
-            )
-    return LossConfig(**fields, custom=tuple(custom))
-
-
 # ---------------------------------------------------------------------------------------------
 # Policy losses.
 
@@ -307,14 +97,6 @@ def register_policy_loss(
         return fn
 
     return decorator
-
-
-def _valid(mask_BxT: ArrayLike, shape: tuple[int, ...], where: str) -> jax.Array:
-    """Returns the mask as bool after checking its shape."""
-    mask_BxT = jnp.asarray(mask_BxT)
-    if mask_BxT.shape != shape:
-        raise ValueError(f"{where}: mask_BxT must have shape {shape}; received {mask_BxT.shape}.")
-    return mask_BxT != 0
 
 
 def _check_inputs(
