@@ -136,3 +136,20 @@ def test_the_learner_temperature_points_to_the_sampling_one():
         "temperature for sampling and the loss)."
     ]
     assert closest_field(smoke.get_config(), "learner.temperature") == e.value.problems[0]
+
+
+def test_task_options_are_known_fields_and_a_typo_names_the_closest(monkeypatch):
+    from rl.tasks.registry import TASKS, register_task
+
+    monkeypatch.delitem(TASKS, "parity_cc", raising=False)
+    register_task("parity_cc", options={"bits": 4})(lambda split, n, *, seed, bits: [])
+    monkeypatch.setitem(TASKS, "parity_cc", TASKS.pop("parity_cc"))  # removed after the test
+    config = smoke.get_config()
+    with config.unlocked():
+        config.task.bits = 6  # a registered task's option: a known field
+        config.task.digitz = 2
+    with pytest.raises(ConfigError) as e:
+        check_config(config)
+    assert e.value.problems == [
+        "config.task has no field 'digitz'; did you mean config.task.digits?"
+    ]
