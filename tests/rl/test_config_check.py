@@ -204,3 +204,20 @@ def test_pass_k_and_export_fields_are_checked():
     config.eval.pass_n = 8
     config.export.dtype = "float32"
     check_config(config)
+
+
+def test_task_options_are_known_fields_and_a_typo_names_the_closest(monkeypatch):
+    from rl.tasks.registry import TASKS, register_task
+
+    monkeypatch.delitem(TASKS, "parity_cc", raising=False)
+    register_task("parity_cc", options={"bits": 4})(lambda split, n, *, seed, bits: [])
+    monkeypatch.setitem(TASKS, "parity_cc", TASKS.pop("parity_cc"))  # removed after the test
+    config = smoke.get_config()
+    with config.unlocked():
+        config.task.bits = 6  # a registered task's option: a known field
+        config.task.digitz = 2
+    with pytest.raises(ConfigError) as e:
+        check_config(config)
+    assert e.value.problems == [
+        "config.task has no field 'digitz'; did you mean config.task.digits?"
+    ]

@@ -291,3 +291,46 @@ def test_a_group_refused_by_the_closed_queue_during_shutdown_is_dropped(engine, 
                 loop.drain(timeout=120)
             with pytest.raises(QueueClosed):
                 loop.close()
+
+
+def test_a_blocked_reward_stops_no_decode_step_and_emission_keeps_completion_order(engine, model):
+    """Rewards submitted to a RewardRunner: while group 0's reward call is blocked, the loop
+    keeps decoding group 1 to the end and holds it back; once released, both are emitted in the
+    order they completed, with the rewards an inline call gives."""
+    from rl.rewards import RewardRunner
+
+    release = threading.Event()
+
+    def reward(request, text):
+        if request.uid == 0:
+            release.wait(30.0)
+        return float(len(text))
+
+    inline, emitted = Recorder(), []
+    runner = RewardRunner(reward, decode=lambda t: "x" * len(t), timeout_s=60.0, workers=2)
+    params = engine.load_params(model)
+    requests = [_req(0, n_new=2, group=2), _req(1, n_new=9, group=2)]
+    try:
+        loop = SamplerLoop(engine, params, admission=FCFS(), reward_fn=runner, emit=emitted.append)
+        loop.submit(requests)
+        calls = 0
+        while loop.busy_slots() or loop.stats.generate_calls == 0:
+            loop.step()
+            calls += 1
+            assert calls < 50
+        # group 0 finished at the first call; group 1 decoded 8 more tokens (4 calls) meanwhile
+        assert loop.stats.generate_calls == 5 and emitted == []
+        assert loop.pending() == 2  # both complete, their rewards outstanding
+        threading.Timer(0.2, release.set).start()
+        assert not loop.step()  # nothing to decode: it waits for group 0, then emits both
+    finally:
+        release.set()
+        runner.close()
+    assert [g.request.uid for g in emitted] == [0, 1] and loop.pending() == 0
+    reference = SamplerLoop(engine, params, admission=FCFS(), reward_fn=inline.reward,
+                            emit=inline.emit)  # fmt: skip
+    reference.submit(requests)
+    reference.run_until_idle(max_steps=50)
+    assert [(g.request.uid, g.completions) for g in emitted] == [
+        (g.request.uid, g.completions) for g in inline.groups
+    ]
