@@ -3,21 +3,21 @@
     python -m launch.gpu_check                    # Qwen3-0.6B and -1.7B shapes, random init, bf16
     python -m launch.gpu_check --preset tiny      # the same program on CPU in seconds (a test runs it)
 
-Per model (random init, bfloat16 compute, float32 master weights on the learner), on one device
-(learner and sampler colocated):
+Per model (random init, bfloat16 compute, float32 master weights and full remat on the learner, as
+the GPU recipes), on one device (learner and sampler colocated), with the preset's shapes (Shapes):
   publish   learner -> sampler weights (learner.publish.DevicePutSync, cast to bf16): GB/s of the
             sampler's copy, median of --publish_repeats.
-  decode    the engine (sampler/engine.py) with --slots slots all decoding, timed over
-            --decode_calls generate calls after a warm-up call: tokens/s and the achieved HBM
+  decode    the engine (sampler/engine.py) with `slots` slots all decoding, timed over
+            `decode_calls` generate calls after a warm-up call: tokens/s and the achieved HBM
             bandwidth, (weight bytes + KV bytes of the live positions) per decode step / step time,
             as a fraction of the device's peak (PEAK_HBM_BYTES_S). The KV term counts only the
             positions a step must read (slots x mean live length x bytes per token), so the
             fraction is what the math needs, not what an engine reading its whole cache moves.
-  learner   Learner.add_groups + update on --rows sequences of --seq_len tokens: tokens/s and
+  learner   Learner.add_groups + update on `rows` sequences of `seq_len` tokens: tokens/s and
             MFU = model FLOPs / time / peak bf16 FLOP/s (PEAK_BF16_FLOPS), model FLOPs per token
             6 N (N: matmul parameters; an untied embedding lookup is not a matmul) + 6 L H d_h T
-            (causal attention over a row of T positions).
-  round     one round of --groups groups x --group_size samples: sync (rollout all, then train)
+            (causal attention over a row of T positions); remat's recompute is not counted.
+  round     one round of `groups` groups x `group_size` samples: sync (rollout all, then train)
             vs cgp+frontier+ordered (every complete group trained as it arrives), each after a
             warm-up round: rollout-to-train-end seconds and their ratio.
 Devices not in the peak tables print "unknown" for the fractions (a CPU always does).
@@ -178,7 +178,7 @@ def random_groups(rng: np.random.Generator, shapes: Shapes, vocab: int) -> list[
 def check_model(name: str, shapes: Shapes, kind: str) -> dict[str, Any]:
     """Publish, decode, learner and round figures of one model (see the module docstring)."""
     seed = _SEED.value
-    cfg = get_preset(name, dtype="bfloat16")
+    cfg = get_preset(name, dtype="bfloat16", remat="full")  # as the GPU recipes train
     model = create_model(cfg, seed=seed)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     learner_mesh, sampler_mesh = make_meshes(
@@ -239,8 +239,9 @@ def check_model(name: str, shapes: Shapes, kind: str) -> dict[str, Any]:
     k, calls = shapes.steps_per_call, shapes.decode_calls
     # One engine for the decode figures and the rounds (one set of compiles).
     max_length = shapes.prompt_len + max((calls + 1) * k, shapes.max_new_tokens) + 1
+    # The engine's graph without remat: the decode step's scan does not trace through nnx.remat.
     engine = Engine(
-        model,
+        create_model(cfg.replace(remat="none"), seed=seed),
         EngineConfig(
             max_slots=shapes.slots,
             max_length=max_length,

@@ -38,6 +38,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from learner.batching import make_batch  # noqa: E402
 from learner.config import LearnerConfig, OptimizerConfig  # noqa: E402
 from learner.learner import Learner  # noqa: E402
 from learner.mesh import MeshConfig, make_meshes  # noqa: E402
@@ -144,15 +145,22 @@ def make_groups(rng: np.random.Generator, lengths: list[int]) -> list[Group]:
 
 
 def learner_trial(learner: Learner, batch: list[Group]) -> tuple[int, float, float]:
-    """(padded tokens, add_groups seconds with its compute awaited, update seconds)."""
+    """(model positions of the micro-batch, add_groups seconds with its compute awaited, update
+    seconds). Positions: rows x length of the batch the learner builds (packed by default)."""
     learner.begin_round(updates=1)
     micro = timed(lambda: (learner.add_groups(batch), learner.block_until_ready()))
     update = timed(learner.update)
-    longest = max(len(c.prompt) + len(c.tokens) - 1 for g in batch for c in g.completions)
-    bucket = learner.cfg.min_length_bucket
-    while bucket < longest:
-        bucket *= 2
-    return learner.cfg.micro_batch_rows * bucket, micro, update
+    cfg = learner.cfg
+    built = make_batch(
+        batch,
+        [(0.0,) * len(g.completions) for g in batch],
+        rows=cfg.micro_batch_rows,
+        min_length_bucket=cfg.min_length_bucket,
+        pack=cfg.packing,
+        row_multiple=learner._batch_shards,
+        max_pack_length=cfg.pack_max_length,
+    )
+    return built.inputs.size, micro, update
 
 
 def in_background(work: Callable[[], Any]) -> tuple[threading.Event, threading.Thread]:
@@ -272,7 +280,7 @@ def main(argv: list[str]) -> None:
         meas,
         steps_per_call=_STEPS.value,
         micro_batch_rows=rows,
-        pad_rows=True,
+        pad_rows=not learner.cfg.packing,  # packed: the simulator counts real tokens
         min_length_bucket=learner.cfg.min_length_bucket,
         param_bytes=param_bytes,
         source=f"launch.profile on {jax.default_backend()}, {os.cpu_count()} cores",

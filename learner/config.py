@@ -61,7 +61,7 @@ class LearnerConfig:
     )
     # log-probs are of softmax(logits / T); a run sets it from config.sampling.temperature
     temperature: float = 1.0
-    micro_batch_rows: int = 16  # sequences per micro-batch (rows are padded up to it)
+    micro_batch_rows: int = 16  # sequences per micro-batch (padded up to it)
     min_length_bucket: int = 32  # sequence lengths pad to powers of two from here
     packing: bool = True  # several sequences per row, first-fit by length (learner/batching.py)
     pack_max_length: int = 2048  # packed rows longer than the longest sequence stay within this
