@@ -91,7 +91,7 @@ class DecoupledPpoOptions:
 
 
 LOSS_OPTIONS: dict[str, type] = {}  # policy loss name -> its options dataclass
-_BUILTIN = {
+BUILTIN_OPTIONS: dict[str, type] = {  # the built-in policy losses and their options
     "ppo_clip": PpoClipOptions,
     "gspo": GspoOptions,
     "tis_reinforce": TisOptions,
@@ -119,7 +119,7 @@ class LossConfig:
                 f"learner.loss.kl_estimator must be one of {sorted(KL_ESTIMATORS)}; received "
                 f"{self.kl_estimator!r}."
             )
-        for name, cls in _BUILTIN.items():
+        for name, cls in BUILTIN_OPTIONS.items():
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(
                     f"learner.loss.{name} must be a {cls.__name__}; received "
@@ -127,7 +127,7 @@ class LossConfig:
                 )
         for name, opts in self.custom:
             expected = LOSS_OPTIONS.get(name)
-            if expected is None or name in _BUILTIN or not isinstance(opts, expected):
+            if expected is None or name in BUILTIN_OPTIONS or not isinstance(opts, expected):
                 raise ValueError(
                     f"learner.loss.custom entry {name!r}: expected a policy loss registered "
                     f"outside rl.losses with its options dataclass ({expected}); received "
@@ -136,7 +136,7 @@ class LossConfig:
 
     def options(self, name: str) -> object:
         """The options of policy loss `name`: its field here, its `custom` entry, or defaults."""
-        if name in _BUILTIN:
+        if name in BUILTIN_OPTIONS:
             return getattr(self, name)
         custom = dict(self.custom)
         if name in custom:
@@ -171,7 +171,7 @@ def loss_config_from(section: Mapping[str, Any]) -> LossConfig:
                     f"{sorted(known)}."
                 )
             opts = cls(**dict(value))
-            if key in _BUILTIN:
+            if key in BUILTIN_OPTIONS:
                 fields[key] = opts
             else:
                 custom.append((key, opts))

@@ -76,6 +76,7 @@ def test_tie_embeddings_overrides_the_preset():
 def _typed_sections():
     from learner.config import LearnerConfig, OptimizerConfig
     from rl.driver import DriverConfig
+    from rl.loss_config import BUILTIN_OPTIONS, LossConfig
     from rl.rounds import TailConfig
     from rl.types import SamplingParams
     from sampler.engine import EngineConfig
@@ -90,6 +91,9 @@ def _typed_sections():
         # the loss registry); distributed: learner/distributed.py (0 / -1 there mean "from $JAX_*")
         ("learner", LearnerConfig, {"optimizer", "loss", "temperature", "distributed"}),
         ("learner.optimizer", OptimizerConfig, set()),
+        # the built-in losses' sections are their options dataclasses, checked one by one below
+        ("learner.loss", LossConfig, {"custom", *BUILTIN_OPTIONS}),
+        *((f"learner.loss.{name}", cls, set()) for name, cls in BUILTIN_OPTIONS.items()),
     ]
 
 
