@@ -232,6 +232,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.ray.address = ""  # "": start a local Ray cluster; "auto" or host:port joins one
     config.ray.num_cpus = 0  # CPUs of a local cluster; 0: every core
     config.ray.sampler_replicas = 1  # sampler actors, an Engine + SamplerLoop each
+    # learner actors (one per host) forming one jax.distributed job, its mesh over all their
+    # devices; the runtime assigns their learner.distributed fields (coordinator, rank)
+    config.ray.learner_workers = 1
     config.ray.routing = "round_robin"  # request -> replica: round_robin | least_loaded
     config.ray.on_replica_failure = "resample"  # a dead replica: resample (on the others) | stop
     config.ray.learner_gpus = 0  # GPUs of the learner worker (its devices: mesh.learner_devices)

@@ -53,7 +53,7 @@ def check_ray_config(config: Any) -> None:
             f"config.ray.on_replica_failure={r.on_replica_failure!r}; expected one of "
             f"{ON_REPLICA_FAILURE}."
         )
-    for name in ("sampler_replicas",):
+    for name in ("sampler_replicas", "learner_workers"):
         if not isinstance(r[name], int) or r[name] < 1:
             raise ValueError(f"config.ray.{name} must be an int >= 1; received {r[name]!r}.")
     for name in ("num_cpus", "learner_cpus", "replica_cpus", "learner_gpus", "replica_gpus"):
@@ -240,14 +240,26 @@ class RayRuntime:
             max_concurrency=4 + 2 * r.sampler_replicas,
             runtime_env=env,
         ).remote(config.driver.queue_size)
+        # The learner: one worker, or a group of `group` forming one jax.distributed job (one
+        # per host on a cluster), rank 0 serving its coordinator; each gets learner_gpus GPUs.
+        group = r.learner_workers
+        learner_env = env
+        if group > 1:  # gloo gives a process 30 s to join a collective: no compile-cache skew
+            learner_env = {"env_vars": {**env["env_vars"], "JAX_ENABLE_COMPILATION_CACHE": "0"}}
         workers = [
             LearnerWorker.options(
-                name=actor_name(config, "learner"),
+                name=actor_name(config, "learner" if rank == 0 else f"learner{rank}"),
                 num_cpus=r.learner_cpus,
                 num_gpus=r.learner_gpus,
-                runtime_env=env,
-            ).remote(cfg, total_updates)
+                runtime_env=learner_env,
+            ).remote(cfg, total_updates, rank)
+            for rank in range(group)
         ]
+        coordinator = ray.get(workers[0].coordinator.remote()) if group > 1 else ""
+        try:
+            ray.get([w.build.remote(coordinator, group) for w in workers])
+        except RayActorError as e:
+            raise _learner_died(e) from None
         self.replicas = [
             SamplerReplica.options(
                 name=actor_name(config, f"replica{i}"),

@@ -6,9 +6,10 @@ process sees the host). Methods return errors as values where the caller must re
 exception (the queue's QueueClosed, a sampler thread's crash); a dead worker surfaces in the caller
 as ray.exceptions.RayActorError, which rl.runtime.ray_runtime turns into a fault decision.
 
-The learner worker is one process here. A learner spanning hosts is a group of them, one per host,
-forming one jax.distributed job whose mesh spans the group: rl.runtime.ray_runtime.LearnerClient
-already sends every call to each worker of its group and takes rank 0's answer.
+The learner is one worker, or (config.ray.learner_workers > 1, one per host) a group of them forming
+one jax.distributed job whose mesh spans the group (learner/distributed.py): rank 0 serves the
+job's coordinator, rl.runtime.ray_runtime.LearnerClient sends every call to each worker and takes
+rank 0's answer, and collectives (publishing, fetching the state) run in every worker.
 """
 
 from __future__ import annotations
@@ -92,20 +93,43 @@ class QueueActor:
 
 @ray.remote
 class LearnerWorker:
-    """Owns the Learner (and its checkpoints) on this process's devices."""
+    """Owns the Learner (and its checkpoints) on this process's devices; with several workers,
+    this one is process `rank` of the learner's jax.distributed job (learner/distributed.py)."""
 
-    def __init__(self, config_dict: dict[str, Any], total_updates: int):
+    def __init__(self, config_dict: dict[str, Any], total_updates: int, rank: int = 0):
+        self._config_dict, self._total_updates, self.rank = config_dict, total_updates, rank
+        self.group = 1
+        self.learner = None
+        self.ckpt = None
+
+    def coordinator(self) -> str:
+        """A "host:port" on this worker's node for the job's coordinator (rank 0 serves it)."""
+        from learner.distributed import coordinator_address_here
+
+        return coordinator_address_here(ray.util.get_node_ip_address())
+
+    def build(self, coordinator: str, group: int) -> int:
+        """Builds the Learner: on this process's devices (group 1), or joins the `group`-process
+        job at `coordinator` first, its mesh over every worker's devices. Returns the step."""
         import jax
         import jax.numpy as jnp
 
+        from learner.distributed import init_learner_group
         from rl.models.config import DTYPES
         from rl.runtime.compose import Setup, build_checked_model, build_learner
 
-        config = _config(config_dict)
+        config = _config(self._config_dict)
         setup = Setup.from_config(config)
-        mesh = local_mesh(config, "learner")
+        if group > 1:
+            dist = config.learner.distributed
+            dist.coordinator_address, dist.num_processes = coordinator, group
+            dist.process_id = self.rank
+            mesh = init_learner_group(config)
+        else:
+            mesh = local_mesh(config, "learner")
+        self.group = group
         model = build_checked_model(config, setup, mesh)
-        self.learner = build_learner(config, setup, model, mesh, total_updates=total_updates)
+        self.learner = build_learner(config, setup, model, mesh, total_updates=self._total_updates)
         self.config, self.setup = config, setup
         dtype = DTYPES[config.sampler_dtype] if config.sampler_dtype else None
         # The cast DevicePutSync makes, on the learner's devices: a replica gets the same bits.
@@ -115,7 +139,15 @@ class LearnerWorker:
                 p,
             )
         )
-        self.ckpt = None
+        return self.learner.step
+
+    def _to_host(self, tree: Any) -> Any:
+        """`tree` as host arrays; with several processes a collective every worker joins."""
+        import jax
+
+        from learner.distributed import gather_to_host
+
+        return gather_to_host(tree) if self.group > 1 else jax.device_get(tree)
 
     def pin(self, cores: list[int]) -> list[int]:
         return pin(cores)
@@ -137,15 +169,12 @@ class LearnerWorker:
     def publish(self, version: int) -> list[Any]:
         """Puts the params, cast to the sampler's dtype, in the object store once; returns
         [ref] (in a list, so Ray hands the caller the reference, not the arrays)."""
-        import jax
-
-        return [ray.put(jax.device_get(self._cast(self.learner.params)))]
+        host = self._to_host(self._cast(self.learner.params))
+        return [ray.put(host) if self.rank == 0 else None]  # every worker gathers; rank 0 puts
 
     def state(self) -> Any:
         """The TrainState as host arrays."""
-        import jax
-
-        return jax.device_get(self.learner.state)
+        return self._to_host(self.learner.state)
 
     def export_hf(self, path: str) -> None:
         from rl.runtime.compose import export_policy

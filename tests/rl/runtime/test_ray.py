@@ -179,3 +179,20 @@ def test_launch_train_joins_a_cluster_and_keeps_ray_logs_off_the_console(ray_clu
         # no Ray logging, no forwarded worker output
         assert "(pid=" not in line and " -- " not in line and "ray" not in line.lower(), line
     assert (workdir / "summary.json").is_file()
+
+
+def test_a_learner_of_two_worker_processes_trains_as_one(ray_cluster, threads_run):
+    # ray.learner_workers=2: two learner actors form one jax.distributed job (gloo on CPU), the
+    # mesh over both processes' 8 fake devices (fsdp 8 x tp 2); every call goes to both, rank 0 answers.
+    config = tiny_config("ray", learner_workers=2)
+    config.mesh.learner_devices = 0  # a multi-process learner uses every device of its job
+    config.mesh.learner_tp = 2  # fsdp 8: micro_batch_rows 8 splits over it
+    results, params, _ = run_rounds(config)
+    # The sampled tokens depend on the published weights: the same tokens means every publish
+    # (a gather over both processes) gave the replica the 1-process learner's weights to the
+    # bit that matters; the parameters agree within float32 reduction order (the fsdp sums add
+    # the shards of two processes in another order: learner/distributed.py).
+    assert tokens_of(results) == tokens_of(threads_run[0])
+    for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(threads_run[1]), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6, rtol=0)
+    assert [r.version for r in results] == [0, 1, 2]
