@@ -185,7 +185,14 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     engine = Engine(
         model, EngineConfig(**config.engine, seed=config.seed), mesh=sampler_mesh, rules=rules
     )
-    sync = DevicePutSync(learner.params, sampler_mesh, dtype=config.sampler_dtype, rules=rules)
+    # Colocated with the same sharding and dtype, publishing shares the learner's arrays (no copy).
+    sync = DevicePutSync(
+        learner.params,
+        sampler_mesh,
+        dtype=config.sampler_dtype,
+        rules=rules,
+        share_with=learner,
+    )
     prompts = iter(
         prompt_dataset(data.train, tokenizer, seed=config.seed, **data_cfg.prompt_kwargs)
     )
