@@ -109,6 +109,16 @@ class Learner:
             donate_argnums=(0,),
             out_shardings=(self.shardings, rep),
         )
+        # The same update, donating everything but the parameters: used once after `share_params`
+        # handed the current parameter buffers to a colocated sampler that still reads them.
+        self._apply_keep_params = jax.jit(
+            lambda params, rest, acc: apply(
+                dataclasses.replace(rest, params=params), acc, tx=self.tx, schedule=self.schedule
+            ),
+            donate_argnums=(1,),
+            out_shardings=(self.shardings, rep),
+        )
+        self._params_shared = False
         self._copy = jax.jit(
             lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.shardings.params
         )
@@ -131,6 +141,15 @@ class Learner:
     @property
     def params(self) -> Any:
         """The current parameters (an nnx State on the learner mesh)."""
+        return self.state.params
+
+    def share_params(self) -> Any:
+        """The current parameters, handed out without a copy (colocated publishing).
+
+        The next `update` then writes new parameter buffers instead of donating (overwriting)
+        these, so a reader that keeps them (a sampler decoding with them) is not affected.
+        """
+        self._params_shared = True
         return self.state.params
 
     @property
@@ -257,7 +276,14 @@ class Learner:
             metrics.update(lr=float(self.schedule(step)), nonfinite_leaf=-1.0)
         else:
             with self._on_mesh():
-                self.state, metrics = self._apply(self.state, self._acc)
+                if self._params_shared:  # the sampler reads these params: no donation
+                    rest = dataclasses.replace(self.state, params=None)
+                    self.state, metrics = self._apply_keep_params(
+                        self.state.params, rest, self._acc
+                    )
+                    self._params_shared = False
+                else:
+                    self.state, metrics = self._apply(self.state, self._acc)
             self._acc = None
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             if metrics["tokens"] == 0:

@@ -1,7 +1,10 @@
 """Weight publishing: learner params -> sampler mesh, with a version number and its time measured.
 
 `WeightSync` is the interface a multi-host transport (jax.experimental.transfer, a Ray object
-store) implements; `DevicePutSync` is the single-process one: a cross-mesh `jax.device_put`.
+store) implements; `DevicePutSync` is the single-process one: a cross-mesh `jax.device_put`, or,
+colocated (every parameter already on the sampler's sharding in the sampler's dtype) and given the
+learner (`share_with`), no copy at all: the sampler reads the learner's arrays, and the learner's
+next update writes new buffers instead of donating them (`Learner.share_params`).
 A learner of several processes (learner/distributed.py) has no sampler devices in its job: every
 process calls `learner.distributed.gather_to_host(params)` (a collective) and process 0 hands the
 numpy arrays to such a transport.
@@ -46,6 +49,7 @@ class DevicePutSync:
         *,
         dtype: str = "",
         rules: Rules | None = None,
+        share_with: Any = None,
     ):
         if dtype and dtype not in DTYPES:
             raise ValueError(
@@ -55,15 +59,35 @@ class DevicePutSync:
         self.shardings = tree_shardings(
             params_like, sampler_mesh, current_rules() if rules is None else rules
         )
+        self.share_with = share_with  # a Learner (share_params); None: always copy
+        self.shared = 0  # publishes that shared the learner's arrays instead of copying
+
+    def _colocated(self, params: Any) -> bool:
+        """Every leaf already has the sampler's sharding and dtype: a copy would change nothing."""
+        leaves, targets = jax.tree.leaves(params), jax.tree.leaves(self.shardings)
+        if len(leaves) != len(targets):
+            return False
+        for x, target in zip(leaves, targets, strict=True):
+            if not isinstance(x, jax.Array) or not x.sharding.is_equivalent_to(target, x.ndim):
+                return False
+            if self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+                if x.dtype != self.dtype:
+                    return False
+        return True
 
     def publish(self, params: Any, version: int) -> Published:
         start = time.perf_counter()
+        learner = self.share_with
+        if learner is not None and params is learner.params and self._colocated(params):
+            out = learner.share_params()
+            self.shared += 1
+            return Published(params=out, version=version, seconds=time.perf_counter() - start)
         if self.dtype is not None:
             params = jax.tree.map(
                 lambda x: x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
                 params,
             )
-        # Always a copy: colocated, the sampler must not share buffers the learner will donate.
+        # A copy: without `share_with` the learner's next update may donate its buffers.
         out = jax.device_put(params, self.shardings, may_alias=False)
         jax.block_until_ready(out)
         return Published(params=out, version=version, seconds=time.perf_counter() - start)

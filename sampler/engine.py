@@ -5,6 +5,7 @@
     state = engine.init_decode_state()            # KV cache + per-slot sampling state, a pytree
     prefix = engine.prefill(params, prompt)       # one prefill per prompt ...
     state = engine.bulk_insert(prefix, state, slots, request)  # ... copied into its G slots
+    state = engine.prefill_insert(params, state, [(request, slots, samples), ...])  # or batched
     state, result = engine.generate(params, state)            # k decode steps for all slots
     state = engine.free(state, slots)             # abort
 
@@ -15,13 +16,23 @@ position p sits at position p+1 and uses the PRNG key
     fold_in(fold_in(fold_in(fold_in(key(seed), round), uid), sample), p + 1),
 so it does not depend on the slot or on the other requests in the batch.
 
+Decode path (issue 19): the cache is head-major, (slots, kv heads, positions, head dim) per layer, so
+a decode step attends without transposing it; attention reads only the first blocks of
+`attention_block` positions that the longest live sequence reaches (the block count rounded up to a
+power of two: one compile each); `prefill_insert` prefills all prompts admitted together in one call
+per length bucket. `legacy_decode=True` keeps the previous path ((slots, positions, kv heads, head
+dim) cache, attention over max_length, one prefill and one insert call per prompt) for the issue's
+old-vs-new comparison in launch/bench_sampler.py; it goes when the issue closes.
+
 Memory: the KV cache takes 2 * n_layers * max_length * n_kv_heads * head_dim * itemsize bytes per
-slot (`cache_bytes_per_slot`), sharded over `data` (slots) and `tp` (kv heads).
+slot (`cache_bytes_per_slot`; max_length rounded up to whole attention blocks), sharded over `data`
+(slots) and `tp` (kv heads).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -32,7 +43,13 @@ from jax.sharding import Mesh, NamedSharding
 
 from rl.models.config import DTYPES
 from rl.models.sharding import Rules, axis_rules, current_rules, logical_to_spec, tree_shardings
-from rl.models.transformer import CACHE_AXES, KVCache, Transformer
+from rl.models.transformer import (
+    CACHE_AXES,
+    HEAD_MAJOR_CACHE_AXES,
+    HeadMajorKVCache,
+    KVCache,
+    Transformer,
+)
 from rl.types import Request
 from sampler.sampling import sample_tokens
 
@@ -48,6 +65,8 @@ class EngineConfig:
     cache_dtype: str = ""  # KV cache dtype; empty: the model's compute dtype
     seed: int = 0  # root of every request's random stream
     memory_budget_bytes: int = 0  # per device for params + KV cache; 0: the device's own limit
+    attention_block: int = 32  # decode attention reads the cache in blocks of this many positions
+    legacy_decode: bool = False  # issue 19's old path, kept for the comparison (module docstring)
 
     def __post_init__(self):
         for name in (
@@ -57,6 +76,7 @@ class EngineConfig:
             "min_prefill_bucket",
             "steps_per_call",
             "max_stop_tokens",
+            "attention_block",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(
@@ -87,7 +107,7 @@ class EngineConfig:
 class DecodeState:
     """Everything the device needs per slot. B = max_slots."""
 
-    cache: KVCache
+    cache: KVCache | HeadMajorKVCache  # legacy_decode: KVCache
     tokens: jax.Array  # (B,) int32: the token to feed next
     positions: jax.Array  # (B,) int32: its position
     active: jax.Array  # (B,) bool: slot holds an unfinished sequence
@@ -149,6 +169,12 @@ class Engine:
                 f"({mesh.shape['data']})."
             )
         self.cache_dtype = DTYPES[config.cache_dtype or cfg.dtype]
+        self.head_major = not config.legacy_decode
+        block = config.attention_block
+        self.cache_length = (
+            -(-config.max_length // block) * block if self.head_major else config.max_length
+        )
+        self.cache_axes = HEAD_MAJOR_CACHE_AXES if self.head_major else CACHE_AXES
         self._check_memory()
         self._state_shardings = None if mesh is None else self._decode_state_shardings()
         donate = dict(donate_argnums=(1,))
@@ -157,8 +183,9 @@ class Engine:
         self._prefill = jax.jit(self._prefill_impl, static_argnums=(2,))
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), **out)
         gen_out = {} if mesh is None else dict(out_shardings=(self._state_shardings, None))
-        self._generate = jax.jit(self._generate_impl, **donate, **gen_out)
+        self._generate = jax.jit(self._generate_impl, static_argnums=(2,), **donate, **gen_out)
         self._free = jax.jit(self._free_impl, donate_argnums=(0,), **out)
+        self._prefill_insert = jax.jit(self._prefill_insert_impl, **donate, **out)
         self.prefill_count = 0
 
     # ------------------------------------------------------------------------------ properties
@@ -175,7 +202,7 @@ class Engine:
     def cache_bytes_per_slot(self) -> int:
         c = self.model_config
         itemsize = jnp.dtype(self.cache_dtype).itemsize
-        return 2 * c.n_layers * self.config.max_length * c.n_kv_heads * c.head_dim * itemsize
+        return 2 * c.n_layers * self.cache_length * c.n_kv_heads * c.head_dim * itemsize
 
     def compile_counts(self) -> dict[str, int]:
         """How many programs each jitted entry point has compiled (prefill: one per bucket)."""
@@ -185,6 +212,7 @@ class Engine:
             insert=self._insert,
             generate=self._generate,
             free=self._free,
+            prefill_insert=self._prefill_insert,
         )
         return {k: f._cache_size() for k, f in fns.items()}
 
@@ -197,15 +225,7 @@ class Engine:
         shards = 1
         if self.mesh is not None:
             spec = logical_to_spec(
-                CACHE_AXES,
-                self.mesh,
-                self.rules,
-                shape=(
-                    self.config.max_slots,
-                    self.config.max_length,
-                    self.model_config.n_kv_heads,
-                    self.model_config.head_dim,
-                ),
+                self.cache_axes, self.mesh, self.rules, shape=self._cache_shape()
             )
             for axes in spec:
                 for a in (axes,) if isinstance(axes, str) else (axes or ()):
@@ -251,7 +271,7 @@ class Engine:
                 self.mesh, logical_to_spec(names, self.mesh, self.rules, shape=x.shape)
             )
 
-        cache = jax.tree.map(lambda x: named(x, CACHE_AXES), abstract.cache)
+        cache = jax.tree.map(lambda x: named(x, self.cache_axes), abstract.cache)
         per_slot = {
             f.name: named(
                 getattr(abstract, f.name),
@@ -262,12 +282,18 @@ class Engine:
         }
         return DecodeState(cache=cache, **per_slot)
 
+    def _cache_shape(self) -> tuple[int, int, int, int]:
+        b, s, c = self.config.max_slots, self.cache_length, self.model_config
+        if self.head_major:
+            return (b, c.n_kv_heads, s, c.head_dim)
+        return (b, s, c.n_kv_heads, c.head_dim)
+
     def _init_impl(self) -> DecodeState:
         b, c = self.config.max_slots, self.model_config
-        shape = (b, self.config.max_length, c.n_kv_heads, c.head_dim)
-        zeros = lambda: jnp.zeros(shape, self.cache_dtype)
+        zeros = lambda: jnp.zeros(self._cache_shape(), self.cache_dtype)
+        layout = HeadMajorKVCache if self.head_major else KVCache
         return DecodeState(
-            cache=KVCache(
+            cache=layout(
                 k=tuple(zeros() for _ in range(c.n_layers)),
                 v=tuple(zeros() for _ in range(c.n_layers)),
             ),
@@ -297,6 +323,9 @@ class Engine:
 
     def _prefill_impl(self, params: Any, tokens_T: jax.Array, bucket: int) -> tuple[tuple, tuple]:
         model = self._model(params)
+        if self.head_major:
+            k, v = self._prefill_rows(model, tokens_T[None])
+            return tuple(x[0] for x in k), tuple(x[0] for x in v)
         cache = model.init_cache(1, bucket, self.cache_dtype)
         _, cache = model.decode(tokens_T[None], jnp.arange(bucket)[None], cache)
         return tuple(k[0] for k in cache.k), tuple(v[0] for v in cache.v)
@@ -331,11 +360,15 @@ class Engine:
         bucket = prefix_k[0].shape[0]
 
         def put(cache: jax.Array, kv: jax.Array) -> jax.Array:
+            if self.head_major:  # kv (bucket, K, H) -> slots' (K, bucket, H)
+                kv = kv.transpose(1, 0, 2)
+                rows = jnp.broadcast_to(kv[None], (g, *kv.shape)).astype(cache.dtype)
+                return cache.at[slots_G, :, :bucket].set(rows)
             return cache.at[slots_G, :bucket].set(
                 jnp.broadcast_to(kv[None], (g, *kv.shape)).astype(cache.dtype)
             )
 
-        cache = KVCache(
+        cache = type(state.cache)(
             k=tuple(put(c, p) for c, p in zip(state.cache.k, prefix_k, strict=True)),
             v=tuple(put(c, p) for c, p in zip(state.cache.v, prefix_v, strict=True)),
         )
@@ -401,7 +434,21 @@ class Engine:
         admission inserts one at a time. A sample's random stream depends on its index, not on
         its slot, so its tokens are the same either way.
         """
-        p = request.params
+        samples = self._check_insert(slots, request, samples)
+        if len(request.prompt) != prefix.length:
+            raise ValueError(
+                f"bulk_insert: the prefix holds {prefix.length} tokens but request "
+                f"uid={request.uid} has a prompt of {len(request.prompt)}."
+            )
+        return self._put(prefix, state, slots, samples, request, request.params.max_new_tokens)
+
+    def _check_insert(
+        self,
+        slots: Sequence[int],
+        request: Request,
+        samples: Sequence[int] | None,
+    ) -> tuple[int, ...]:
+        """Validates one request's insertion; returns its sample indices (default 0..G-1)."""
         samples = tuple(range(request.group_size)) if samples is None else tuple(samples)
         if len(slots) != len(samples):
             raise ValueError(
@@ -420,13 +467,129 @@ class Engine:
                 f"bulk_insert slots must be distinct and in [0, {self.config.max_slots}); "
                 f"received {list(slots)}."
             )
-        if len(request.prompt) != prefix.length:
-            raise ValueError(
-                f"bulk_insert: the prefix holds {prefix.length} tokens but request "
-                f"uid={request.uid} has a prompt of {len(request.prompt)}."
-            )
         self.validate(request)
-        return self._put(prefix, state, slots, samples, request, p.max_new_tokens)
+        return samples
+
+    # --------------------------------------------------------------------- batched prefill+insert
+
+    def _prefill_rows(self, model: Transformer, tokens_PxT: jax.Array) -> tuple[tuple, tuple]:
+        """Keys/values (P, T, K, H) per layer of P prompts, one prompt at a time in one program.
+
+        A prompt's keys/values must not depend on which prompts share its call (sampling is
+        independent of the batch), and a matmul's rounding on XLA:CPU can depend on its row
+        count; so the prompts go through `lax.map`, each with the shapes of a lone prefill.
+        """
+
+        def one(tokens_T: jax.Array) -> tuple[tuple, tuple]:
+            _, (k, v) = model.prefill(tokens_T[None])
+            cast = lambda x: x[0].astype(self.cache_dtype)
+            return tuple(map(cast, k)), tuple(map(cast, v))
+
+        return jax.lax.map(one, tokens_PxT)
+
+    def _prefill_insert_impl(
+        self,
+        params: Any,
+        state: DecodeState,
+        tokens_PxT: jax.Array,
+        rows_N: jax.Array,
+        slots_N: jax.Array,
+        ids_Nx6: jax.Array,
+        sampling_Nx3: jax.Array,
+        stop_NxS: jax.Array,
+    ) -> DecodeState:
+        """Prefills P prompts and writes prompt rows_N[i] into slots_N[i] (out of range: dropped)."""
+        k, v = self._prefill_rows(self._model(params), tokens_PxT)
+        t = tokens_PxT.shape[1]
+
+        def put(cache: jax.Array, kv_PxTxKxH: jax.Array) -> jax.Array:
+            rows = kv_PxTxKxH[rows_N].transpose(0, 2, 1, 3).astype(cache.dtype)
+            return cache.at[slots_N, :, :t].set(rows, mode="drop")
+
+        cache = HeadMajorKVCache(
+            k=tuple(put(c, x) for c, x in zip(state.cache.k, k, strict=True)),
+            v=tuple(put(c, x) for c, x in zip(state.cache.v, v, strict=True)),
+        )
+        rnd, uid, sample, max_new, length, last_token = (ids_Nx6[:, i] for i in range(6))
+        root = jax.random.key(self.config.seed)
+        keys_N = jax.vmap(
+            lambda r, u, i: jax.random.fold_in(
+                jax.random.fold_in(jax.random.fold_in(root, r), u), i
+            )
+        )(rnd, uid, sample)
+        fill = lambda arr, value: arr.at[slots_N].set(value, mode="drop")
+        return DecodeState(
+            cache=cache,
+            tokens=fill(state.tokens, last_token),
+            positions=fill(state.positions, length - 1),
+            active=fill(state.active, True),
+            last_position=fill(state.last_position, length - 1 + max_new),
+            keys=fill(state.keys, keys_N),
+            temperature=fill(state.temperature, sampling_Nx3[:, 0]),
+            top_k=fill(state.top_k, sampling_Nx3[:, 1].astype(jnp.int32)),
+            top_p=fill(state.top_p, sampling_Nx3[:, 2]),
+            stop_ids=fill(state.stop_ids, stop_NxS),
+        )
+
+    def prefill_insert(
+        self,
+        params: Any,
+        state: DecodeState,
+        items: Sequence[tuple[Request, Sequence[int], Sequence[int] | None]],
+    ) -> DecodeState:
+        """Prefills the prompts of `items` and inserts them: one call per prompt-length bucket.
+
+        Args:
+          items: (request, slots, samples): sample samples[i] of the request starts in slots[i]
+            (samples None: all G, 0..G-1), as in `bulk_insert`. Slots must be distinct.
+
+        Returns:
+          The decode state with every item inserted. Tokens are the same as with `prefill` and
+          `bulk_insert` per request: a sample's random stream depends on its request and index.
+        """
+        checked = [(r, tuple(s), self._check_insert(s, r, i)) for r, s, i in items]
+        used = [x for _, s, _ in checked for x in s]
+        if len(set(used)) != len(used):
+            raise ValueError(f"prefill_insert: slots must be distinct over items; got {used}.")
+        if not self.head_major:  # the legacy path: one prefill and one insert call per request
+            for r, s, i in checked:
+                state = self.bulk_insert(self.prefill(params, r.prompt), state, s, r, i)
+            return state
+        by_bucket: dict[int, list] = {}
+        for item in checked:
+            by_bucket.setdefault(self.bucket(len(item[0].prompt)), []).append(item)
+        for bucket, group in sorted(by_bucket.items()):
+            state = self._prefill_insert_bucket(params, state, bucket, group)
+        return state
+
+    def _prefill_insert_bucket(
+        self, params: Any, state: DecodeState, bucket: int, items: list
+    ) -> DecodeState:
+        pow2 = lambda n: 1 << (n - 1).bit_length()
+        n_prompts, n_slots = len(items), sum(len(s) for _, s, _ in items)
+        tokens = np.zeros((pow2(n_prompts), bucket), np.int32)
+        rows = np.zeros((pow2(n_slots),), np.int32)
+        slots = np.full((pow2(n_slots),), self.config.max_slots, np.int32)  # padding: dropped
+        ids = np.zeros((pow2(n_slots), 6), np.int32)
+        sampling = np.zeros((pow2(n_slots), 3), np.float32)
+        stop = np.full((pow2(n_slots), self.config.max_stop_tokens), -1, np.int32)
+        n = 0
+        for row, (r, s, samples) in enumerate(items):
+            p = r.params
+            tokens[row, : len(r.prompt)] = r.prompt
+            for slot, i in zip(s, samples, strict=True):
+                rows[n], slots[n] = row, slot
+                ids[n] = (r.round, r.uid, i, p.max_new_tokens, len(r.prompt), r.prompt[-1])
+                sampling[n] = (p.temperature, p.top_k, p.top_p)
+                stop[n, : len(p.stop_token_ids)] = p.stop_token_ids
+                n += 1
+        self.prefill_count += n_prompts
+        return self._call(
+            self._prefill_insert,
+            params,
+            state,
+            *(jnp.asarray(x) for x in (tokens, rows, slots, ids, sampling, stop)),
+        )
 
     def reprefill(
         self,
@@ -495,11 +658,29 @@ class Engine:
 
     # --------------------------------------------------------------------------------- generate
 
-    def _step(self, model: Transformer, state: DecodeState) -> tuple[DecodeState, StepResult]:
-        h, cache = model.decode(state.tokens[:, None], state.positions[:, None], state.cache)
+    def _step(
+        self, model: Transformer, state: DecodeState, blocks: int
+    ) -> tuple[DecodeState, StepResult]:
+        if self.head_major:
+            h, cache = model.decode_step(
+                state.tokens,
+                state.positions,
+                state.cache,
+                blocks=blocks,
+                block=self.config.attention_block,
+            )
+        else:
+            h, cache = model.decode(state.tokens[:, None], state.positions[:, None], state.cache)
         logits = model.logits(h)[:, 0]
         keys = jax.vmap(jax.random.fold_in)(state.keys, state.positions + 1)
-        tok, logp = sample_tokens(logits, keys, state.temperature, state.top_k, state.top_p)
+        tok, logp = sample_tokens(
+            logits,
+            keys,
+            state.temperature,
+            state.top_k,
+            state.top_p,
+            fast_argmax=self.head_major,
+        )
         valid = state.active
         stop = jnp.any(tok[:, None] == state.stop_ids, axis=-1)
         finished = valid & (stop | (state.positions + 1 >= state.last_position))
@@ -512,15 +693,34 @@ class Engine:
         )
         return state, StepResult(tokens=tok, logprobs=logp, valid=valid, finished=finished)
 
-    def _generate_impl(self, params: Any, state: DecodeState) -> tuple[DecodeState, StepResult]:
+    def _generate_impl(
+        self, params: Any, state: DecodeState, blocks: int
+    ) -> tuple[DecodeState, StepResult]:
         model = self._model(params)
         return jax.lax.scan(
-            lambda s, _: self._step(model, s), state, None, length=self.config.steps_per_call
+            lambda s, _: self._step(model, s, blocks),
+            state,
+            None,
+            length=self.config.steps_per_call,
         )
+
+    def live_blocks(self, state: DecodeState) -> int:
+        """Attention blocks this generate call reads: enough for every active slot's last fed
+        position, rounded up to a power of two (few compiles), at most the whole cache.
+
+        Reads three (B,) arrays to the host once per call (not per step).
+        """
+        if not self.head_major:
+            return 0
+        pos, active, last = jax.device_get((state.positions, state.active, state.last_position))
+        k, block = self.config.steps_per_call, self.config.attention_block
+        need = int(np.max(np.where(active, np.minimum(pos + k, last), 1), initial=1))
+        blocks = 1 << (-(-need // block) - 1).bit_length()
+        return min(blocks, self.cache_length // block)
 
     def generate(self, params: Any, state: DecodeState) -> tuple[DecodeState, StepResult]:
         """Runs `steps_per_call` decode steps for every slot; inactive slots produce nothing."""
-        return self._call(self._generate, params, state)
+        return self._call(self._generate, params, state, self.live_blocks(state))
 
     # ------------------------------------------------------------------------------------- free
 

@@ -1,7 +1,8 @@
 """The sampler loop: admitted requests in, rewarded complete groups out.
 
 Admission (an AdmissionPolicy) picks which waiting request starts when enough slots are free; the
-request's prompt is prefilled once and inserted into its G slots; the engine steps all slots; a
+request's prompt is prefilled once and inserted into its G slots (the prompts admitted together in
+one batched call per length bucket); the engine steps all slots; a
 finished response is rewarded; when all G responses of a request are rewarded the Group is emitted.
 Nothing partial is emitted.
 
@@ -308,38 +309,53 @@ class SamplerLoop:
                 raise RuntimeError(f"Sampler still busy after {max_steps} steps.")
 
     def _admit(self, params: Any) -> None:
+        """Starts what fits now; the prompts admitted together are prefilled in one batched call
+        per length bucket (`Engine.prefill_insert`), or one by one on the engine's legacy path."""
         with self._lock:  # a static batch is filled only when every slot is free
             if self.static_batching and any(r is not None for r in self._slot_run):
                 return
+        batched = not self.engine.config.legacy_decode
         while True:
+            admitted = []
             with self._lock:
-                if self._pending_params is not None:
-                    # Weights published after this step took its params: what is admitted now
-                    # waits for them (the next step), so a request submitted after a publish never
-                    # runs on the weights before it (async's staleness bound counts on that).
-                    return
-                free = [i for i, r in enumerate(self._slot_run) if r is None]
-                taken = self._take(len(free))
-                if taken is None:
-                    return
-                run, samples = taken
-                request = run.request
-                for i, s in zip(samples, free, strict=False):
-                    run.slots[i] = s
-                    self._slot_run[s], self._slot_sample[s] = run, i
-            slots = [run.slots[i] for i in samples]
+                while True:
+                    if self._pending_params is not None:
+                        # Weights published after this step took its params: what is admitted
+                        # now waits for them (the next step), so a request submitted after a
+                        # publish never runs on the weights before it (async's staleness bound
+                        # counts on that).
+                        break
+                    free = [i for i, r in enumerate(self._slot_run) if r is None]
+                    taken = self._take(len(free))
+                    if taken is None:
+                        break
+                    run, samples = taken
+                    for i, s in zip(samples, free, strict=False):
+                        run.slots[i] = s
+                        self._slot_run[s], self._slot_sample[s] = run, i
+                    admitted.append((run, samples))
+                    if not batched:
+                        break
+            if not admitted:
+                return
             t0 = self.clock()
-            prefix = self.engine.prefill(params, request.prompt)
-            self._state = self.engine.bulk_insert(prefix, self._state, slots, request, samples)
+            items = [
+                (run.request, [run.slots[i] for i in samples], samples) for run, samples in admitted
+            ]
+            self._state = self.engine.prefill_insert(params, self._state, items)
             t1 = self.clock()
-            for i in samples:
-                run.samples[i].start = t1
-            if self.timeline is not None:
-                self.timeline.span(
-                    "sampler/prefill", "prefill", t0, t1, round=request.round, uid=request.uid
-                )
+            for run, samples in admitted:
+                for i in samples:
+                    run.samples[i].start = t1
+                if self.timeline is not None:
+                    r = run.request
+                    self.timeline.span(
+                        "sampler/prefill", "prefill", t0, t1, round=r.round, uid=r.uid
+                    )
             with self._lock:
-                self.stats.prefills += 1
+                self.stats.prefills += len(admitted)
+            if batched:
+                return
 
     def _recompute(self, params: Any) -> None:
         """Re-prefills every running sample (prompt + its tokens so far) with `params`."""

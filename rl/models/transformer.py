@@ -29,6 +29,7 @@ from rl.models.sharding import constrain
 
 _MASKED = -1e30  # finite, so a fully masked (padding) query row gives a uniform softmax, not NaN
 CACHE_AXES = ("batch", "cache_length", "kv_heads", "head_dim")
+HEAD_MAJOR_CACHE_AXES = ("batch", "kv_heads", "cache_length", "head_dim")
 
 
 @jax.tree_util.register_dataclass
@@ -42,6 +43,21 @@ class KVCache:
     @property
     def max_length(self) -> int:
         return self.k[0].shape[1]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class HeadMajorKVCache:
+    """The decode engine's cache: each array is (B, K, S, H), so decode attention contracts with
+    (B, K) as leading batch dimensions and never transposes the cache (the (B, S, K, H) layout of
+    `KVCache` costs two whole-cache transposes per layer and step on XLA:CPU)."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @property
+    def max_length(self) -> int:
+        return self.k[0].shape[2]
 
 
 def _param(
@@ -123,9 +139,101 @@ def attend(
     return out.reshape(b, t, n, h)
 
 
+def _attention_impl(dtype: Any) -> str:
+    """cuDNN fused attention on GPU for half precision (its supported dtypes), XLA otherwise."""
+    if jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+        return "cudnn"
+    return "xla"
+
+
+def attend_full(
+    q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array, mask_BxTxS: jax.Array
+) -> jax.Array:
+    """Attention of a full sequence (training, prefill) through `jax.nn.dot_product_attention`.
+
+    Same math as `attend` (scores and softmax in float32); the implementation is chosen by
+    platform and dtype (`_attention_impl`).
+    """
+    return jax.nn.dot_product_attention(
+        q_BxTxNxH,
+        k_BxSxKxH,
+        v_BxSxKxH,
+        mask=mask_BxTxS[:, None],
+        implementation=_attention_impl(q_BxTxNxH.dtype),
+    )
+
+
+def attend_blocks(
+    q_BxNxH: jax.Array,
+    k_BxKxSxH: jax.Array,
+    v_BxKxSxH: jax.Array,
+    positions_B: jax.Array,
+    *,
+    blocks: int,
+    block: int,
+) -> jax.Array:
+    """One decode step's attention over the first `blocks * block` cache positions only.
+
+    Row b attends to positions <= positions_B[b]. Everything is computed block by block with
+    fixed-shape ops (a dot's rounding can depend on its shape), the maximum and the sums combined
+    in block order. A block beyond a row's position changes nothing (its maximum is the mask value,
+    its terms exact zeros), so a row's result does not depend on `blocks` (how far its neighbours
+    have got): tokens stay independent of the batch.
+    """
+    b, n, h = q_BxNxH.shape
+    kv = k_BxKxSxH.shape[1]
+    live = blocks * block
+    if live > k_BxKxSxH.shape[2]:
+        raise ValueError(
+            f"attend_blocks: {blocks} blocks of {block} exceed the cache's {k_BxKxSxH.shape[2]} "
+            "positions."
+        )
+    q = q_BxNxH.reshape(b, kv, n // kv, h)
+    mask_BxS = jnp.arange(live)[None, :] <= positions_B[:, None]
+    scores, m = [], None
+    for j in range(blocks):
+        k_j = k_BxKxSxH[:, :, j * block : (j + 1) * block].astype(q.dtype)
+        s_j = jnp.einsum("bkgh,bksh->bkgs", q, k_j, preferred_element_type=jnp.float32)
+        s_j = jnp.where(
+            mask_BxS[:, None, None, j * block : (j + 1) * block], s_j * h**-0.5, _MASKED
+        )
+        m_j = jnp.max(s_j, axis=-1)
+        m = m_j if m is None else jnp.maximum(m, m_j)
+        scores.append(s_j)
+    total, out = None, None
+    for j, s_j in enumerate(scores):
+        p_j = jnp.exp(s_j - m[..., None])
+        l_j = jnp.sum(p_j, axis=-1)
+        v_j = v_BxKxSxH[:, :, j * block : (j + 1) * block].astype(q.dtype)
+        o_j = jnp.einsum(
+            "bkgs,bksh->bkgh", p_j.astype(q.dtype), v_j, preferred_element_type=jnp.float32
+        )
+        total = l_j if total is None else total + l_j
+        out = o_j if out is None else out + o_j
+    return (out / total[..., None]).astype(q.dtype).reshape(b, n, h)
+
+
 def _write_cache(cache_BxSxKxH: jax.Array, new_BxTxKxH: jax.Array, start_B: jax.Array) -> jax.Array:
     update = lambda c, x, p: jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), p, axis=0)
     return jax.vmap(update)(cache_BxSxKxH, new_BxTxKxH, start_B)
+
+
+def _write_head_major(
+    cache_BxKxSxH: jax.Array, new_BxKxH: jax.Array, pos_B: jax.Array
+) -> jax.Array:
+    update = lambda c, x, p: jax.lax.dynamic_update_slice_in_dim(
+        c, x[:, None].astype(c.dtype), p, axis=1
+    )
+    return jax.vmap(update)(cache_BxKxSxH, new_BxKxH, pos_B)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _DecodeStep:
+    """Marks a head-major decode step (T == 1) over `blocks` live blocks of `block` positions."""
+
+    blocks: int
+    block: int
 
 
 class Attention(nnx.Module):
@@ -156,9 +264,11 @@ class Attention(nnx.Module):
         self,
         x_BxTxD: jax.Array,
         positions_BxT: jax.Array,
-        mask_BxTxS: jax.Array,
+        mask: Any,
         kv: tuple[jax.Array, jax.Array] | None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """`kv`: None (full sequence; returns its own keys/values), a (B, S, K, H) cache pair with
+        `mask` (B, T, S), or a head-major (B, K, S, H) pair with `mask` a `_DecodeStep`."""
         cfg = self.config
         q = constrain(
             self._project(x_BxTxD, self.q, "q_bias"), ("batch", "length", "q_heads", "head_dim")
@@ -173,11 +283,21 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_inv_freq(cfg)
         q, k = apply_rope(q, positions_BxT, inv_freq), apply_rope(k, positions_BxT, inv_freq)
-        if kv is not None:
+        if isinstance(mask, _DecodeStep):
+            pos_B = positions_BxT[:, 0]
+            kv = (
+                _write_head_major(kv[0], k[:, 0], pos_B),
+                _write_head_major(kv[1], v[:, 0], pos_B),
+            )
+            out = attend_blocks(q[:, 0], kv[0], kv[1], pos_B, blocks=mask.blocks, block=mask.block)[
+                :, None
+            ]
+        elif kv is None:
+            out, kv = attend_full(q, k, v, mask), (k, v)
+        else:
             start_B = positions_BxT[:, 0]
             kv = (_write_cache(kv[0], k, start_B), _write_cache(kv[1], v, start_B))
-            k, v = kv[0].astype(q.dtype), kv[1].astype(q.dtype)
-        out = attend(q, k, v, mask_BxTxS)
+            out = attend(q, kv[0].astype(q.dtype), kv[1].astype(q.dtype), mask)
         out = jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(out.dtype))
         if cfg.o_bias:
             out = out + self.o_bias[...].astype(out.dtype)[None, None]
@@ -250,8 +370,10 @@ class Transformer(nnx.Module):
         tokens_BxT: jax.Array,
         positions_BxT: jax.Array,
         mask_BxTxS: jax.Array,
-        cache: KVCache | None,
-    ) -> tuple[jax.Array, KVCache | None]:
+        cache: KVCache | HeadMajorKVCache | None,
+    ) -> tuple[jax.Array, tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]]:
+        """Runs the blocks; returns final-normed hidden states and each layer's keys/values (the
+        updated cache, or the sequence's own (B, T, K, H) keys/values when `cache` is None)."""
         cfg = self.config
         x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(cfg.jnp_dtype)
         x = constrain(x, ("batch", "length", "embed"))
@@ -260,11 +382,9 @@ class Transformer(nnx.Module):
         for i, block in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
             x, kv = run(block, x, positions_BxT, mask_BxTxS, kv)
-            if kv is not None:
-                new_k.append(kv[0])
-                new_v.append(kv[1])
-        h = self.final_norm(x)
-        return h, (None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v)))
+            new_k.append(kv[0])
+            new_v.append(kv[1])
+        return self.final_norm(x), (tuple(new_k), tuple(new_v))
 
     def hidden(
         self, tokens_BxT: jax.Array, positions_BxT: jax.Array, segment_ids_BxT: jax.Array
@@ -289,6 +409,21 @@ class Transformer(nnx.Module):
         mask = same_BxTxT & causal_TxT[None]
         h, _ = self._stack(tokens_BxT, positions_BxT, mask, None)
         return h
+
+    def prefill(
+        self, tokens_BxT: jax.Array
+    ) -> tuple[jax.Array, tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]]:
+        """Prompts from position 0, right-padded (padding attends nothing real tokens see).
+
+        Returns:
+          (final-normed hidden states (B, T, d_model), (keys, values) per layer, each
+          (B, T, K, H) in the compute dtype).
+        """
+        t = tokens_BxT.shape[1]
+        positions = jnp.broadcast_to(jnp.arange(t), tokens_BxT.shape)
+        causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+        mask = jnp.broadcast_to(causal[None], (tokens_BxT.shape[0], t, t))
+        return self._stack(tokens_BxT, positions, mask, None)
 
     def logits(self, h_BxTxD: jax.Array) -> jax.Array:
         """float32 logits of hidden states (materialises B*T*V: use token_logprobs for training)."""
@@ -353,8 +488,40 @@ class Transformer(nnx.Module):
         """
         s = cache.max_length
         mask = jnp.arange(s)[None, None, :] <= positions_BxT[:, :, None]
-        h, cache = self._stack(tokens_BxT, positions_BxT, mask, cache)
-        return h, cache
+        h, (k, v) = self._stack(tokens_BxT, positions_BxT, mask, cache)
+        return h, KVCache(k=k, v=v)
+
+    def init_head_major_cache(
+        self, batch: int, max_length: int, dtype: Any = None
+    ) -> HeadMajorKVCache:
+        """An empty (B, K, S, H) cache for `decode_step`."""
+        cfg = self.config
+        shape = (batch, cfg.n_kv_heads, max_length, cfg.head_dim)
+        dtype = cfg.jnp_dtype if dtype is None else dtype
+        zeros = lambda: constrain(jnp.zeros(shape, dtype), HEAD_MAJOR_CACHE_AXES)
+        return HeadMajorKVCache(
+            k=tuple(zeros() for _ in range(cfg.n_layers)),
+            v=tuple(zeros() for _ in range(cfg.n_layers)),
+        )
+
+    def decode_step(
+        self,
+        tokens_B: jax.Array,
+        positions_B: jax.Array,
+        cache: HeadMajorKVCache,
+        *,
+        blocks: int,
+        block: int,
+    ) -> tuple[jax.Array, HeadMajorKVCache]:
+        """One token per row at `positions_B`, attending only to the first `blocks * block` cache
+        positions (every row's position must be below that; see `attend_blocks`).
+
+        Returns:
+          (final-normed hidden states (B, 1, d_model), updated cache).
+        """
+        step = _DecodeStep(blocks=blocks, block=block)
+        h, (k, v) = self._stack(tokens_B[:, None], positions_B[:, None], step, cache)
+        return h, HeadMajorKVCache(k=k, v=v)
 
 
 def chunked_logprobs(

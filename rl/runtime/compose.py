@@ -185,8 +185,13 @@ class ThreadsRuntime:
             config, setup, model, learner_mesh, total_updates=total_updates
         )
         self.engine = build_engine(config, setup, sampler_mesh, model)
+        # Colocated with the same sharding and dtype, publishing shares the learner's arrays.
         self.weight_sync = DevicePutSync(
-            self.learner.params, sampler_mesh, dtype=config.sampler_dtype, rules=setup.rules
+            self.learner.params,
+            sampler_mesh,
+            dtype=config.sampler_dtype,
+            rules=setup.rules,
+            share_with=self.learner,
         )
         self.reward, self.eval_reward = build_reward(config, setup), build_reward(config, setup)
         self._ckpt = None

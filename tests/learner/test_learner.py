@@ -275,6 +275,36 @@ def test_published_weights_equal_learner_params_in_sampler_dtype():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jnp.bfloat16)))
 
 
+def test_colocated_publish_shares_the_arrays_and_the_next_update_leaves_them_intact():
+    # Learner and sampler on the same 2 devices with the same tp sharding and dtype: publishing
+    # hands over the learner's arrays; its next update must write new buffers, not donate them.
+    model = create_model(get_preset("tiny"))
+    lm, sm = make_meshes(
+        MeshConfig(learner_devices=2, learner_tp=2, sampler_devices=2, sampler_tp=2, colocated=True)
+    )
+    runs = {}
+    for share in (True, False):
+        learner = Learner(model, LearnerConfig(micro_batch_rows=4), mesh=lm)
+        sync = DevicePutSync(learner.params, sm, share_with=learner if share else None)
+        published = []
+        for step in range(2):
+            leaves = jax.tree.leaves(learner.params)
+            published.append(sync.publish(learner.params, version=step).params)
+            shared = [x is y for x, y in zip(jax.tree.leaves(published[-1]), leaves, strict=True)]
+            assert all(shared) if share else not any(shared)
+            before = [np.asarray(x) for x in jax.tree.leaves(published[-1])]
+            learner.begin_round(updates=1)
+            learner.add_groups(make_groups(1, seed=step))
+            learner.update()
+            after = jax.tree.leaves(published[-1])  # still readable and unchanged
+            for b, x in zip(before, after, strict=True):
+                np.testing.assert_array_equal(np.asarray(x), b)
+        assert sync.shared == (2 if share else 0)
+        runs[share] = [np.asarray(x) for x in jax.tree.leaves(learner.params)]
+    for a, b in zip(runs[True], runs[False], strict=True):  # sharing changes no number
+        np.testing.assert_array_equal(a, b)
+
+
 def test_bad_input_gets_clear_errors():
     groups = make_groups(1)
     with pytest.raises(ValueError, match="empty group list"):

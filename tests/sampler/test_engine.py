@@ -30,9 +30,18 @@ def _run(engine, params, requests, **loop_kw):
     return {g.request.key: g for g in groups}, loop
 
 
-def test_greedy_matches_nocache_recompute(model):
+@pytest.mark.parametrize("legacy", [False, True])
+def test_greedy_matches_nocache_recompute(model, legacy):
     engine = Engine(
-        model, EngineConfig(max_slots=4, max_length=64, max_prefill_length=32, steps_per_call=3)
+        model,
+        EngineConfig(
+            max_slots=4,
+            max_length=64,
+            max_prefill_length=32,
+            steps_per_call=3,
+            attention_block=16,
+            legacy_decode=legacy,
+        ),
     )
     lengths, new = [3, 9, 17, 30, 1, 12], [12, 7, 20, 10, 15, 5]
     requests = [
@@ -46,9 +55,17 @@ def test_greedy_matches_nocache_recompute(model):
         assert list(c.tokens) == ref[i], f"request {i}"
         assert c.finish_reason == "length" and len(c.tokens) == new[i]
     assert loop.stats.prefills == len(requests)
-    assert engine.compile_counts()["prefill"] == 2  # one per bucket used: 16 and 32
-    assert engine.compile_counts()["generate"] == 1
-    assert engine.compile_counts()["insert"] == 2  # per (bucket, group size), not per prompt
+    counts = engine.compile_counts()
+    if legacy:
+        assert counts["prefill"] == 2  # one per bucket used: 16 and 32
+        assert counts["generate"] == 1
+        assert counts["insert"] == 2  # per (bucket, group size), not per prompt
+        return
+    # The first admission takes 4 prompts (buckets 16 and 32, two each) in two batched calls; the
+    # two later ones come alone. Attention reads 1, 2 or 4 blocks of 16 (64 cache positions).
+    assert counts["prefill"] == counts["insert"] == 0
+    assert counts["prefill_insert"] == 3  # (bucket, prompts, slots): (16,2,2), (32,2,2), (16,1,1)
+    assert counts["generate"] == 3
 
 
 def test_logprobs_match_learner_full_forward(model):
@@ -134,7 +151,8 @@ def test_sharded_engine_equals_unsharded(model):
         None, "tp", None
     )
     state = sharded.init_decode_state()
-    assert state.cache.k[0].sharding.spec == jax.sharding.PartitionSpec("data", None, "tp", None)
+    # head-major cache (slots, kv heads, positions, head dim)
+    assert state.cache.k[0].sharding.spec == jax.sharding.PartitionSpec("data", "tp", None, None)
     got, _ = _run(sharded, sparams, requests)
     for key, g in ref.items():
         for a, b in zip(g.completions, got[key].completions, strict=True):
@@ -204,3 +222,24 @@ def test_bulk_insert_rejects_bad_slots_and_mismatched_prefix(model):
         engine.bulk_insert(engine.prefill(params, (1, 2)), state, [0, 1], request)
     with pytest.raises(ValueError, match="seed must be in"):
         EngineConfig(seed=-1)
+
+
+def test_batched_prefill_and_live_blocks_leave_a_request_bitwise_unchanged(model):
+    # Alone, the target is prefilled by itself and attention reads one block of 16; crowded, it is
+    # prefilled in one call with three prompts of its bucket and a neighbour's long response makes
+    # attention read 4 blocks. Its tokens and log-probs must be the same floats.
+    cfg = EngineConfig(max_slots=8, max_length=64, max_prefill_length=16, attention_block=16)
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    target = Request(uid=5, prompt=_prompts([7])[0], group_size=2, params=params)
+    engine = Engine(model, cfg)
+    weights = engine.load_params(model)
+    alone, _ = _run(engine, weights, [target])
+    others = [
+        Request(uid=i, prompt=p, params=SamplingParams(temperature=1.0, max_new_tokens=40))
+        for i, p in enumerate(_prompts([12, 3, 9], seed=2))
+    ]
+    crowded, _ = _run(engine, weights, others + [target])
+    assert engine.compile_counts()["generate"] >= 3  # 1, 2 and 4 blocks were used
+    for a, b in zip(alone[target.key].completions, crowded[target.key].completions, strict=True):
+        assert a.tokens == b.tokens
+        assert a.logprobs == b.logprobs  # bitwise

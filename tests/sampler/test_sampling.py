@@ -66,3 +66,17 @@ def test_a_row_does_not_depend_on_its_neighbours():
         )
         assert int(alone[0][0]) == int(toks[i])
         np.testing.assert_allclose(alone[1][0], logp[i], atol=1e-6)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 0.9)])
+def test_fast_argmax_draws_the_same_tokens_as_categorical(top_k, top_p):
+    # Ties included (rounded logits, greedy rows): the first maximal index wins in both.
+    b, v = 64, 259
+    logits = jnp.round(3 * jax.random.normal(jax.random.key(1), (b, v)))
+    keys = jax.random.split(jax.random.key(2), b)
+    temperature = jnp.where(jnp.arange(b) % 4 == 0, 0.0, 1.0)
+    args = (logits, keys, temperature, jnp.full((b,), top_k), jnp.full((b,), top_p))
+    fast = jax.jit(lambda *a: sample_tokens(*a, fast_argmax=True))(*args)
+    slow = jax.jit(lambda *a: sample_tokens(*a, fast_argmax=False))(*args)
+    np.testing.assert_array_equal(fast[0], slow[0])
+    np.testing.assert_array_equal(fast[1], slow[1])
