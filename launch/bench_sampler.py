@@ -1,8 +1,18 @@
-"""Sampler throughput: continuous batching vs static batches vs naive no-cache decoding.
+"""Sampler throughput: the decode path old vs new, and continuous vs static batching vs no cache.
 
     python -m launch.bench_sampler [--json /tmp/bench.json] [--groups 48 --slots 32 ...]
+    python -m launch.bench_sampler --modes=decode [--profile=/tmp/trace]   # issue 19's table
 
-One process, one tiny model (float32, CPU by default), one long-tailed workload measured three ways:
+`decode` (issue 19): for each --decode_shapes B x layers x d_model (a tiny random Qwen3: 4 heads of
+d_model / 4, 2 kv heads, mlp 2 x d_model), B prompts of --prompt_min..--prompt_max tokens each
+decode --decode_new_tokens tokens (temperature 1, behaviour log-probs) through a SamplerLoop on one
+device; decode tokens/s = B x new tokens / wall time (admission and prefill included). The old path
+(EngineConfig.legacy_decode: per-prompt prefill + insert, (B, S, K, H) cache, attention over
+max_length) and the new one run in alternating pairs after a warm-up; medians count. --profile
+writes a jax.profiler trace (open it in Perfetto) of one new-path run of the first shape.
+
+`loop`: one process, one tiny model (float32, CPU by default), one long-tailed workload measured
+three ways:
   continuous  SamplerLoop: a group is admitted as soon as G slots are free.
   static      SamplerLoop(static_batching=True): refill only when every slot is free (the baseline).
   nocache     sampler/reference.greedy_nocache in batches of `slots` rows: full recompute per token,
@@ -59,6 +69,13 @@ _VERIFIER_MS = flags.DEFINE_float(
     "verifier_sleep_ms", 0.0, "> 0: add rows with a verifier sleeping this long per call."
 )
 _REWARD_WORKERS = flags.DEFINE_integer("reward_workers", 4, "RewardRunner workers (offloaded).")
+_MODES = flags.DEFINE_list("modes", ["loop", "decode"], "Benchmarks to run: loop, decode.")
+_DECODE_SHAPES = flags.DEFINE_list(
+    "decode_shapes", ["64x2x64", "64x4x256", "256x4x256"], "decode: slots x layers x d_model."
+)
+_DECODE_NEW = flags.DEFINE_integer("decode_new_tokens", 128, "decode: tokens per response.")
+_DECODE_PAIRS = flags.DEFINE_integer("decode_pairs", 3, "decode: timed (old, new) pairs.")
+_PROFILE = flags.DEFINE_string("profile", "", "decode: write a jax.profiler trace here; empty: no.")
 _ALL_FLAGS = (
     _GROUPS,
     _GROUP_SIZE,
@@ -75,6 +92,8 @@ _ALL_FLAGS = (
     _SEED,
     _VERIFIER_MS,
     _REWARD_WORKERS,
+    _DECODE_NEW,
+    _DECODE_PAIRS,
 )
 
 
@@ -173,9 +192,122 @@ def run_nocache(model: Any, requests: list[Request], rows: int, max_length: int)
     return dict(tokens=tokens, seconds=time.perf_counter() - start)
 
 
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """'64x2x64' -> (slots, layers, d_model)."""
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise app.UsageError(
+            f"--decode_shapes entry {text!r}: expected slots x layers x d_model, e.g. 64x2x64."
+        )
+    b, n_layers, d = map(int, parts)
+    if d % 4:
+        raise app.UsageError(f"--decode_shapes entry {text!r}: d_model must be a multiple of 4.")
+    return b, n_layers, d
+
+
+def decode_case(shape: tuple[int, int, int]) -> dict[str, Any]:
+    """Old vs new decode path on one shape, alternating pairs in this process; see the docstring."""
+    b, n_layers, d = shape
+    cfg = get_preset(
+        "tiny", n_layers=n_layers, d_model=d, head_dim=d // 4, mlp_dim=2 * d, init_std=0.3
+    )
+    model = create_model(cfg, seed=_SEED.value)
+    rng = np.random.default_rng(_SEED.value)
+    new = _DECODE_NEW.value
+    requests = [
+        Request(
+            uid=i,
+            prompt=tuple(
+                int(t)
+                for t in rng.integers(
+                    0, 256, rng.integers(_PROMPT_MIN.value, _PROMPT_MAX.value + 1)
+                )
+            ),
+            params=SamplingParams(temperature=1.0, max_new_tokens=new),
+        )
+        for i in range(b)
+    ]
+    max_prefill = max(16, _PROMPT_MAX.value)
+    engines = {
+        name: Engine(
+            model,
+            EngineConfig(
+                max_slots=b,
+                max_length=max_prefill + new,
+                max_prefill_length=max_prefill,
+                steps_per_call=_STEPS.value,
+                seed=_SEED.value,
+                legacy_decode=name == "old",
+            ),
+        )
+        for name in ("old", "new")
+    }
+    params = {name: e.load_params(model) for name, e in engines.items()}
+    runs: dict[str, list[dict[str, Any]]] = {"old": [], "new": []}
+    for name in ("old", "new"):  # warm-up: compiles
+        run_loop(engines[name], params[name], requests, static=False)
+    for _ in range(_DECODE_PAIRS.value):
+        for name in ("old", "new"):
+            runs[name].append(run_loop(engines[name], params[name], requests, static=False))
+    if _PROFILE.value and not getattr(decode_case, "profiled", False):
+        decode_case.profiled = True
+        with jax.profiler.trace(_PROFILE.value):
+            run_loop(engines["new"], params["new"], requests, static=False)
+    med = {n: float(np.median([r["seconds"] for r in rs])) for n, rs in runs.items()}
+    old, new_run = runs["old"][0], runs["new"][0]
+    same = sum(old["outputs"][u] == new_run["outputs"][u] for u in old["outputs"])
+    return dict(
+        shape=dict(slots=b, layers=n_layers, d_model=d, head_dim=d // 4, mlp_dim=2 * d),
+        tokens=b * new,
+        old_tokens_per_s=b * new / med["old"],
+        new_tokens_per_s=b * new / med["new"],
+        new_vs_old=med["old"] / med["new"],
+        seconds=dict(
+            old=[r["seconds"] for r in runs["old"]], new=[r["seconds"] for r in runs["new"]]
+        ),
+        compile_counts={n: e.compile_counts() for n, e in engines.items()},
+        same_tokens_old_new=f"{same}/{b}",
+    )
+
+
+def decode_main() -> dict[str, Any]:
+    shapes = [parse_shape(t) for t in _DECODE_SHAPES.value]
+    rows = [decode_case(s) for s in shapes]
+    print(
+        f"decode: {_DECODE_NEW.value} new tokens per prompt, temperature 1, log-probs, "
+        f"steps_per_call {_STEPS.value}, prompts {_PROMPT_MIN.value}-{_PROMPT_MAX.value} tokens, "
+        f"{_DECODE_PAIRS.value} alternating old/new pairs (median), one {jax.default_backend()} device"
+    )
+    print(f"{'B x L x D':<12}{'old tok/s':>11}{'new tok/s':>11}{'new/old':>9}{'same tokens':>13}")
+    for r in rows:
+        sh = r["shape"]
+        print(
+            f"{sh['slots']}x{sh['layers']}x{sh['d_model']:<6}{r['old_tokens_per_s']:>11.0f}"
+            f"{r['new_tokens_per_s']:>11.0f}{r['new_vs_old']:>9.2f}{r['same_tokens_old_new']:>13}"
+        )
+    if _PROFILE.value:
+        print(
+            f"wrote a jax.profiler trace of the new path ({_DECODE_SHAPES.value[0]}) to {_PROFILE.value}"
+        )
+    return dict(decode=rows)
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    unknown = set(_MODES.value) - {"loop", "decode"}
+    if unknown:
+        raise app.UsageError(f"--modes {sorted(unknown)}: expected loop and/or decode.")
+    out = decode_main() if "decode" in _MODES.value else {}
+    if "loop" in _MODES.value:
+        loop_main(out)
+    elif _JSON.value:
+        with open(_JSON.value, "w") as f:
+            json.dump(out, f, indent=2)
+        print(f"wrote {_JSON.value}")
+
+
+def loop_main(extra: dict[str, Any]) -> None:
     if _SLOTS.value < _GROUP_SIZE.value:
         raise app.UsageError(
             f"--slots ({_SLOTS.value}) must be >= --group_size ({_GROUP_SIZE.value})."
@@ -278,6 +410,7 @@ def main(argv: list[str]) -> None:
 
     if _JSON.value:
         result = dict(
+            **extra,
             continuous_tokens_per_s=rate(cont),
             static_tokens_per_s=base,
             continuous_vs_static=rate(cont) / base,
