@@ -49,6 +49,7 @@ from rl.models.transformer import (
     HeadMajorKVCache,
     KVCache,
     Transformer,
+    abstract_model,
 )
 from rl.types import Request
 from sampler.sampling import sample_tokens
@@ -152,12 +153,14 @@ class Engine:
         rules: Rules | None = None,
     ):
         self.config = config
-        self.model_config = model.config
+        # Decoding keeps no activations for a backward pass: the engine's copy of the model never
+        # rematerialises (nnx.remat inside the decode scan cannot trace; the params are the same).
+        self.model_config = dataclasses.replace(model.config, remat="none")
         self.mesh = mesh
         self.rules = current_rules() if rules is None else rules
-        self._graphdef, abstract = nnx.split(nnx.eval_shape(lambda: model))
+        self._graphdef, abstract = nnx.split(abstract_model(self.model_config))
         self._param_shardings = None if mesh is None else tree_shardings(abstract, mesh, self.rules)
-        cfg = model.config
+        cfg = self.model_config
         if config.max_length > cfg.max_position_embeddings:
             raise ValueError(
                 f"EngineConfig.max_length ({config.max_length}) exceeds the model's "

@@ -243,3 +243,33 @@ def test_batched_prefill_and_live_blocks_leave_a_request_bitwise_unchanged(model
     for a, b in zip(alone[target.key].completions, crowded[target.key].completions, strict=True):
         assert a.tokens == b.tokens
         assert a.logprobs == b.logprobs  # bitwise
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_an_engine_of_a_remat_model_decodes_as_without_remat(model, remat):
+    # The GPU recipes train with remat; the engine built from that model must still decode (nnx
+    # remat cannot trace inside the decode scan) and draw exactly what a plain model draws.
+    from flax import nnx
+
+    params = nnx.state(model)
+    remat_model = create_model(get_preset("tiny", init_std=0.3, remat=remat), seed=0)
+    cfg = EngineConfig(max_slots=4, max_length=64, max_prefill_length=32, steps_per_call=4)
+    requests = [
+        Request(
+            uid=i,
+            round=0,
+            index=i,
+            prompt=p,
+            group_size=2,
+            params=SamplingParams(max_new_tokens=12),
+        )
+        for i, p in enumerate(_prompts([5, 9, 17]))
+    ]
+    plain, _ = _run(Engine(model, cfg), params, requests)
+    rematted, _ = _run(Engine(remat_model, cfg), params, requests)
+    assert plain.keys() == rematted.keys()
+    for key, g in plain.items():
+        assert [c.tokens for c in g.completions] == [c.tokens for c in rematted[key].completions]
+        assert [c.logprobs for c in g.completions] == [
+            c.logprobs for c in rematted[key].completions
+        ]
