@@ -265,10 +265,7 @@ def build(mode: str, max_length: int, max_prefill: int) -> tuple[Driver, Engine]
 def compile_counts(driver: Driver, engine: Engine) -> dict[str, int]:
     """Programs compiled so far by the engine's and the learner's jitted entry points."""
     counts = {f"engine.{k}": v for k, v in engine.compile_counts().items()}
-    for name in ("_zero", "_accumulate", "_apply", "_copy"):
-        fn = getattr(driver.learner, name, None)
-        if hasattr(fn, "_cache_size"):
-            counts[f"learner.{name.lstrip('_')}"] = fn._cache_size()
+    counts.update({f"learner.{k}": v for k, v in driver.learner.compile_counts().items()})
     return counts
 
 

@@ -43,6 +43,7 @@ from learner.step import (
     zero_accum,
 )
 from rl.advantages import get_advantage_estimator
+from rl.compiles import CompileCounter
 from rl.models.sharding import Rules, axis_rules, current_rules, logical_to_spec
 from rl.types import Group
 
@@ -96,22 +97,27 @@ class Learner:
             maxes=dict.fromkeys(MAX_KEYS, rep),
         )
         kw = dict(graphdef=self.graphdef, cfg=cfg)
-        self._zero = jax.jit(
-            functools.partial(zero_accum, keys=keys), out_shardings=self._acc_shardings
+        self._compiles = CompileCounter()
+        jit = self._compiles.jit
+        self._zero = jit(
+            "zero", functools.partial(zero_accum, keys=keys), out_shardings=self._acc_shardings
         )
-        self._accumulate = jax.jit(
+        self._accumulate = jit(
+            "accumulate",
             functools.partial(accumulate, **kw),
             donate_argnums=(0,),
             out_shardings=self._acc_shardings,
         )
-        self._apply = jax.jit(
+        self._apply = jit(
+            "apply",
             functools.partial(apply, tx=self.tx, schedule=self.schedule),
             donate_argnums=(0,),
             out_shardings=(self.shardings, rep),
         )
         # The same update, donating everything but the parameters: used once after `share_params`
         # handed the current parameter buffers to a colocated sampler that still reads them.
-        self._apply_keep_params = jax.jit(
+        self._apply_keep_params = jit(
+            "apply_keep_params",
             lambda params, rest, acc: apply(
                 dataclasses.replace(rest, params=params), acc, tx=self.tx, schedule=self.schedule
             ),
@@ -119,8 +125,8 @@ class Learner:
             out_shardings=(self.shardings, rep),
         )
         self._params_shared = False
-        self._copy = jax.jit(
-            lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.shardings.params
+        self._copy = jit(
+            "copy", lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.shardings.params
         )
         self._acc: Accum | None = None
         self._pending: list[tuple[Group, tuple[float, ...]]] = []
@@ -223,6 +229,10 @@ class Learner:
             self._filtered_in_update += len(truncated)
         self._tokens_in_update += batch.num_tokens
         self._accumulate_batch(batch)
+
+    def compile_counts(self) -> dict[str, int]:
+        """How many programs each jitted step function has compiled."""
+        return self._compiles.counts()
 
     def block_until_ready(self) -> None:
         """Waits for the micro-steps dispatched so far to finish computing (for timing them)."""

@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from rl.compiles import CompileCounter
 from rl.models.config import DTYPES
 from rl.models.sharding import Rules, axis_rules, current_rules, logical_to_spec, tree_shardings
 from rl.models.transformer import (
@@ -182,13 +183,17 @@ class Engine:
         self._state_shardings = None if mesh is None else self._decode_state_shardings()
         donate = dict(donate_argnums=(1,))
         out = {} if mesh is None else dict(out_shardings=self._state_shardings)
-        self._init = jax.jit(self._init_impl, **out)
-        self._prefill = jax.jit(self._prefill_impl, static_argnums=(2,))
-        self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), **out)
+        self._compiles = CompileCounter()
+        jit = self._compiles.jit
+        self._init = jit("init", self._init_impl, **out)
+        self._prefill = jit("prefill", self._prefill_impl, static_argnums=(2,))
+        self._insert = jit("insert", self._insert_impl, donate_argnums=(1,), **out)
         gen_out = {} if mesh is None else dict(out_shardings=(self._state_shardings, None))
-        self._generate = jax.jit(self._generate_impl, static_argnums=(2,), **donate, **gen_out)
-        self._free = jax.jit(self._free_impl, donate_argnums=(0,), **out)
-        self._prefill_insert = jax.jit(self._prefill_insert_impl, **donate, **out)
+        self._generate = jit(
+            "generate", self._generate_impl, static_argnums=(2,), **donate, **gen_out
+        )
+        self._free = jit("free", self._free_impl, donate_argnums=(0,), **out)
+        self._prefill_insert = jit("prefill_insert", self._prefill_insert_impl, **donate, **out)
         self.prefill_count = 0
 
     # ------------------------------------------------------------------------------ properties
@@ -209,15 +214,7 @@ class Engine:
 
     def compile_counts(self) -> dict[str, int]:
         """How many programs each jitted entry point has compiled (prefill: one per bucket)."""
-        fns = dict(
-            init=self._init,
-            prefill=self._prefill,
-            insert=self._insert,
-            generate=self._generate,
-            free=self._free,
-            prefill_insert=self._prefill_insert,
-        )
-        return {k: f._cache_size() for k, f in fns.items()}
+        return self._compiles.counts()
 
     def _check_memory(self) -> None:
         devices = self.mesh.devices.flatten() if self.mesh is not None else jax.devices()[:1]
