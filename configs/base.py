@@ -221,6 +221,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Per-device bytes for params + KV cache, checked when the engine is built; 0: the
     # device's own limit.
     config.engine.memory_budget_bytes = 0
+    config.engine.attention_block = 32  # decode attention reads the cache in blocks of this many
+    config.engine.legacy_decode = False  # True: the pre-issue-19 decode path (for comparisons)
     config.sampler_dtype = (
         "bfloat16"  # dtype of the weights published to the sampler; "": as trained
     )
