@@ -22,7 +22,6 @@ from rl.logs import flush_held_to
 from rl.metrics import MetricsWriter
 from rl.runtime.compose import Setup, check_runtime_config, make_runtime
 from rl.tasks.data import DataConfig, load_task
-from rl.tasks.pipeline import prompt_dataset
 
 # What a run writes into its workdir; a fresh run replaces them only with config.overwrite.
 RESULTS = (
@@ -167,15 +166,7 @@ def _train(
     stdout: bool,
 ) -> dict[str, Any]:
     learner, sync = runtime.learner, runtime.weight_sync
-    prompts = iter(
-        prompt_dataset(
-            data.train,
-            setup.tokenizer,
-            seed=config.seed,
-            meta_fields=setup.data.meta_fields,
-            **setup.data.prompt_kwargs,
-        )
-    )
+    prompts = setup.prompts(data.train, seed=config.seed)
     reward_seen: dict[str, int] = {}
     os.makedirs(config.workdir, exist_ok=True)
     ckpt = runtime.checkpointer(os.path.join(config.workdir, "ckpt"))

@@ -53,6 +53,21 @@ class Setup:
             max_prompt_tokens=max(1, min(config.engine.max_prefill_length, max_prompt)),
         )
 
+    def prompts(self, records: Any, *, seed: int) -> Any:
+        """The training prompt stream over `records` (a grain iterator: get_state / set_state),
+        rendered and tokenized as the task says, shuffled per epoch from `seed`."""
+        from rl.tasks.pipeline import prompt_dataset
+
+        return iter(
+            prompt_dataset(
+                records,
+                self.tokenizer,
+                seed=seed,
+                meta_fields=self.data.meta_fields,
+                **self.data.prompt_kwargs,
+            )
+        )
+
 
 def check_runtime_config(config: Any) -> None:
     """config.runtime and, with "ray", config.ray: a clear error before anything starts."""
@@ -269,7 +284,6 @@ def build_driver(config: Any, *, rounds: int) -> tuple[Any, Driver]:
     the runtime."""
     from rl.driver import driver_config_from
     from rl.tasks.data import load_task
-    from rl.tasks.pipeline import prompt_dataset
 
     check_runtime_config(config)
     setup = Setup.from_config(config)
@@ -279,15 +293,7 @@ def build_driver(config: Any, *, rounds: int) -> tuple[Any, Driver]:
     )
     runtime = make_runtime(config, setup, total_updates=rounds * driver_cfg.updates_per_round)
     try:
-        prompts = iter(
-            prompt_dataset(
-                data.train,
-                setup.tokenizer,
-                seed=config.seed,
-                meta_fields=setup.data.meta_fields,
-                **setup.data.prompt_kwargs,
-            )
-        )
+        prompts = setup.prompts(data.train, seed=config.seed)
         return runtime, runtime.driver(driver_cfg, prompts=prompts, rounds=rounds)
     except BaseException:
         runtime.close()
