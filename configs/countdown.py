@@ -5,7 +5,7 @@ Launch:  python -m launch.train --config=configs/countdown.py
 Expect:  a supervised warm start on one reference expression per problem to >= 25% held-out, then
          300 GRPO rounds rewarded by the exact AST verifier (any expression over the given numbers
          that reaches the target scores 1). Measured on 2 CPU cores, seeds 0-2: 29.5 / 31.0 / 28.0%
-         -> 48.5 / 48.5 / 48.0% (+17.5 to +20 points); about 270 s alone (README).
+         -> 48.5 / 48.5 / 48.0% (+17.5 to +20 points) in 390-402 s beside other jobs (README).
 """
 
 import ml_collections
