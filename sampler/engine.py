@@ -194,7 +194,6 @@ class Engine:
         )
         self._free = jit("free", self._free_impl, donate_argnums=(0,), **out)
         self._prefill_insert = jit("prefill_insert", self._prefill_insert_impl, **donate, **out)
-        self.prefill_count = 0
 
     # ------------------------------------------------------------------------------ properties
 
@@ -339,7 +338,6 @@ class Engine:
         padded = np.zeros((bucket,), np.int32)
         padded[:n] = tokens
         k, v = self._call(self._prefill, params, jnp.asarray(padded), bucket)
-        self.prefill_count += 1
         return Prefix(k=k, v=v, length=n, last_token=int(tokens[-1]))
 
     # ----------------------------------------------------------------------------------- insert
@@ -583,7 +581,6 @@ class Engine:
                 sampling[n] = (p.temperature, p.top_k, p.top_p)
                 stop[n, : len(p.stop_token_ids)] = p.stop_token_ids
                 n += 1
-        self.prefill_count += n_prompts
         return self._call(
             self._prefill_insert,
             params,
@@ -625,7 +622,6 @@ class Engine:
         padded = np.zeros((bucket,), np.int32)
         padded[: len(tokens)] = tokens
         k, v = self._call(self._prefill, params, jnp.asarray(padded), bucket)
-        self.prefill_count += 1
         prefix = Prefix(k=k, v=v, length=len(tokens), last_token=int(tokens[-1]))
         return self._put(prefix, state, [slot], [sample], request, left)
 
