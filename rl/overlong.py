@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 from collections.abc import Callable
@@ -72,11 +73,37 @@ class OverlongPenalty:
         if not (math.isfinite(self.factor) and self.factor >= 0):
             raise ValueError(f"overlong.factor must be finite and >= 0; received {self.factor!r}.")
 
-    def __call__(self, request: Request, completion: Completion) -> float:
-        return float(self.reward_fn(request, completion)) + overlong_penalty(
+    def _penalty(self, request: Request, completion: Completion) -> float:
+        return overlong_penalty(
             len(completion.tokens),
             completion.finish_reason,
             max_new_tokens=request.params.max_new_tokens,
             cache_tokens=self.cache_tokens,
             factor=self.factor,
         )
+
+    def __call__(self, request: Request, completion: Completion) -> float:
+        return float(self.reward_fn(request, completion)) + self._penalty(request, completion)
+
+    @property
+    def submit(self) -> Callable[[Request, Completion], concurrent.futures.Future] | None:
+        """The wrapped reward's `submit` plus the penalty (sampler.loop scores through it off the
+        decode thread), or None when the wrapped reward scores inline only."""
+        inner = getattr(self.reward_fn, "submit", None)
+        if inner is None:
+            return None
+
+        def submit(request: Request, completion: Completion) -> concurrent.futures.Future:
+            penalty = self._penalty(request, completion)
+            out: concurrent.futures.Future = concurrent.futures.Future()
+
+            def done(f: concurrent.futures.Future) -> None:
+                if f.exception() is not None:
+                    out.set_exception(f.exception())
+                else:
+                    out.set_result(float(f.result()) + penalty)
+
+            inner(request, completion).add_done_callback(done)
+            return out
+
+        return submit

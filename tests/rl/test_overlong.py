@@ -56,3 +56,23 @@ def test_bad_settings_name_the_field():
         overlong_penalty(3, "stop", max_new_tokens=4, cache_tokens=8)
     with pytest.raises(ValueError, match=r"finish_reason='eos'; expected 'stop' or 'length'"):
         overlong_penalty(3, "eos", max_new_tokens=4, cache_tokens=2)
+
+
+def test_the_penalty_keeps_a_reward_runner_off_the_decode_thread():
+    # sampler.loop scores through `submit` when the reward has one: wrapping a RewardRunner must
+    # keep it (same values as the inline call), and a plain function stays inline (None).
+    from rl.rewards import RewardRunner
+
+    runner = RewardRunner(
+        lambda request, text: float(len(text)), decode=lambda t: "x" * len(t), timeout_s=10.0
+    )
+    try:
+        fn = OverlongPenalty(runner, cache_tokens=4, factor=1.0)
+        req = Request(uid=0, prompt=(1,), group_size=1, params=SamplingParams(max_new_tokens=10))
+        for n, reason in [(6, "stop"), (8, "stop"), (10, "length")]:
+            c = _completion(n, reason)
+            assert fn.submit(req, c).result(timeout=10) == fn(req, c)
+        assert fn.submit(req, _completion(8, "stop")).result(timeout=10) == pytest.approx(7.5)
+    finally:
+        runner.close()
+    assert OverlongPenalty(lambda r, c: 1.0, cache_tokens=4).submit is None
