@@ -3,7 +3,8 @@
 `ReplicaRouter` is the Driver's Sampler (rl.runtime.protocols) over N SamplerReplica actors: it
 routes each request (one group) round-robin or to the least-loaded replica, keeps every request
 until its group is delivered (so a dead replica's unfinished ones are re-sampled elsewhere, and a
-second copy is dropped), and merges the replicas' timeline events into the driver's timeline (slot
+second copy is dropped), applies tail batching's round cuts (rl.rounds.RoundCuts) where every
+replica's groups meet, and merges the replicas' timeline events into the driver's timeline (slot
 lanes numbered across replicas, args["replica"]) for per-replica metrics. `QueueClient` is the
 Driver's Queue over the queue actor.
 """
@@ -21,7 +22,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from rl.rounds import RoundCut
+from rl.rounds import RoundCut, RoundCuts
 from rl.timeline import SLOT_PREFIX, Timeline
 from rl.types import Group, Request
 
@@ -30,7 +31,8 @@ ROUTINGS = ("round_robin", "least_loaded")
 
 class QueueClient:
     """The Driver's Queue over the queue actor; `accept` drops a group already taken (a replica's
-    re-sampled request whose first copy was delivered before the replica died)."""
+    re-sampled request whose first copy was delivered before the replica died) or refused by its
+    round's cut."""
 
     def __init__(self, actor: Any, accept: Any):
         self.actor, self.accept = actor, accept
@@ -67,6 +69,12 @@ class QueueClient:
 class ReplicaRouter:
     """The Driver's Sampler over N replica actors; see the module docstring.
 
+    Tail batching: a short round's RoundCut is decided here, on the groups in the order the
+    driver takes them off the queue (with one replica, its completion order: the threaded
+    runtime's cut, bit for bit). Once the cut is full, the round's other requests are aborted on
+    every live replica and forgotten (never re-sampled); a copy emitted before the abort reached
+    its replica is dropped on arrival (`groups_cut`).
+
     Args:
       replicas: SamplerReplica handles, by index.
       routing: "round_robin" or "least_loaded" (fewest requests submitted and not delivered).
@@ -85,6 +93,9 @@ class ReplicaRouter:
         self._load = collections.Counter()
         self._rr = itertools.count()
         self._error: BaseException | None = None
+        self._cuts = RoundCuts()  # tail batching: which complete groups of a short round train
+        self._cut_keys: set[tuple[int, int]] = set()  # requests aborted by a full cut
+        self.groups_cut = 0  # complete groups dropped because their round's cut was full
         self._stats: dict[int, Any] = {}  # the last counters of each replica (a dead one's stay)
         self.resampled = 0  # requests re-submitted after their replica died
         self.routed = collections.Counter()  # requests per replica
@@ -142,7 +153,7 @@ class ReplicaRouter:
         for i, (stats, spans, instants) in self._each("stats").items():
             self._merge(i, spans, instants)
             self._stats[i] = stats
-        total = SamplerStats()
+        total = SamplerStats(groups_cut=self.groups_cut)
         for stats in self._stats.values():
             for f in dataclasses.fields(SamplerStats):
                 setattr(total, f.name, getattr(total, f.name) + getattr(stats, f.name))
@@ -166,13 +177,16 @@ class ReplicaRouter:
         self._each("set_params", params, version)
 
     def submit(self, requests: Iterable[Request], cut: RoundCut | None = None) -> None:
-        if cut is not None:
-            raise ValueError(
-                "ReplicaRouter.submit received a round cut (tail batching); the Ray runtime "
-                "expects none (rl.runtime.ray_runtime.check_ray_config)."
-            )
+        """Routes requests to replicas; with `cut` (one round's requests), the router keeps the
+        first `cut.target` groups of the round to arrive and aborts the rest (class docstring)."""
         if self._error is not None:
             raise self._error
+        requests = list(requests)
+        if cut is not None:
+            self._cuts.add(cut, requests)
+            # a copy of an earlier round's aborted request still arriving now is dropped uncounted
+            rnd = requests[0].round
+            self._cut_keys = {k for k in self._cut_keys if k[0] >= rnd - 1}
         by_replica: dict[int, list[Request]] = collections.defaultdict(list)
         for r in requests:
             i = self._route()
@@ -187,12 +201,31 @@ class ReplicaRouter:
                 self._lost(i, e)  # re-samples rs with the rest of its requests
 
     def accept(self, group: Group) -> bool:
-        """Marks a delivered group; False for a second copy (see QueueClient)."""
-        owner = self._outstanding.pop(group.request.key, None)
+        """Marks a delivered group; False for a second copy or a group its round's full cut
+        refuses (see QueueClient). The group that fills a cut aborts the round's others."""
+        key = group.request.key
+        owner = self._outstanding.pop(key, None)
         if owner is None:
+            if key in self._cut_keys:
+                self._cut_keys.discard(key)
+                self.groups_cut += 1
             return False
         self._load[owner[0]] -= 1
-        return True
+        kept, abort, refused = self._cuts.apply([group])
+        if abort:
+            self._abort(abort)
+        self.groups_cut += refused
+        return bool(kept)
+
+    def _abort(self, keys: list[tuple[int, int]]) -> None:
+        """Forgets the requests `keys` still outstanding and aborts them on every live replica."""
+        dropped = [k for k in keys if k in self._outstanding]
+        for k in dropped:
+            i, _ = self._outstanding.pop(k)
+            self._load[i] -= 1
+        self._cut_keys.update(dropped)
+        if dropped:
+            self._each("abort", dropped)
 
     def request_stop(self) -> None:
         self._each("request_stop")

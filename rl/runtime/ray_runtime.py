@@ -8,8 +8,9 @@ This process (the Ray driver) runs rl.driver.Driver and its schedule. Around it:
   `LearnerClient` gives the Driver the Learner's methods;
 - N sampler replicas (SamplerReplica: an Engine + SamplerLoop each, rewards computed there) behind
   `ReplicaRouter`, the Driver's Sampler: it routes each request (one group) round-robin or to the
-  least-loaded replica, and merges the replicas' timeline events into the driver's timeline (slot
-  lanes numbered across replicas, args["replica"]) for per-replica metrics;
+  least-loaded replica, decides tail batching's round cuts on the groups of every replica (and
+  aborts a full cut's other requests on each), and merges the replicas' timeline events into the
+  driver's timeline (slot lanes numbered across replicas, args["replica"]) for per-replica metrics;
 - the complete-group queue (QueueActor: rl.queue.GroupQueue's semantics, backpressure, close,
   fail) that replicas put into and `QueueClient` takes from;
 - weights through the object store (`ObjectStoreSync`, a WeightSync): the learner worker puts the
@@ -59,12 +60,6 @@ def check_ray_config(config: Any) -> None:
     for name in ("num_cpus", "learner_cpus", "replica_cpus", "learner_gpus", "replica_gpus"):
         if not isinstance(r[name], (int, float)) or r[name] < 0:
             raise ValueError(f"config.ray.{name} must be a number >= 0; received {r[name]!r}.")
-    if config.driver.tail.enabled or config.driver.tail.response_eta > 1:
-        raise ValueError(
-            "config.driver.tail with config.runtime='ray': tail batching cuts a round across "
-            "replicas, which the Ray runtime does not do yet; expected driver.tail.enabled=False "
-            "and driver.tail.response_eta=1.0, or config.runtime='threads'."
-        )
     if config.sft.max_steps:
         raise ValueError(
             f"config.sft.max_steps={config.sft.max_steps} with config.runtime='ray': the SFT warm "

@@ -263,6 +263,11 @@ class SamplerReplica:
     def submit(self, requests: list[Any]) -> None:
         self.loop.submit(requests)
 
+    def abort(self, keys: list[tuple[int, int]]) -> int:
+        """Aborts requests by (round, uid), waiting or running (a key not here is a no-op);
+        returns how many were aborted."""
+        return len(self.loop.abort(keys))
+
     def error(self) -> BaseException | None:
         return self.loop.error
 

@@ -69,6 +69,65 @@ def test_ray_equals_threads_bitwise(ray_cluster, threads_run, replicas):
             assert r.metrics["replica1_tokens_per_s"] > 0
 
 
+TAIL_ROUNDS = 4  # short, short, long (the 4 prompts the short rounds cut), short
+
+
+def tail_config(runtime="threads", replicas=1):
+    """Tail batching: short rounds launch 6 prompts and train the first 4 complete groups, each
+    of the first 4 of 5 samples to finish (response over-provisioning, decided on the replica)."""
+    config = tiny_config(runtime, replicas)
+    config.driver.tail.enabled, config.driver.tail.eta = True, 1.5
+    config.driver.tail.response_eta = 1.25
+    return config
+
+
+def record_submits(submitted):
+    """A driver hook: records every request uid the router is given, and the driver."""
+
+    def hook(runtime, driver):
+        submit = runtime.router.submit
+
+        def recording(requests, cut=None):
+            requests = list(requests)
+            submitted["uids"] += [r.uid for r in requests]
+            submit(requests, cut)
+
+        runtime.router.submit = recording
+        submitted["driver"] = driver
+
+    return hook
+
+
+@pytest.fixture(scope="module")
+def threads_tail_run():
+    results, params, _ = run_rounds(tail_config("threads"), rounds=TAIL_ROUNDS)
+    return results, params
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_tail_batching_cuts_rounds_across_replicas(ray_cluster, threads_tail_run, replicas):
+    submitted = {"uids": []}
+    results, params, runtime = run_rounds(
+        tail_config("ray", replicas), rounds=TAIL_ROUNDS, driver_hook=record_submits(submitted)
+    )
+    assert [r.kind for r in results] == ["short", "short", "long", "short"]
+    assert [len(r.groups) for r in results] == [4] * TAIL_ROUNDS
+    assert {len(g.completions) for r in results for g in r.groups} == {4}
+    if replicas == 1:  # the cut sees the replica's completion order: the threaded run's cut
+        assert tokens_of(results) == tokens_of(threads_tail_run[0])
+        assert_same_params(params, threads_tail_run[1])
+    # Every launched prompt is trained once or waits in the long queue: none lost, none doubled.
+    trained = [g.request.uid for r in results for g in r.groups]
+    queued = [p.uid for p in submitted["driver"].planner.long_queue]
+    assert len(set(trained)) == len(trained) and not set(trained) & set(queued)
+    assert set(trained) | set(queued) == set(submitted["uids"])
+    assert len(queued) == 2  # the last short round's cut
+    assert sum(runtime.router.routed.values()) == 6 + 6 + 4 + 6
+    if replicas == 2:
+        assert min(runtime.router.routed.values()) > 0
+    assert runtime.router._outstanding == {}  # the cut prompts were aborted, not re-sampled
+
+
 def kill_replica_after_submit(round, replica):
     """A driver hook: kills `replica` right after the router submitted `round`'s requests."""
     import ray
