@@ -1,8 +1,10 @@
 """Supervised warm start: next-token cross-entropy on (prompt, answer) records.
 
 A from-scratch model has nothing for RL to reinforce; a few hundred SFT steps on the task's
-training split give it a non-zero held-out accuracy to start from. Uses the learner's TrainState
-and optimizer, so the RL phase continues from the returned parameters.
+training split give it a non-zero held-out accuracy to start from. `SftTrainer` runs it on a
+Learner's params with its own optimizer and hands the result back (`commit`), so the RL phase
+continues from it; it lives where the learner lives (this process, or the Ray learner worker) and
+rl.run drives it step by step in either runtime.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import optax
 from flax import nnx
 
 from learner.batching import Batch, length_bucket
-from learner.state import TrainState
+from learner.config import OptimizerConfig
+from learner.state import TrainState, create_train_state, make_optimizer
 from rl.models.tokenizer import Tokenizer
 from rl.tasks.templates import render_prompt
 
@@ -105,3 +108,67 @@ def make_sft_step(
     return jax.jit(
         functools.partial(sft_step, graphdef=graphdef, tx=tx), donate_argnums=(0,), **out
     )
+
+
+class SftTrainer:
+    """The SFT warm start of a Learner: steps on its params with an own Adam; `commit` gives the
+    learner the result (its RL optimizer state is untouched).
+
+    Args:
+      learner: a learner.learner.Learner (its params, graphdef, mesh and rules).
+      records: training records with "answer"; at least `batch_size` of them.
+      tokenizer: the run's tokenizer.
+      batch_size, lr, warmup_steps: config.sft's.
+      seed: the batches' shuffle seed.
+      min_length_bucket: rows are padded to length buckets from this size (as in RL).
+      prompt_kwargs: rl.tasks.templates.render_prompt's (template, system, instruction).
+    """
+
+    def __init__(
+        self,
+        learner: Any,
+        records: Sequence[Mapping[str, Any]],
+        tokenizer: Tokenizer,
+        *,
+        batch_size: int,
+        lr: float,
+        warmup_steps: int,
+        seed: int,
+        min_length_bucket: int,
+        **prompt_kwargs: Any,
+    ):
+        if len(records) < batch_size:
+            raise ValueError(
+                f"config.sft.batch_size={batch_size} exceeds the {len(records)} training "
+                "records; expected a smaller batch or config.sft.max_steps=0."
+            )
+        self.learner = learner
+        tx = make_optimizer(OptimizerConfig(lr=lr, warmup_steps=warmup_steps))
+        self.state, shardings = create_train_state(
+            learner.params, tx, mesh=learner.mesh, rules=learner.rules
+        )
+        self._step = make_sft_step(learner.graphdef, tx, shardings)
+        self._batches = sft_batches(
+            records,
+            tokenizer,
+            batch_size=batch_size,
+            seed=seed,
+            min_length_bucket=min_length_bucket,
+            **prompt_kwargs,
+        )
+        self._loss: jax.Array | None = None
+
+    def step(self) -> None:
+        """One SFT update (dispatched; nothing waits for it)."""
+        self.state, metrics = self._step(self.state, next(self._batches))
+        self._loss = metrics["loss"]
+
+    def loss(self) -> float:
+        """The last step's loss."""
+        if self._loss is None:
+            raise RuntimeError("SftTrainer.loss() before any step; expected step() first.")
+        return float(self._loss)
+
+    def commit(self) -> None:
+        """The learner takes the SFT params (and its KL reference follows them)."""
+        self.learner.set_params(self.state.params)

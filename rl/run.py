@@ -21,7 +21,7 @@ from rl.driver import driver_config_from
 from rl.logs import flush_held_to
 from rl.metrics import MetricsWriter
 from rl.runtime.compose import Setup, check_runtime_config, make_runtime
-from rl.tasks.data import DataConfig, load_task
+from rl.tasks.data import load_task
 
 # What a run writes into its workdir; a fresh run replaces them only with config.overwrite.
 RESULTS = (
@@ -78,50 +78,30 @@ def _reward_counts(stats: dict[str, int], seen: dict[str, int]) -> dict[str, flo
     return out
 
 
-def _sft(
-    config: Any,
-    learner: Any,
-    tokenizer: Any,
-    heldout_accuracy: Any,
-    writer: MetricsWriter,
-    records: list[dict[str, Any]],
-    data: DataConfig,
-) -> int:
-    """Supervised warm start until held-out accuracy reaches config.sft.target_accuracy."""
-    from learner.config import OptimizerConfig
-    from learner.sft import make_sft_step, sft_batches
-    from learner.state import create_train_state, make_optimizer
+def _sft(config: Any, sft: Any, learner: Any, heldout_accuracy: Any, writer: MetricsWriter) -> int:
+    """Supervised warm start until held-out accuracy reaches config.sft.target_accuracy.
 
-    if len(records) < config.sft.batch_size:
-        raise ValueError(
-            f"config.sft.batch_size={config.sft.batch_size} exceeds the {len(records)} training "
-            "records; expected a smaller batch or config.sft.max_steps=0."
-        )
-    tx = make_optimizer(OptimizerConfig(lr=config.sft.lr, warmup_steps=config.sft.warmup_steps))
-    state, shardings = create_train_state(
-        learner.params, tx, mesh=learner.mesh, rules=learner.rules
-    )
-    step = make_sft_step(learner.graphdef, tx, shardings)
-    batches = sft_batches(
-        records,
-        tokenizer,
-        batch_size=config.sft.batch_size,
-        seed=config.seed,
-        min_length_bucket=config.learner.min_length_bucket,  # rows padded as in RL, not to 32
-        **data.prompt_kwargs,
-    )
+    Args:
+      sft: the runtime's SFT trainer (learner.sft.SftTrainer, or its Ray learner worker proxy);
+        this loop, its progress bar and metrics are the same in both runtimes.
+      learner: the runtime's learner; its params are the SFT's after each evaluation.
+
+    Returns:
+      The SFT steps run.
+    """
     done = 0
     bar = writer.progress(config.sft.max_steps, desc="sft steps")
     for done in range(1, config.sft.max_steps + 1):
-        state, metrics = step(state, next(batches))
+        sft.step()
         bar.update(1)
+        # The last step is always evaluated: the learner ends with the SFT params.
         if done % config.sft.eval_every == 0 or done == config.sft.max_steps:
-            acc = heldout_accuracy(state.params)
-            writer.write(done, {"loss": float(metrics["loss"]), "heldout_acc": acc}, prefix="sft")
+            sft.commit()
+            acc = heldout_accuracy(learner.params)
+            writer.write(done, {"loss": sft.loss(), "heldout_acc": acc}, prefix="sft")
             if acc >= config.sft.target_accuracy:
                 break
     bar.close()
-    learner.set_params(state.params)
     return done
 
 
@@ -202,9 +182,7 @@ def _train(
     sft_steps = 0
     if config.sft.max_steps and first_round == 0:
         t = time.perf_counter()
-        sft_steps = _sft(
-            config, learner, setup.tokenizer, heldout_accuracy, writer, data.train, setup.data
-        )
+        sft_steps = _sft(config, runtime.sft(data.train), learner, heldout_accuracy, writer)
         phases["sft_s"] = time.perf_counter() - t - phases["eval_s"]
     eval_before = heldout_eval(learner.params)
     acc_before = eval_before["accuracy"]

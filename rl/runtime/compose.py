@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from jax.sharding import Mesh
 
     from learner.learner import Learner
+    from learner.sft import SftTrainer
     from rl.driver import Driver, DriverConfig
     from sampler.engine import Engine
 
@@ -107,6 +108,23 @@ def build_learner(
         temperature=setup.sampling.temperature,  # one temperature: the loss recomputes the sampler's
     )
     return Learner(model, learner_cfg, mesh=mesh, rules=setup.rules)
+
+
+def build_sft(config: Any, setup: Setup, learner: Learner, records: Any) -> SftTrainer:
+    """The SFT warm start (config.sft) of `learner` on `records`, in the process owning it."""
+    from learner.sft import SftTrainer
+
+    return SftTrainer(
+        learner,
+        records,
+        setup.tokenizer,
+        batch_size=config.sft.batch_size,
+        lr=config.sft.lr,
+        warmup_steps=config.sft.warmup_steps,
+        seed=config.seed,
+        min_length_bucket=config.learner.min_length_bucket,  # rows padded as in RL, not to 32
+        **setup.data.prompt_kwargs,
+    )
 
 
 def build_engine(config: Any, setup: Setup, mesh: Mesh, model: Any) -> Engine:
@@ -223,6 +241,10 @@ class ThreadsRuntime:
             reward_fn=rollout_reward(self.config, self.reward),
             **kwargs,
         )
+
+    def sft(self, records: Any) -> SftTrainer:
+        """The SFT warm start of the learner on `records` (rl.run drives its steps)."""
+        return build_sft(self.config, self.setup, self.learner, records)
 
     def evaluate(self, published: Any, records: Any, *, k: int = 1) -> dict[str, float]:
         """Held-out accuracy (and pass@k, k > 1) of published params (WeightSync output)."""

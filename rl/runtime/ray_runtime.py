@@ -60,11 +60,11 @@ def check_ray_config(config: Any) -> None:
     for name in ("num_cpus", "learner_cpus", "replica_cpus", "learner_gpus", "replica_gpus"):
         if not isinstance(r[name], (int, float)) or r[name] < 0:
             raise ValueError(f"config.ray.{name} must be a number >= 0; received {r[name]!r}.")
-    if config.sft.max_steps:
+    if config.sft.max_steps and r.learner_workers > 1:
         raise ValueError(
-            f"config.sft.max_steps={config.sft.max_steps} with config.runtime='ray': the SFT warm "
-            "start runs in one process; expected config.sft.max_steps=0 (warm-start with "
-            "runtime='threads' and resume), or config.runtime='threads'."
+            f"config.sft.max_steps={config.sft.max_steps} with config.ray.learner_workers="
+            f"{r.learner_workers}: the SFT warm start runs on a one-process learner; expected "
+            "config.ray.learner_workers=1, or config.sft.max_steps=0."
         )
 
 
@@ -164,6 +164,23 @@ class LearnerClient:
 
     def export_hf(self, path: str) -> None:
         self._call("export_hf", path)
+
+
+class RemoteSft:
+    """learner.sft.SftTrainer's interface over the learner worker, where the SFT state lives."""
+
+    def __init__(self, learner: LearnerClient, records: list[Any]):
+        self.learner = learner
+        learner._call("sft_begin", records)
+
+    def step(self) -> None:
+        self.learner._call("sft_step")
+
+    def loss(self) -> float:
+        return self.learner._call("sft_loss")
+
+    def commit(self) -> None:
+        self.learner._call("sft_commit")
 
 
 class ObjectStoreSync:
@@ -289,6 +306,10 @@ class RayRuntime:
 
     def _live(self) -> list[int]:
         return self.router.alive if self.router is not None else list(range(len(self.replicas)))
+
+    def sft(self, records: Any) -> RemoteSft:
+        """The SFT warm start, run on the learner worker (rl.run drives its steps)."""
+        return RemoteSft(self.learner, list(records))
 
     def evaluate(self, published: Any, records: Any, *, k: int = 1) -> dict[str, float]:
         """Held-out accuracy (and pass@k, k > 1), evaluated on the first live replica."""

@@ -101,6 +101,7 @@ class LearnerWorker:
         self.group = 1
         self.learner = None
         self.ckpt = None
+        self.sft = None  # the SFT warm start (learner.sft.SftTrainer), while it runs
 
     def coordinator(self) -> str:
         """A "host:port" on this worker's node for the job's coordinator (rank 0 serves it)."""
@@ -171,6 +172,21 @@ class LearnerWorker:
         [ref] (in a list, so Ray hands the caller the reference, not the arrays)."""
         host = self._to_host(self._cast(self.learner.params))
         return [ray.put(host) if self.rank == 0 else None]  # every worker gathers; rank 0 puts
+
+    def sft_begin(self, records: list[Any]) -> None:
+        """Starts the SFT warm start (rl.runtime.compose.build_sft) on `records`."""
+        from rl.runtime.compose import build_sft
+
+        self.sft = build_sft(self.config, self.setup, self.learner, records)
+
+    def sft_step(self) -> None:
+        self.sft.step()
+
+    def sft_loss(self) -> float:
+        return self.sft.loss()
+
+    def sft_commit(self) -> None:
+        self.sft.commit()
 
     def state(self) -> Any:
         """The TrainState as host arrays."""

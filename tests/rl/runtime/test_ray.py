@@ -255,3 +255,31 @@ def test_a_learner_of_two_worker_processes_trains_as_one(ray_cluster, threads_ru
     for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(threads_run[1]), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6, rtol=0)
     assert [r.version for r in results] == [0, 1, 2]
+
+
+def sft_config(runtime, workdir):
+    """SFT (3 steps, evaluated after 2 and 3) then one RL round, with a full train() run."""
+    config = tiny_config(runtime)
+    config.workdir = str(workdir)
+    config.rounds, config.eval.every_rounds = 1, 0
+    config.sft.max_steps, config.sft.eval_every, config.sft.batch_size = 3, 2, 4
+    config.sft.target_accuracy = 1.0  # not reached: every step runs
+    return config
+
+
+def test_sft_warm_start_on_the_learner_worker_equals_threads(ray_cluster, tmp_path):
+    import json
+
+    from rl.run import train
+
+    out = {}
+    for runtime in ("threads", "ray"):
+        summary = train(sft_config(runtime, tmp_path / runtime), stdout=False)
+        rows = [json.loads(line) for line in open(summary["metrics"])]
+        out[runtime] = summary, [r for r in rows if r["prefix"] == "sft"]
+    (threads, threads_rows), (ray_, ray_rows) = out["threads"], out["ray"]
+    # The same SftTrainer code on the same one-device learner mesh: bitwise the same.
+    assert threads["sft_steps"] == ray_["sft_steps"] == 3
+    assert len(threads_rows) == 2 and ray_rows == threads_rows
+    assert threads["heldout_acc_before"] == ray_["heldout_acc_before"]
+    assert_same_params(ray_["state"].params, threads["state"].params)
