@@ -32,8 +32,10 @@ def config(**fields):
         ),
         ({"runtime": "ray", "ray.sampler_replicas": 0}, r"sampler_replicas must be an int >= 1"),
         ({"runtime": "ray", "ray.replica_gpus": -1}, r"replica_gpus must be a number >= 0"),
-        ({"runtime": "ray", "driver.tail.enabled": True}, r"tail batching .* expected"),
-        ({"runtime": "ray", "sft.max_steps": 5}, r"sft.max_steps=5 with config.runtime='ray'"),
+        (
+            {"runtime": "ray", "sft.max_steps": 5, "ray.learner_workers": 2},
+            r"sft.max_steps=5 with config.ray.learner_workers=2: .* expected",
+        ),
     ],
 )
 def test_bad_runtime_config_is_named(fields, match):
@@ -44,3 +46,6 @@ def test_bad_runtime_config_is_named(fields, match):
 def test_good_runtime_configs_pass():
     check_runtime_config(config())
     check_runtime_config(config(runtime="ray", **{"ray.sampler_replicas": 2}))
+    # tail batching, response over-provisioning and the SFT warm start all run under Ray
+    tail = {"driver.tail.enabled": True, "driver.tail.response_eta": 1.5, "sft.max_steps": 5}
+    check_runtime_config(config(runtime="ray", **tail))
