@@ -36,6 +36,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model.mlp_dim = 0
     # Output head shared with the token embedding: preset | tied | untied; ignored with hf_path.
     config.model.tie_embeddings = "preset"
+    config.model.init_std = 0.0  # normal std of a fresh init's weights; 0: the preset's (0.02)
 
     config.mesh = ml_collections.ConfigDict()
     config.mesh.learner_devices = 0  # 0: half of the devices (all when colocated)

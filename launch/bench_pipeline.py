@@ -78,17 +78,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from learner.config import LearnerConfig, OptimizerConfig  # noqa: E402
-from learner.learner import Learner  # noqa: E402
-from learner.mesh import MeshConfig, make_meshes  # noqa: E402
-from learner.publish import DevicePutSync  # noqa: E402
 from rl.driver import Driver, DriverConfig, RoundResult  # noqa: E402
-from rl.models import create_model, get_preset  # noqa: E402
 from rl.rounds import TailConfig  # noqa: E402
-from rl.runtime.threads import threaded_driver  # noqa: E402
+from rl.runtime.compose import Setup, ThreadsRuntime  # noqa: E402
 from rl.schedules import mode_fields  # noqa: E402
 from rl.types import Completion, Prompt, Request, SamplingParams  # noqa: E402
-from sampler.engine import Engine, EngineConfig  # noqa: E402
 
 MODES = (
     "sync",
@@ -226,46 +220,32 @@ def driver_config(mode: str) -> DriverConfig:
     return cfg
 
 
-def build(mode: str, max_length: int, max_prefill: int) -> tuple[Driver, Engine]:
-    """Fresh model, learner, engine, weight sync and driver; the same seeds for every mode."""
-    learner_mesh, sampler_mesh = make_meshes(MeshConfig(learner_devices=1, sampler_devices=1))
-    model = create_model(get_preset("tiny", init_std=0.3), seed=_SEED.value)
-    learner = Learner(
-        model,
-        LearnerConfig(
-            optimizer=OptimizerConfig(lr=_LR.value),
-            micro_batch_rows=_PER_UPDATE.value * _GROUP_SIZE.value,
-        ),
-        mesh=learner_mesh,
+def build(mode: str, max_length: int, max_prefill: int) -> tuple[Driver, ThreadsRuntime]:
+    """A fresh runtime (rl.runtime.compose: model, learner, engine, weight sync) and its driver
+    over this workload; the same seeds for every mode. Close the driver, then the runtime."""
+    config = bench_env.tiny_config(
         seed=_SEED.value,
+        lr=_LR.value,
+        micro_batch_rows=_PER_UPDATE.value * _GROUP_SIZE.value,
+        slots=_SLOTS.value,
+        max_length=max_length,
+        max_prefill=max_prefill,
+        steps_per_call=_STEPS.value,
     )
-    engine = Engine(
-        model,
-        EngineConfig(
-            max_slots=_SLOTS.value,
-            max_length=max_length,
-            max_prefill_length=max_prefill,
-            steps_per_call=_STEPS.value,
-            seed=_SEED.value,
-        ),
-        mesh=sampler_mesh,
-    )
-    driver = threaded_driver(
+    runtime = ThreadsRuntime(config, Setup.from_config(config), total_updates=0)
+    driver = runtime.driver(
         driver_config(mode),
-        engine=engine,
-        learner=learner,
-        weight_sync=DevicePutSync(learner.params, sampler_mesh),
         prompts=prompts(_SEED.value),
         reward_fn=parity_reward,
         rounds=_ROUNDS.value + 1,  # async plans nothing past the epoch
     )
-    return driver, engine
+    return driver, runtime
 
 
-def compile_counts(driver: Driver, engine: Engine) -> dict[str, int]:
+def compile_counts(runtime: ThreadsRuntime) -> dict[str, int]:
     """Programs compiled so far by the engine's and the learner's jitted entry points."""
-    counts = {f"engine.{k}": v for k, v in engine.compile_counts().items()}
-    counts.update({f"learner.{k}": v for k, v in driver.learner.compile_counts().items()})
+    counts = {f"engine.{k}": v for k, v in runtime.engine.compile_counts().items()}
+    counts.update({f"learner.{k}": v for k, v in runtime.learner.compile_counts().items()})
     return counts
 
 
@@ -300,7 +280,7 @@ def run_modes(modes: list[str], max_length: int, max_prefill: int) -> dict[str, 
     Timed round r runs every mode still in its epoch in turn, the order rotated by one each round,
     so a drift in the machine's speed (others' load, clocks) spreads over the modes.
     """
-    built: dict[str, tuple[Driver, Engine]] = {}
+    built: dict[str, tuple[Driver, ThreadsRuntime]] = {}
     warmup_s, compiles_warm, results = {}, {}, {m: [] for m in modes}
     wall: dict[str, list[float]] = {m: [] for m in modes}  # each timed run_round call
     tail = {m: m.endswith("+tail") for m in modes}
@@ -318,10 +298,10 @@ def run_modes(modes: list[str], max_length: int, max_prefill: int) -> dict[str, 
 
     def warm(m: str) -> None:
         start = time.perf_counter()
-        built[m] = driver, engine = build(m, max_length, max_prefill)
+        built[m] = driver, runtime = build(m, max_length, max_prefill)
         check_round(driver.run_round(0), tail[m])
         warmup_s[m] = time.perf_counter() - start
-        compiles_warm[m] = compile_counts(driver, engine)
+        compiles_warm[m] = compile_counts(runtime)
         print(f"{m}: built and warmed up in {warmup_s[m]:.1f} s", flush=True)
 
     try:
@@ -346,10 +326,11 @@ def run_modes(modes: list[str], max_length: int, max_prefill: int) -> dict[str, 
                     timed(m, r)
                 built[m][0].close()  # stops its sampler before the next mode
     finally:
-        for driver, _ in built.values():
+        for driver, runtime in built.values():
             driver.close()
+            runtime.close()
     out = {}
-    for m, (driver, engine) in built.items():
+    for m, (driver, runtime) in built.items():
         if _GANTT_DIR.value:
             os.makedirs(_GANTT_DIR.value, exist_ok=True)
             stem = os.path.join(_GANTT_DIR.value, m.replace("+", "_"))
@@ -357,7 +338,7 @@ def run_modes(modes: list[str], max_length: int, max_prefill: int) -> dict[str, 
             driver.timeline.write_gantt_png(stem + ".png", title=f"{m}: warm-up + timed rounds")
         rs = results[m]
         per_round = {k: [r.metrics[k] for r in rs] for k in METRICS}
-        compiles = compile_counts(driver, engine)
+        compiles = compile_counts(runtime)
         groups = sum(len(r.groups) for r in rs)
         short = [r.metrics["response_len_max"] for r in rs if r.kind in ("short", "plain")]
         out[m] = dict(

@@ -40,19 +40,15 @@ from typing import Any
 import jax
 import numpy as np
 from absl import app, flags
-from flax import nnx
 
-from learner.config import LearnerConfig, OptimizerConfig
-from learner.learner import Learner
-from learner.mesh import MeshConfig, make_meshes
-from learner.publish import DevicePutSync
+from configs import base
 from rl.driver import DriverConfig
-from rl.models import create_model, get_preset
+from rl.models import get_preset
+from rl.models.build import model_config_from
 from rl.models.config import ModelConfig
-from rl.runtime.threads import threaded_driver
+from rl.runtime.compose import Setup, ThreadsRuntime
 from rl.schedules import mode_fields
 from rl.types import Completion, Group, Prompt, Request, SamplingParams
-from sampler.engine import Engine, EngineConfig
 
 # Datasheet peaks, matched against jax's device_kind (lower-cased) in order: first match wins.
 PEAK_HBM_BYTES_S: tuple[tuple[str, float], ...] = (
@@ -175,27 +171,66 @@ def random_groups(rng: np.random.Generator, shapes: Shapes, vocab: int) -> list[
     return groups
 
 
+def runtime_config(name: str, shapes: Shapes, max_length: int) -> Any:
+    """The check's run as a config for the composition root: the preset with bfloat16 compute,
+    its own parameter dtype (float32 master weights) and full remat on the learner, as the GPU
+    recipes train; learner and sampler colocated on one device; weights published as bf16."""
+    preset = get_preset(name)
+    config = base.get_config()
+    config.seed = _SEED.value
+    config.tokenizer = "byte"  # the check feeds random token ids; nothing is decoded
+    config.model.preset = name
+    config.model.param_dtype = preset.param_dtype
+    config.model.dtype, config.model.remat = "bfloat16", "full"
+    config.model.logits_chunk = preset.logits_chunk
+    config.mesh.learner_devices = config.mesh.sampler_devices = 1
+    config.mesh.colocated = True
+    config.sampler_dtype = "bfloat16"
+    config.learner.optimizer.lr = 1e-6
+    config.learner.micro_batch_rows = shapes.rows
+    config.learner.old_logprobs = "sampler"
+    config.learner.entropy_metric = False
+    config.learner.min_length_bucket = shapes.seq_len
+    config.engine.max_slots = shapes.slots
+    config.engine.max_length = max_length
+    config.engine.max_prefill_length = shapes.prompt_len
+    config.engine.min_prefill_bucket = shapes.prompt_len
+    config.engine.steps_per_call = shapes.steps_per_call
+    return config
+
+
 def check_model(name: str, shapes: Shapes, kind: str) -> dict[str, Any]:
     """Publish, decode, learner and round figures of one model (see the module docstring)."""
     seed = _SEED.value
-    cfg = get_preset(name, dtype="bfloat16", remat="full")  # as the GPU recipes train
-    model = create_model(cfg, seed=seed)
-    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    learner_mesh, sampler_mesh = make_meshes(
-        MeshConfig(learner_devices=1, sampler_devices=1, colocated=True)
-    )
+    k, calls = shapes.steps_per_call, shapes.decode_calls
+    # One engine for the decode figures and the rounds (one set of compiles); the engine strips
+    # the learner's remat (sampler/engine.py).
+    max_length = shapes.prompt_len + max((calls + 1) * k, shapes.max_new_tokens) + 1
+    config = runtime_config(name, shapes, max_length)
+    cfg = model_config_from(config.model)
+    runtime = ThreadsRuntime(config, Setup.from_config(config), total_updates=0)
+    try:
+        return _check(runtime, name, cfg, shapes, kind, seed, max_length)
+    finally:
+        runtime.close()
+
+
+def _check(
+    runtime: ThreadsRuntime,
+    name: str,
+    cfg: ModelConfig,
+    shapes: Shapes,
+    kind: str,
+    seed: int,
+    max_length: int,
+) -> dict[str, Any]:
+    """check_model's measurements on the runtime's learner, weight sync and engine."""
+    learner, sync, engine = runtime.learner, runtime.weight_sync, runtime.engine
+    n_params = sum(x.size for x in jax.tree.leaves(learner.params))
     out: dict[str, Any] = dict(model=name, params=n_params)
     rng = np.random.default_rng(seed)
 
     # --- learner
-    lcfg = LearnerConfig(
-        optimizer=OptimizerConfig(lr=1e-6),
-        micro_batch_rows=shapes.rows,
-        old_logprobs="sampler",
-        entropy_metric=False,
-        min_length_bucket=shapes.seq_len,
-    )
-    learner = Learner(model, lcfg, mesh=learner_mesh)
     groups = random_groups(rng, shapes, cfg.vocab_size)
 
     def update() -> None:
@@ -225,7 +260,6 @@ def check_model(name: str, shapes: Shapes, kind: str) -> dict[str, Any]:
     )
 
     # --- publish (learner float32 master -> sampler bf16 copy)
-    sync = DevicePutSync(learner.params, sampler_mesh, dtype="bfloat16")
     published = sync.publish(learner.params, 0)  # compiles the cast
     seconds = [sync.publish(learner.params, i + 1).seconds for i in range(_PUBLISH_REPEATS.value)]
     weight_bytes = tree_bytes(published.params)
@@ -237,21 +271,6 @@ def check_model(name: str, shapes: Shapes, kind: str) -> dict[str, Any]:
 
     # --- decode: every slot decoding, from one shared prompt's prefill
     k, calls = shapes.steps_per_call, shapes.decode_calls
-    # One engine for the decode figures and the rounds (one set of compiles).
-    max_length = shapes.prompt_len + max((calls + 1) * k, shapes.max_new_tokens) + 1
-    # The engine's graph without remat: the decode step's scan does not trace through nnx.remat.
-    engine = Engine(
-        create_model(cfg.replace(remat="none"), seed=seed),
-        EngineConfig(
-            max_slots=shapes.slots,
-            max_length=max_length,
-            max_prefill_length=shapes.prompt_len,
-            min_prefill_bucket=shapes.prompt_len,
-            steps_per_call=k,
-            seed=seed,
-        ),
-        mesh=sampler_mesh,
-    )
     params = published.params
     request = Request(
         uid=0,
@@ -312,13 +331,8 @@ def check_model(name: str, shapes: Shapes, kind: str) -> dict[str, Any]:
                 )
                 uid += 1
 
-        driver = threaded_driver(
-            dcfg,
-            engine=engine,
-            learner=learner,
-            weight_sync=sync,
-            prompts=prompts(),
-            reward_fn=lambda req, c: float(c.tokens[0] % 2),
+        driver = runtime.driver(
+            dcfg, prompts=prompts(), reward_fn=lambda req, c: float(c.tokens[0] % 2)
         )
         try:
             driver.run_round(0)  # compiles

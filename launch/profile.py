@@ -37,17 +37,15 @@ from typing import Any  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from learner.batching import make_batch  # noqa: E402
-from learner.config import LearnerConfig, OptimizerConfig  # noqa: E402
 from learner.learner import Learner  # noqa: E402
-from learner.mesh import MeshConfig, make_meshes  # noqa: E402
-from learner.publish import DevicePutSync  # noqa: E402
 from rl.admission import FCFS  # noqa: E402
-from rl.models import create_model, get_preset  # noqa: E402
+from rl.runtime.compose import Setup, ThreadsRuntime, build_engine  # noqa: E402
 from rl.sim.calibrate import Measurements, fit_stage_model  # noqa: E402
 from rl.types import Completion, Group, Request, SamplingParams  # noqa: E402
-from sampler.engine import Engine, EngineConfig  # noqa: E402
+from sampler.engine import Engine  # noqa: E402
 from sampler.loop import SamplerLoop  # noqa: E402
 
 _JSON = flags.DEFINE_string("json", "", "Write the fitted model and the fit report here.")
@@ -182,31 +180,31 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"--slots ({_SLOTS.value}) must be >= --group_size.")
     bench_env.use_compilation_cache(_CACHE.value)
     rng = np.random.default_rng(_SEED.value)
-    learner_mesh, sampler_mesh = make_meshes(MeshConfig(learner_devices=1, sampler_devices=1))
-    model = create_model(get_preset("tiny", init_std=0.3), seed=_SEED.value)
     max_prefill = max(16, _PROMPT_MAX.value)
-    engines = {
-        k: Engine(
-            model,
-            EngineConfig(
-                max_slots=_SLOTS.value,
-                max_length=max_prefill + _MAX_NEW.value,
-                max_prefill_length=max_prefill,
-                steps_per_call=k,
-                seed=_SEED.value,
-            ),
-            mesh=sampler_mesh,
-        )
-        for k in sorted({1, _STEPS.value})
-    }
     rows = _PER_UPDATE.value * _GROUP_SIZE.value
-    learner = Learner(
-        model,
-        LearnerConfig(optimizer=OptimizerConfig(lr=1e-3), micro_batch_rows=rows),
-        mesh=learner_mesh,
-        seed=_SEED.value,
-    )
-    sync = DevicePutSync(learner.params, sampler_mesh)
+
+    def config(steps_per_call: int) -> Any:
+        return bench_env.tiny_config(
+            seed=_SEED.value,
+            lr=1e-3,
+            micro_batch_rows=rows,
+            slots=_SLOTS.value,
+            max_length=max_prefill + _MAX_NEW.value,
+            max_prefill=max_prefill,
+            steps_per_call=steps_per_call,
+        )
+
+    # The learner, the engine at --steps_per_call and the weight sync from the composition root;
+    # a second engine at 1 step per call on the same sampler mesh.
+    setup = Setup.from_config(config(_STEPS.value))
+    runtime = ThreadsRuntime(config(_STEPS.value), setup, total_updates=0)
+    learner, sync = runtime.learner, runtime.weight_sync
+    learner_mesh, sampler_mesh = learner.mesh, runtime.engine.mesh
+    engines = {_STEPS.value: runtime.engine}
+    if _STEPS.value != 1:
+        model = nnx.merge(learner.graphdef, learner.params)  # its structure; weights are published
+        engines[1] = build_engine(config(1), setup, sampler_mesh, model)
+    engines = dict(sorted(engines.items()))
     params = sync.publish(learner.params, 0).params
     u = _PER_UPDATE.value
     lengths = [[8] * u, [16] * u, [40] * u, [_MAX_NEW.value] * u, [_MAX_NEW.value] + [12] * (u - 1)]
@@ -265,6 +263,7 @@ def main(argv: list[str]) -> None:
     learner_shared = [sum(learner_trial(learner, batches[3])[1:]) for _ in range(6)]
     stop.set()
     thread.join()
+    runtime.close()  # its reward runners (this program scores nothing with them)
     slow_sampler = float(np.median(shared) / np.median(alone))
     slow_learner = float(np.median(learner_shared) / np.median(learner_alone))
 

@@ -53,6 +53,13 @@ def model_config_from(model_cfg: Mapping[str, Any]) -> ModelConfig:
         )
     if _TIE[tie] is not None:
         shape["tie_embeddings"] = _TIE[tie]
+    init_std = model_cfg.get("init_std", 0.0)
+    if not isinstance(init_std, (int, float)) or init_std < 0:
+        raise ValueError(
+            f"config.model.init_std must be a number >= 0 (0: the preset's); received {init_std!r}."
+        )
+    if init_std:
+        shape["init_std"] = float(init_std)
     return get_preset(model_cfg["preset"], **overrides, **shape)
 
 

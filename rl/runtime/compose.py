@@ -229,8 +229,13 @@ class ThreadsRuntime:
         self.reward, self.eval_reward = build_reward(config, setup), build_reward(config, setup)
         self._ckpt = None
 
-    def driver(self, cfg: DriverConfig, **kwargs: Any) -> Driver:
-        """A Driver over a sampler thread (rl.runtime.threads); kwargs go to the Driver."""
+    def driver(self, cfg: DriverConfig, *, reward_fn: Any = None, **kwargs: Any) -> Driver:
+        """A Driver over a sampler thread (rl.runtime.threads); kwargs go to the Driver.
+
+        Args:
+          reward_fn: scores rollouts instead of config.task.reward (a benchmark's own workload);
+            None: the config's (rollout_reward).
+        """
         from rl.runtime.threads import threaded_driver
 
         return threaded_driver(
@@ -238,7 +243,7 @@ class ThreadsRuntime:
             engine=self.engine,
             learner=self.learner,
             weight_sync=self.weight_sync,
-            reward_fn=rollout_reward(self.config, self.reward),
+            reward_fn=reward_fn or rollout_reward(self.config, self.reward),
             **kwargs,
         )
 

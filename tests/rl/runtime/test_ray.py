@@ -69,7 +69,7 @@ def test_ray_equals_threads_bitwise(ray_cluster, threads_run, replicas):
             assert r.metrics["replica1_tokens_per_s"] > 0
 
 
-TAIL_ROUNDS = 4  # short, short, long (the 4 prompts the short rounds cut), short
+TAIL_ROUNDS = 3  # short, short, long (the 4 prompts the short rounds cut)
 
 
 def tail_config(runtime="threads", replicas=1):
@@ -110,7 +110,7 @@ def test_tail_batching_cuts_rounds_across_replicas(ray_cluster, threads_tail_run
     results, params, runtime = run_rounds(
         tail_config("ray", replicas), rounds=TAIL_ROUNDS, driver_hook=record_submits(submitted)
     )
-    assert [r.kind for r in results] == ["short", "short", "long", "short"]
+    assert [r.kind for r in results] == ["short", "short", "long"]
     assert [len(r.groups) for r in results] == [4] * TAIL_ROUNDS
     assert {len(g.completions) for r in results for g in r.groups} == {4}
     if replicas == 1:  # the cut sees the replica's completion order: the threaded run's cut
@@ -121,8 +121,8 @@ def test_tail_batching_cuts_rounds_across_replicas(ray_cluster, threads_tail_run
     queued = [p.uid for p in submitted["driver"].planner.long_queue]
     assert len(set(trained)) == len(trained) and not set(trained) & set(queued)
     assert set(trained) | set(queued) == set(submitted["uids"])
-    assert len(queued) == 2  # the last short round's cut
-    assert sum(runtime.router.routed.values()) == 6 + 6 + 4 + 6
+    assert queued == []  # the long round trained every cut prompt
+    assert sum(runtime.router.routed.values()) == 6 + 6 + 4
     if replicas == 2:
         assert min(runtime.router.routed.values()) > 0
     assert runtime.router._outstanding == {}  # the cut prompts were aborted, not re-sampled
@@ -257,32 +257,44 @@ def test_a_learner_of_two_worker_processes_trains_as_one(ray_cluster, threads_ru
     assert [r.version for r in results] == [0, 1, 2]
 
 
-def sft_config(runtime, workdir):
-    """SFT (3 steps, evaluated after 2 and 3) then one RL round, with a full train() run."""
-    config = tiny_config(runtime)
-    config.workdir = str(workdir)
-    config.rounds, config.eval.every_rounds = 1, 0
+def sft_run(runtime_name, workdir):
+    """rl.run's SFT stage (3 steps, evaluated after 2 and 3) on a runtime built by the
+    composition root: the learner's params after it, and the sft metrics rows."""
+    import json
+
+    from rl.metrics import MetricsWriter
+    from rl.run import _sft
+    from rl.runtime.compose import Setup, make_runtime
+    from rl.tasks.data import load_task
+
+    config = tiny_config(runtime_name)
     config.sft.max_steps, config.sft.eval_every, config.sft.batch_size = 3, 2, 4
     config.sft.target_accuracy = 1.0  # not reached: every step runs
-    return config
+    setup = Setup.from_config(config)
+    data = load_task(setup.data, setup.tokenizer, max_prompt_tokens=setup.max_prompt_tokens)
+    runtime = make_runtime(config, setup, total_updates=1)
+    try:
+        writer = MetricsWriter(str(workdir), stdout=False)
+
+        def accuracy(params):
+            published = runtime.weight_sync.publish(params, -1).params
+            return runtime.evaluate(published, data.heldout)["accuracy"]
+
+        steps = _sft(config, runtime.sft(data.train), runtime.learner, accuracy, writer)
+        writer.close()
+        rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+        return steps, jax.device_get(runtime.learner.state.params), rows
+    finally:
+        runtime.close()
 
 
 def test_sft_warm_start_on_the_learner_worker_equals_threads(ray_cluster, tmp_path):
-    import json
-
-    from rl.run import train
-
-    out = {}
-    for runtime in ("threads", "ray"):
-        summary = train(sft_config(runtime, tmp_path / runtime), stdout=False)
-        rows = [json.loads(line) for line in open(summary["metrics"])]
-        out[runtime] = summary, [r for r in rows if r["prefix"] == "sft"]
-    (threads, threads_rows), (ray_, ray_rows) = out["threads"], out["ray"]
+    threads = sft_run("threads", tmp_path / "threads")
+    ray_ = sft_run("ray", tmp_path / "ray")
     # The same SftTrainer code on the same one-device learner mesh: bitwise the same.
-    assert threads["sft_steps"] == ray_["sft_steps"] == 3
-    assert len(threads_rows) == 2 and ray_rows == threads_rows
-    assert threads["heldout_acc_before"] == ray_["heldout_acc_before"]
-    assert_same_params(ray_["state"].params, threads["state"].params)
+    assert threads[0] == ray_[0] == 3
+    assert [r["step"] for r in threads[2]] == [2, 3] and ray_[2] == threads[2]
+    assert_same_params(ray_[1], threads[1])
 
 
 def async_config(runtime, max_staleness):
