@@ -196,3 +196,13 @@ def test_data_config_and_task_option_defaults_are_base_py_s():
     for name in ("addition", "countdown", "gsm8k", "math"):  # the built-in tasks' options
         for option, default in get_task(name).options.items():
             assert config.task[option] == default, (name, option)
+
+
+def test_init_std_overrides_the_preset():
+    config = importlib.import_module("configs.base").get_config("smoke")
+    assert model_config_from(config.model).init_std == 0.02  # 0: the preset's
+    config.model.init_std = 0.3
+    assert model_config_from(config.model).init_std == 0.3
+    config.model.init_std = -1.0
+    with pytest.raises(ValueError, match=r"init_std must be a number >= 0 .*received -1.0"):
+        model_config_from(config.model)
