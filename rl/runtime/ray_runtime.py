@@ -15,6 +15,8 @@ This process (the Ray driver) runs rl.driver.Driver and its schedule. Around it:
   fail) that replicas put into and `QueueClient` takes from;
 - weights through the object store (`ObjectStoreSync`, a WeightSync): the learner worker puts the
   params as host arrays once, every replica gets them.
+The SFT warm start runs on the learner worker too (`RemoteSft`: learner.sft.SftTrainer there,
+driven step by step by rl.run as in the threaded runtime).
 
 Faults: a replica that dies (RayActorError) has its unfinished requests re-sampled on the others
 (config.ray.on_replica_failure="resample"; per-request randomness makes their tokens identical, and
