@@ -60,6 +60,10 @@ from rl.models.transformer import (
 from rl.types import Request
 from sampler.sampling import sample_tokens
 
+# Prompts per prefill matmul (padded with empty prompts): one fixed row count, so a prompt's
+# keys/values do not depend on how many prompts were admitted with it.
+_PREFILL_CHUNK = 8
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
@@ -485,19 +489,26 @@ class Engine:
     # --------------------------------------------------------------------- batched prefill+insert
 
     def _prefill_rows(self, model: Transformer, tokens_PxT: jax.Array) -> tuple[tuple, tuple]:
-        """Keys/values (P, T, K, H) per layer of P prompts, one prompt at a time in one program.
+        """Keys/values (P, T, K, H) per layer of P prompts, in chunks of `_PREFILL_CHUNK` prompts.
 
         A prompt's keys/values must not depend on which prompts share its call (sampling is
         independent of the batch), and a matmul's rounding on XLA:CPU can depend on its row
-        count; so the prompts go through `lax.map`, each with the shapes of a lone prefill.
+        count; so every chunk has the same shape (padded with empty prompts) and the chunks go
+        through `lax.map`.
         """
+        p, t = tokens_PxT.shape
+        c = _PREFILL_CHUNK
+        n = -(-p // c)
+        chunks = jnp.pad(tokens_PxT, ((0, n * c - p), (0, 0))).reshape(n, c, t)
 
-        def one(tokens_T: jax.Array) -> tuple[tuple, tuple]:
-            _, (k, v) = model.prefill(tokens_T[None])
-            cast = lambda x: x[0].astype(self.cache_dtype)
+        def one(tokens_CxT: jax.Array) -> tuple[tuple, tuple]:
+            _, (k, v) = model.prefill(tokens_CxT)
+            cast = lambda x: x.astype(self.cache_dtype)
             return tuple(map(cast, k)), tuple(map(cast, v))
 
-        return jax.lax.map(one, tokens_PxT)
+        k, v = jax.lax.map(one, chunks)
+        unchunk = lambda x: x.reshape(n * c, *x.shape[2:])[:p]
+        return tuple(map(unchunk, k)), tuple(map(unchunk, v))
 
     def _prefill_insert_impl(
         self,
