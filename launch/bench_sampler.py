@@ -8,7 +8,8 @@ d_model / 4, 2 kv heads, mlp 2 x d_model), B prompts of --prompt_min..--prompt_m
 decode --decode_new_tokens tokens (temperature 1, behaviour log-probs) through a SamplerLoop on one
 device; decode tokens/s = B x new tokens / wall time (admission and prefill included). The old path
 (EngineConfig.legacy_decode: per-prompt prefill + insert, (B, S, K, H) cache, attention over
-max_length) and the new one run in alternating pairs after a warm-up; medians count. --profile
+max_length) and the new one run in alternating pairs after a warm-up; medians count (new/old is
+the ratio of the median times; "pairs min-max" the spread of the pairs' own ratios). --profile
 writes a jax.profiler trace (open it in Perfetto) of one new-path run of the first shape.
 
 `loop`: one process, one tiny model (float32, CPU by default), one long-tailed workload measured
@@ -254,6 +255,9 @@ def decode_case(shape: tuple[int, int, int]) -> dict[str, Any]:
         with jax.profiler.trace(_PROFILE.value):
             run_loop(engines["new"], params["new"], requests, static=False)
     med = {n: float(np.median([r["seconds"] for r in rs])) for n, rs in runs.items()}
+    pairs = sorted(
+        o["seconds"] / n["seconds"] for o, n in zip(runs["old"], runs["new"], strict=True)
+    )
     old, new_run = runs["old"][0], runs["new"][0]
     same = sum(old["outputs"][u] == new_run["outputs"][u] for u in old["outputs"])
     return dict(
@@ -262,6 +266,7 @@ def decode_case(shape: tuple[int, int, int]) -> dict[str, Any]:
         old_tokens_per_s=b * new / med["old"],
         new_tokens_per_s=b * new / med["new"],
         new_vs_old=med["old"] / med["new"],
+        new_vs_old_pairs=pairs,
         seconds=dict(
             old=[r["seconds"] for r in runs["old"]], new=[r["seconds"] for r in runs["new"]]
         ),
@@ -278,12 +283,16 @@ def decode_main() -> dict[str, Any]:
         f"steps_per_call {_STEPS.value}, prompts {_PROMPT_MIN.value}-{_PROMPT_MAX.value} tokens, "
         f"{_DECODE_PAIRS.value} alternating old/new pairs (median), one {jax.default_backend()} device"
     )
-    print(f"{'B x L x D':<12}{'old tok/s':>11}{'new tok/s':>11}{'new/old':>9}{'same tokens':>13}")
+    print(
+        f"{'B x L x D':<12}{'old tok/s':>11}{'new tok/s':>11}{'new/old':>9}"
+        f"{'pairs min-max':>15}{'same tokens':>13}"
+    )
     for r in rows:
-        sh = r["shape"]
+        sh, pairs = r["shape"], r["new_vs_old_pairs"]
         print(
             f"{sh['slots']}x{sh['layers']}x{sh['d_model']:<6}{r['old_tokens_per_s']:>11.0f}"
-            f"{r['new_tokens_per_s']:>11.0f}{r['new_vs_old']:>9.2f}{r['same_tokens_old_new']:>13}"
+            f"{r['new_tokens_per_s']:>11.0f}{r['new_vs_old']:>9.2f}"
+            f"{f'{pairs[0]:.2f}-{pairs[-1]:.2f}':>15}{r['same_tokens_old_new']:>13}"
         )
     if _PROFILE.value:
         print(

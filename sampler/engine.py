@@ -16,17 +16,21 @@ position p sits at position p+1 and uses the PRNG key
     fold_in(fold_in(fold_in(fold_in(key(seed), round), uid), sample), p + 1),
 so it does not depend on the slot or on the other requests in the batch.
 
-Decode path (issue 19): the cache is head-major, (slots, kv heads, positions, head dim) per layer, so
-a decode step attends without transposing it; attention reads only the first blocks of
-`attention_block` positions that the longest live sequence reaches (the block count rounded up to a
-power of two: one compile each); `prefill_insert` prefills all prompts admitted together in one call
-per length bucket. `legacy_decode=True` keeps the previous path ((slots, positions, kv heads, head
-dim) cache, attention over max_length, one prefill and one insert call per prompt) for the issue's
-old-vs-new comparison in launch/bench_sampler.py; it goes when the issue closes.
+Decode path (issue 19): the cache is head-major, keys (slots, kv heads, head dim, positions) and
+values (slots, kv heads, positions, head dim) per layer, so a decode step attends without
+transposing it, as fused multiply-reduces over the whole cache (`attend_live`: fixed shapes, so a
+row's floats never depend on its neighbours). With `attention_block` > 0, attention instead reads
+only the first blocks of that many positions that the longest live sequence reaches (the block
+count rounded up to a power of two: one compile each), block by block (`attend_blocks`); that pays
+for long caches where slices are free (GPU), but on XLA:CPU every block is a copy. `prefill_insert`
+prefills all prompts admitted together in one call per length bucket. `legacy_decode=True` keeps
+the previous path ((slots, positions, kv heads, head dim) cache, attention over max_length, one
+prefill and one insert call per prompt) for the issue's old-vs-new comparison in
+launch/bench_sampler.py; it goes when the issue closes.
 
 Memory: the KV cache takes 2 * n_layers * max_length * n_kv_heads * head_dim * itemsize bytes per
-slot (`cache_bytes_per_slot`; max_length rounded up to whole attention blocks), sharded over `data`
-(slots) and `tp` (kv heads).
+slot (`cache_bytes_per_slot`; max_length rounded up to whole attention blocks, if any), sharded
+over `data` (slots) and `tp` (kv heads).
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ from rl.models.config import DTYPES
 from rl.models.sharding import Rules, axis_rules, current_rules, logical_to_spec, tree_shardings
 from rl.models.transformer import (
     CACHE_AXES,
-    HEAD_MAJOR_CACHE_AXES,
+    HEAD_MAJOR_K_AXES,
+    HEAD_MAJOR_V_AXES,
     HeadMajorKVCache,
     KVCache,
     Transformer,
@@ -54,6 +59,10 @@ from rl.models.transformer import (
 )
 from rl.types import Request
 from sampler.sampling import sample_tokens
+
+# Prompts per prefill matmul (padded with empty prompts): one fixed row count, so a prompt's
+# keys/values do not depend on how many prompts were admitted with it.
+_PREFILL_CHUNK = 8
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,7 +76,8 @@ class EngineConfig:
     cache_dtype: str = ""  # KV cache dtype; empty: the model's compute dtype
     seed: int = 0  # root of every request's random stream
     memory_budget_bytes: int = 0  # per device for params + KV cache; 0: the device's own limit
-    attention_block: int = 32  # decode attention reads the cache in blocks of this many positions
+    attention_block: int = 0  # > 0: decode attention reads only the live blocks of this many
+    # positions (module docstring); 0: the whole cache, faster on XLA:CPU
     legacy_decode: bool = False  # issue 19's old path, kept for the comparison (module docstring)
 
     def __post_init__(self):
@@ -78,7 +88,6 @@ class EngineConfig:
             "min_prefill_bucket",
             "steps_per_call",
             "max_stop_tokens",
-            "attention_block",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(
@@ -88,6 +97,10 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.max_prefill_length ({self.max_prefill_length}) exceeds max_length "
                 f"({self.max_length}); a prompt must fit in the cache."
+            )
+        if self.attention_block < 0:
+            raise ValueError(
+                f"EngineConfig.attention_block must be >= 0; received {self.attention_block}."
             )
         if not 0 <= self.seed < 2**31:
             raise ValueError(f"EngineConfig.seed must be in [0, 2**31); received {self.seed}.")
@@ -174,11 +187,8 @@ class Engine:
             )
         self.cache_dtype = DTYPES[config.cache_dtype or cfg.dtype]
         self.head_major = not config.legacy_decode
-        block = config.attention_block
-        self.cache_length = (
-            -(-config.max_length // block) * block if self.head_major else config.max_length
-        )
-        self.cache_axes = HEAD_MAJOR_CACHE_AXES if self.head_major else CACHE_AXES
+        block = config.attention_block if self.head_major else 0
+        self.cache_length = -(-config.max_length // block) * block if block else config.max_length
         self._check_memory()
         self._state_shardings = None if mesh is None else self._decode_state_shardings()
         donate = dict(donate_argnums=(1,))
@@ -224,7 +234,7 @@ class Engine:
         shards = 1
         if self.mesh is not None:
             spec = logical_to_spec(
-                self.cache_axes, self.mesh, self.rules, shape=self._cache_shape()
+                self._cache_axes("v"), self.mesh, self.rules, shape=self._cache_shape("v")
             )
             for axes in spec:
                 for a in (axes,) if isinstance(axes, str) else (axes or ()):
@@ -270,7 +280,10 @@ class Engine:
                 self.mesh, logical_to_spec(names, self.mesh, self.rules, shape=x.shape)
             )
 
-        cache = jax.tree.map(lambda x: named(x, self.cache_axes), abstract.cache)
+        cache = type(abstract.cache)(
+            k=tuple(named(x, self._cache_axes("k")) for x in abstract.cache.k),
+            v=tuple(named(x, self._cache_axes("v")) for x in abstract.cache.v),
+        )
         per_slot = {
             f.name: named(
                 getattr(abstract, f.name),
@@ -281,20 +294,29 @@ class Engine:
         }
         return DecodeState(cache=cache, **per_slot)
 
-    def _cache_shape(self) -> tuple[int, int, int, int]:
-        b, s, c = self.config.max_slots, self.cache_length, self.model_config
-        if self.head_major:
-            return (b, c.n_kv_heads, s, c.head_dim)
-        return (b, s, c.n_kv_heads, c.head_dim)
+    def _cache_axes(self, kind: str) -> tuple[str, ...]:
+        """Logical axes of a key ("k") or value ("v") cache array."""
+        if not self.head_major:
+            return CACHE_AXES
+        return HEAD_MAJOR_K_AXES if kind == "k" else HEAD_MAJOR_V_AXES
+
+    def _cache_shape(self, kind: str) -> tuple[int, ...]:
+        sizes = dict(
+            batch=self.config.max_slots,
+            cache_length=self.cache_length,
+            kv_heads=self.model_config.n_kv_heads,
+            head_dim=self.model_config.head_dim,
+        )
+        return tuple(sizes[a] for a in self._cache_axes(kind))
 
     def _init_impl(self) -> DecodeState:
         b, c = self.config.max_slots, self.model_config
-        zeros = lambda: jnp.zeros(self._cache_shape(), self.cache_dtype)
+        zeros = lambda kind: jnp.zeros(self._cache_shape(kind), self.cache_dtype)
         layout = HeadMajorKVCache if self.head_major else KVCache
         return DecodeState(
             cache=layout(
-                k=tuple(zeros() for _ in range(c.n_layers)),
-                v=tuple(zeros() for _ in range(c.n_layers)),
+                k=tuple(zeros("k") for _ in range(c.n_layers)),
+                v=tuple(zeros("v") for _ in range(c.n_layers)),
             ),
             tokens=jnp.zeros((b,), jnp.int32),
             positions=jnp.zeros((b,), jnp.int32),
@@ -357,19 +379,15 @@ class Engine:
         prefix_k, prefix_v = kv
         bucket = prefix_k[0].shape[0]
 
-        def put(cache: jax.Array, kv: jax.Array) -> jax.Array:
-            if self.head_major:  # kv (bucket, K, H) -> slots' (K, bucket, H)
-                kv = kv.transpose(1, 0, 2)
-                rows = jnp.broadcast_to(kv[None], (g, *kv.shape)).astype(cache.dtype)
-                return cache.at[slots_G, :, :bucket].set(rows)
-            return cache.at[slots_G, :bucket].set(
-                jnp.broadcast_to(kv[None], (g, *kv.shape)).astype(cache.dtype)
+        rows = lambda kv: tuple(jnp.broadcast_to(x[None], (g, *x.shape)) for x in kv)
+        if self.head_major:
+            cache = state.cache.put(slots_G, rows(prefix_k), rows(prefix_v))
+        else:
+            put = lambda c, x: c.at[slots_G, :bucket].set(x.astype(c.dtype))
+            cache = KVCache(
+                k=tuple(map(put, state.cache.k, rows(prefix_k))),
+                v=tuple(map(put, state.cache.v, rows(prefix_v))),
             )
-
-        cache = type(state.cache)(
-            k=tuple(put(c, p) for c, p in zip(state.cache.k, prefix_k, strict=True)),
-            v=tuple(put(c, p) for c, p in zip(state.cache.v, prefix_v, strict=True)),
-        )
         seed, rnd, uid, max_new, length, last_token = (ids[i] for i in range(6))
         base = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), rnd), uid)
         keys_G = jax.vmap(lambda s: jax.random.fold_in(base, s))(samples_G)
@@ -471,19 +489,26 @@ class Engine:
     # --------------------------------------------------------------------- batched prefill+insert
 
     def _prefill_rows(self, model: Transformer, tokens_PxT: jax.Array) -> tuple[tuple, tuple]:
-        """Keys/values (P, T, K, H) per layer of P prompts, one prompt at a time in one program.
+        """Keys/values (P, T, K, H) per layer of P prompts, in chunks of `_PREFILL_CHUNK` prompts.
 
         A prompt's keys/values must not depend on which prompts share its call (sampling is
         independent of the batch), and a matmul's rounding on XLA:CPU can depend on its row
-        count; so the prompts go through `lax.map`, each with the shapes of a lone prefill.
+        count; so every chunk has the same shape (padded with empty prompts) and the chunks go
+        through `lax.map`.
         """
+        p, t = tokens_PxT.shape
+        c = _PREFILL_CHUNK
+        n = -(-p // c)
+        chunks = jnp.pad(tokens_PxT, ((0, n * c - p), (0, 0))).reshape(n, c, t)
 
-        def one(tokens_T: jax.Array) -> tuple[tuple, tuple]:
-            _, (k, v) = model.prefill(tokens_T[None])
-            cast = lambda x: x[0].astype(self.cache_dtype)
+        def one(tokens_CxT: jax.Array) -> tuple[tuple, tuple]:
+            _, (k, v) = model.prefill(tokens_CxT)
+            cast = lambda x: x.astype(self.cache_dtype)
             return tuple(map(cast, k)), tuple(map(cast, v))
 
-        return jax.lax.map(one, tokens_PxT)
+        k, v = jax.lax.map(one, chunks)
+        unchunk = lambda x: x.reshape(n * c, *x.shape[2:])[:p]
+        return tuple(map(unchunk, k)), tuple(map(unchunk, v))
 
     def _prefill_insert_impl(
         self,
@@ -498,16 +523,8 @@ class Engine:
     ) -> DecodeState:
         """Prefills P prompts and writes prompt rows_N[i] into slots_N[i] (out of range: dropped)."""
         k, v = self._prefill_rows(self._model(params), tokens_PxT)
-        t = tokens_PxT.shape[1]
-
-        def put(cache: jax.Array, kv_PxTxKxH: jax.Array) -> jax.Array:
-            rows = kv_PxTxKxH[rows_N].transpose(0, 2, 1, 3).astype(cache.dtype)
-            return cache.at[slots_N, :, :t].set(rows, mode="drop")
-
-        cache = HeadMajorKVCache(
-            k=tuple(put(c, x) for c, x in zip(state.cache.k, k, strict=True)),
-            v=tuple(put(c, x) for c, x in zip(state.cache.v, v, strict=True)),
-        )
+        rows = lambda kv: tuple(x[rows_N] for x in kv)
+        cache = state.cache.put(slots_N, rows(k), rows(v), mode="drop")
         rnd, uid, sample, max_new, length, last_token = (ids_Nx6[:, i] for i in range(6))
         root = jax.random.key(self.config.seed)
         keys_N = jax.vmap(
@@ -701,13 +718,11 @@ class Engine:
         )
 
     def live_blocks(self, state: DecodeState) -> int:
-        """Attention blocks this generate call reads: enough for every active slot's last fed
-        position, rounded up to a power of two (few compiles), at most the whole cache.
-
-        Reads three (B,) arrays to the host once per call (not per step).
-        """
-        if not self.head_major:
-            return 0
+        """Attention blocks this generate call reads (0: the whole cache): enough for every active
+        slot's last fed position, rounded up to a power of two (few compiles), at most the whole
+        cache. With attention_block > 0 it reads three (B,) arrays to the host once per call."""
+        if not self.head_major or not self.config.attention_block:
+            return 0  # the whole cache: no host read
         pos, active, last = jax.device_get((state.positions, state.active, state.last_position))
         k, block = self.config.steps_per_call, self.config.attention_block
         need = int(np.max(np.where(active, np.minimum(pos + k, last), 1), initial=1))

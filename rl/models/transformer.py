@@ -29,7 +29,8 @@ from rl.models.sharding import constrain
 
 _MASKED = -1e30  # finite, so a fully masked (padding) query row gives a uniform softmax, not NaN
 CACHE_AXES = ("batch", "cache_length", "kv_heads", "head_dim")
-HEAD_MAJOR_CACHE_AXES = ("batch", "kv_heads", "cache_length", "head_dim")
+HEAD_MAJOR_K_AXES = ("batch", "kv_heads", "head_dim", "cache_length")
+HEAD_MAJOR_V_AXES = ("batch", "kv_heads", "cache_length", "head_dim")
 
 
 @jax.tree_util.register_dataclass
@@ -48,16 +49,44 @@ class KVCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class HeadMajorKVCache:
-    """The decode engine's cache: each array is (B, K, S, H), so decode attention contracts with
-    (B, K) as leading batch dimensions and never transposes the cache (the (B, S, K, H) layout of
-    `KVCache` costs two whole-cache transposes per layer and step on XLA:CPU)."""
+    """The decode engine's cache: keys (B, K, H, S) and values (B, K, S, H) per layer.
+
+    Decode attention contracts with (B, K) as leading batch dimensions and never transposes the
+    cache (the (B, S, K, H) layout of `KVCache` costs two whole-cache transposes per layer and step
+    on XLA:CPU); keys put positions last so that a step's scores are sums over head_dim rows,
+    vectorised along positions (`attend_live`).
+    """
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
 
     @property
     def max_length(self) -> int:
-        return self.k[0].shape[2]
+        return self.v[0].shape[2]
+
+    def put(
+        self,
+        slots_N: jax.Array,
+        k_NxTxKxH: tuple[jax.Array, ...],
+        v_NxTxKxH: tuple[jax.Array, ...],
+        *,
+        mode: str | None = None,
+    ) -> HeadMajorKVCache:
+        """Writes prefilled keys/values (N, T, K, H) per layer at positions 0..T-1 of slots_N.
+
+        `mode` is the scatter's out-of-bounds mode ("drop": slots >= B are padding)."""
+        t = k_NxTxKxH[0].shape[1]
+        put = lambda c, x, perm, idx: c.at[idx].set(x.transpose(perm).astype(c.dtype), mode=mode)
+        return HeadMajorKVCache(
+            k=tuple(
+                put(c, x, (0, 2, 3, 1), (slots_N, slice(None), slice(None), slice(0, t)))
+                for c, x in zip(self.k, k_NxTxKxH, strict=True)
+            ),
+            v=tuple(
+                put(c, x, (0, 2, 1, 3), (slots_N, slice(None), slice(0, t)))
+                for c, x in zip(self.v, v_NxTxKxH, strict=True)
+            ),
+        )
 
 
 def _param(
@@ -163,9 +192,35 @@ def attend_full(
     )
 
 
+def attend_live(
+    q_BxNxH: jax.Array, k_BxKxHxS: jax.Array, v_BxKxSxH: jax.Array, positions_B: jax.Array
+) -> jax.Array:
+    """One decode step's attention over the whole cache; row b attends to positions <=
+    positions_B[b].
+
+    Scores, softmax and the weighted sum are elementwise products and reductions in float32, not
+    dots: XLA:CPU runs (B, K) batches of G x H by H x S dots far below its peak, while a fused
+    multiply-reduce reads the cache once. The shapes are the cache's, whatever the rows' positions,
+    so a row's result depends on its own data only (XLA:CPU's reductions round differently for
+    different lengths: a live-prefix read of varying length would not be exact; see
+    `attend_blocks`).
+    """
+    b, n, h = q_BxNxH.shape
+    kv, s = k_BxKxHxS.shape[1], k_BxKxHxS.shape[3]
+    q_BxKxGxH = q_BxNxH.reshape(b, kv, n // kv, h).astype(jnp.float32)
+    k = k_BxKxHxS[:, :, None].astype(jnp.float32)
+    s_BxKxGxS = jnp.sum(q_BxKxGxH[..., None] * k, axis=3) * h**-0.5
+    mask_BxS = jnp.arange(s)[None, :] <= positions_B[:, None]
+    s_BxKxGxS = jnp.where(mask_BxS[:, None, None], s_BxKxGxS, _MASKED)
+    p = jnp.exp(s_BxKxGxS - jnp.max(s_BxKxGxS, axis=-1, keepdims=True))
+    v = v_BxKxSxH[:, :, None].astype(jnp.float32)
+    out_BxKxGxH = jnp.sum(p[..., None] * v, axis=3) / jnp.sum(p, axis=-1)[..., None]
+    return out_BxKxGxH.astype(q_BxNxH.dtype).reshape(b, n, h)
+
+
 def attend_blocks(
     q_BxNxH: jax.Array,
-    k_BxKxSxH: jax.Array,
+    k_BxKxHxS: jax.Array,
     v_BxKxSxH: jax.Array,
     positions_B: jax.Array,
     *,
@@ -178,22 +233,23 @@ def attend_blocks(
     fixed-shape ops (a dot's rounding can depend on its shape), the maximum and the sums combined
     in block order. A block beyond a row's position changes nothing (its maximum is the mask value,
     its terms exact zeros), so a row's result does not depend on `blocks` (how far its neighbours
-    have got): tokens stay independent of the batch.
+    have got): tokens stay independent of the batch. On XLA:CPU each block is a copy of a slice
+    of the cache; `attend_live` reads the whole cache without copies.
     """
     b, n, h = q_BxNxH.shape
-    kv = k_BxKxSxH.shape[1]
+    kv = k_BxKxHxS.shape[1]
     live = blocks * block
-    if live > k_BxKxSxH.shape[2]:
+    if live > k_BxKxHxS.shape[3]:
         raise ValueError(
-            f"attend_blocks: {blocks} blocks of {block} exceed the cache's {k_BxKxSxH.shape[2]} "
+            f"attend_blocks: {blocks} blocks of {block} exceed the cache's {k_BxKxHxS.shape[3]} "
             "positions."
         )
     q = q_BxNxH.reshape(b, kv, n // kv, h)
     mask_BxS = jnp.arange(live)[None, :] <= positions_B[:, None]
     scores, m = [], None
     for j in range(blocks):
-        k_j = k_BxKxSxH[:, :, j * block : (j + 1) * block].astype(q.dtype)
-        s_j = jnp.einsum("bkgh,bksh->bkgs", q, k_j, preferred_element_type=jnp.float32)
+        k_j = k_BxKxHxS[..., j * block : (j + 1) * block].astype(q.dtype)
+        s_j = jnp.einsum("bkgh,bkhs->bkgs", q, k_j, preferred_element_type=jnp.float32)
         s_j = jnp.where(
             mask_BxS[:, None, None, j * block : (j + 1) * block], s_j * h**-0.5, _MASKED
         )
@@ -218,19 +274,20 @@ def _write_cache(cache_BxSxKxH: jax.Array, new_BxTxKxH: jax.Array, start_B: jax.
     return jax.vmap(update)(cache_BxSxKxH, new_BxTxKxH, start_B)
 
 
-def _write_head_major(
-    cache_BxKxSxH: jax.Array, new_BxKxH: jax.Array, pos_B: jax.Array
-) -> jax.Array:
+def _write_step(cache: jax.Array, new_BxKxH: jax.Array, pos_B: jax.Array, axis: int) -> jax.Array:
+    """Writes one position per row into a head-major cache array (position axis `axis` of a row;
+    a position past the end is clamped to the last, as dynamic_update_slice does)."""
     update = lambda c, x, p: jax.lax.dynamic_update_slice_in_dim(
-        c, x[:, None].astype(c.dtype), p, axis=1
+        c, jnp.expand_dims(x, axis).astype(c.dtype), p, axis=axis
     )
-    return jax.vmap(update)(cache_BxKxSxH, new_BxKxH, pos_B)
+    return jax.vmap(update)(cache, new_BxKxH, pos_B)
 
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class _DecodeStep:
-    """Marks a head-major decode step (T == 1) over `blocks` live blocks of `block` positions."""
+    """Marks a head-major decode step (T == 1): over `blocks` blocks of `block` positions
+    (`attend_blocks`), or over the whole cache when `blocks` is 0 (`attend_live`)."""
 
     blocks: int
     block: int
@@ -268,7 +325,8 @@ class Attention(nnx.Module):
         kv: tuple[jax.Array, jax.Array] | None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """`kv`: None (full sequence; returns its own keys/values), a (B, S, K, H) cache pair with
-        `mask` (B, T, S), or a head-major (B, K, S, H) pair with `mask` a `_DecodeStep`."""
+        `mask` (B, T, S), or a head-major ((B, K, H, S), (B, K, S, H)) pair with `mask` a
+        `_DecodeStep`."""
         cfg = self.config
         q = constrain(
             self._project(x_BxTxD, self.q, "q_bias"), ("batch", "length", "q_heads", "head_dim")
@@ -285,13 +343,14 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, positions_BxT, inv_freq), apply_rope(k, positions_BxT, inv_freq)
         if isinstance(mask, _DecodeStep):
             pos_B = positions_BxT[:, 0]
-            kv = (
-                _write_head_major(kv[0], k[:, 0], pos_B),
-                _write_head_major(kv[1], v[:, 0], pos_B),
-            )
-            out = attend_blocks(q[:, 0], kv[0], kv[1], pos_B, blocks=mask.blocks, block=mask.block)[
-                :, None
-            ]
+            kv = (_write_step(kv[0], k[:, 0], pos_B, 2), _write_step(kv[1], v[:, 0], pos_B, 1))
+            if mask.blocks:
+                out = attend_blocks(
+                    q[:, 0], kv[0], kv[1], pos_B, blocks=mask.blocks, block=mask.block
+                )
+            else:
+                out = attend_live(q[:, 0], kv[0], kv[1], pos_B)
+            out = out[:, None]
         elif kv is None:
             out, kv = attend_full(q, k, v, mask), (k, v)
         else:
@@ -491,30 +550,18 @@ class Transformer(nnx.Module):
         h, (k, v) = self._stack(tokens_BxT, positions_BxT, mask, cache)
         return h, KVCache(k=k, v=v)
 
-    def init_head_major_cache(
-        self, batch: int, max_length: int, dtype: Any = None
-    ) -> HeadMajorKVCache:
-        """An empty (B, K, S, H) cache for `decode_step`."""
-        cfg = self.config
-        shape = (batch, cfg.n_kv_heads, max_length, cfg.head_dim)
-        dtype = cfg.jnp_dtype if dtype is None else dtype
-        zeros = lambda: constrain(jnp.zeros(shape, dtype), HEAD_MAJOR_CACHE_AXES)
-        return HeadMajorKVCache(
-            k=tuple(zeros() for _ in range(cfg.n_layers)),
-            v=tuple(zeros() for _ in range(cfg.n_layers)),
-        )
-
     def decode_step(
         self,
         tokens_B: jax.Array,
         positions_B: jax.Array,
         cache: HeadMajorKVCache,
         *,
-        blocks: int,
-        block: int,
+        blocks: int = 0,
+        block: int = 0,
     ) -> tuple[jax.Array, HeadMajorKVCache]:
-        """One token per row at `positions_B`, attending only to the first `blocks * block` cache
-        positions (every row's position must be below that; see `attend_blocks`).
+        """One token per row at `positions_B`, attending to the whole cache (`blocks` 0) or only
+        to its first `blocks * block` positions (every row's position must be below that; see
+        `attend_blocks`).
 
         Returns:
           (final-normed hidden states (B, 1, d_model), updated cache).
