@@ -1,0 +1,152 @@
+"""Sampler replicas in one process (rl/runtime/replicas.py): routing, migration, elasticity.
+
+Exactness: per-request randomness does not depend on the slot or the replica, so two replicas,
+with or without migrating running sequences between them at every step, give the tokens and
+log-probs of one engine, bitwise (float32, CPU, tiny model).
+"""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from rl.admission import FCFS
+from rl.elastic.migration import MigrationConfig, make_migration_policy
+from rl.models import create_model, get_preset
+from rl.runtime.replicas import ReplicaSampler
+from rl.timeline import Timeline
+from rl.types import Request, SamplingParams
+from sampler.engine import Engine, EngineConfig
+
+CFG = EngineConfig(max_slots=4, max_length=64, max_prefill_length=16, steps_per_call=2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return create_model(get_preset("tiny", init_std=0.3), seed=0)
+
+
+@pytest.fixture(scope="module")
+def engines(model):
+    """Engines on devices 0, 1, 2, built (and compiled) once for the module."""
+    out = {}
+
+    def on(device):
+        if device not in out:
+            mesh = Mesh(np.array([jax.devices()[device]]).reshape(1, 1), ("data", "tp"))
+            out[device] = Engine(model, CFG, mesh=mesh)
+        return out[device]
+
+    return on
+
+
+def requests(n=5, seed=0, lengths=None):
+    rng = np.random.default_rng(seed)
+    out = []
+    for uid in range(n if lengths is None else len(lengths)):
+        prompt = tuple(int(t) for t in rng.integers(0, 256, size=int(rng.integers(3, 12))))
+        new = int(rng.integers(4, 40)) if lengths is None else lengths[uid]
+        params = SamplingParams(temperature=1.0, max_new_tokens=new)
+        out.append(Request(uid=uid, prompt=prompt, group_size=2, params=params))
+    return out
+
+
+def sample(
+    model,
+    engine_on,
+    devices,
+    policy="off",
+    routing="round_robin",
+    seed=0,
+    fraction=0.25,
+    lengths=None,
+):
+    engines = [engine_on(d) for d in devices]
+    groups, timeline = [], Timeline()
+    sampler = ReplicaSampler(
+        engines,
+        make_admission=FCFS,
+        reward_fn=lambda r, c: 0.0,
+        emit=groups.append,
+        routing=routing,
+        migration=make_migration_policy(
+            MigrationConfig(policy=policy, max_running_fraction=fraction)
+        ),
+        timeline=timeline,
+    )
+    sampler.set_params(engines[0].load_params(model), 0)
+    sampler.submit(requests(seed=seed, lengths=lengths))
+    sampler.run_until_idle(max_steps=500)
+    out = {
+        g.request.key: [(c.tokens, c.logprobs, c.versions) for c in g.completions] for g in groups
+    }
+    assert len(out) == len(groups)  # each group once
+    return out, sampler, timeline
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_replicas_and_migration_do_not_change_tokens(model, engines, seed):
+    one, _, _ = sample(model, engines, [0], seed=seed)
+    two, _, _ = sample(model, engines, [1, 2], seed=seed)
+    moved, sampler, timeline = sample(model, engines, [1, 2], policy="always", seed=seed)
+    assert one == two == moved
+    stats = sampler.stats
+    assert stats.migrations > 0 and stats.migrated_bytes > 0
+    assert stats.groups_emitted == len(one) and sampler.busy_slots() == sampler.pending() == 0
+    spans = timeline.spans("sampler/")
+    moves = [s for s in spans if s.name == "migrate"]
+    assert len(moves) == stats.migrations
+    assert {s.args["replica"] for s in spans if s.lane.startswith("sampler/slot")} == {0, 1}
+    finals = [s for s in spans if s.lane.startswith("sampler/slot") and not s.args.get("migrated")]
+    assert len(finals) == 2 * len(one)  # one final span per sequence
+    tokens = sum(len(t) for g in one.values() for t, _, _ in g)
+    assert sum(s.args["tokens"] for s in spans if s.lane.startswith("sampler/slot")) == tokens
+
+
+def test_tail_consolidates_and_frees_a_replica(model, engines):
+    # round-robin: each replica gets a long and a short group; the two long tails consolidate
+    lengths = [40, 40, 4, 4]
+    ref, _, _ = sample(model, engines, [0], lengths=lengths)
+    got, sampler, timeline = sample(
+        model, engines, [1, 2], policy="tail", fraction=0.5, lengths=lengths
+    )
+    assert got == ref
+    assert sampler.stats.migrations >= 1
+    assert sampler.idle_replicas() == [0, 1]
+    # after each move the source replica ran nothing more of that round's tail
+    for move in timeline.spans("sampler/"):
+        if move.name == "migrate":
+            later = [
+                s
+                for s in timeline.spans("sampler/slot")
+                if s.args["replica"] == move.args["src"] and s.start > move.end
+            ]
+            assert later == []
+
+
+def test_add_and_remove_replicas_between_steps(model, engines):
+    first = [engines(1)]
+    groups = []
+    sampler = ReplicaSampler(
+        first, make_admission=FCFS, reward_fn=lambda r, c: 0.0, emit=groups.append
+    )
+    sampler.set_params(first[0].load_params(model), 0)
+    reqs = requests(6)
+    sampler.submit(reqs[:3])
+    sampler.step()
+    i = sampler.add_replica(engines(2))
+    assert i == 1 and sampler.replica_slots == (4, 4)
+    sampler.submit(reqs[3:])
+    sampler.step()
+    sampler.remove_replica(1)  # its requests are re-sampled on replica 0
+    sampler.run_until_idle(max_steps=500)
+    assert sorted(g.request.key for g in groups) == sorted(r.key for r in reqs)
+    ref, _, _ = sample(model, engines, [0], seed=0)
+    got = {
+        g.request.key: [(c.tokens, c.logprobs, c.versions) for c in g.completions] for g in groups
+    }
+    assert {k: got[k] for k in ref} == ref
+    with pytest.raises(ValueError, match="No live sampler replica 1"):
+        sampler.remove_replica(1)
+    with pytest.raises(ValueError, match="is the last one"):
+        sampler.remove_replica(0)
