@@ -5,13 +5,17 @@ with or without migrating running sequences between them at every step, give the
 log-probs of one engine, bitwise (float32, CPU, tiny model).
 """
 
+import random
+
 import jax
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import Mesh
 
 from rl.admission import FCFS
-from rl.elastic.migration import MigrationConfig, make_migration_policy
+from rl.elastic.migration import MigrationConfig, Move, check_moves, make_migration_policy
 from rl.models import create_model, get_preset
 from rl.runtime.replicas import ReplicaSampler
 from rl.timeline import Timeline
@@ -150,3 +154,84 @@ def test_add_and_remove_replicas_between_steps(model, engines):
         sampler.remove_replica(1)
     with pytest.raises(ValueError, match="is the last one"):
         sampler.remove_replica(0)
+
+
+class RandomMoves:
+    """Random executable migration decisions (a policy for the property test)."""
+
+    def __init__(self, seed, p):
+        self.rng, self.p = random.Random(seed), p
+
+    def moves(self, views):
+        free, out = [v.free for v in views], []
+        for i, v in enumerate(views):
+            for r in v.running:
+                if not r.movable or self.rng.random() >= self.p:
+                    continue
+                dsts = [j for j in range(len(views)) if j != i and free[j] >= r.sequences]
+                if dsts:
+                    j = self.rng.choice(dsts)
+                    free[j] -= r.sequences
+                    out.append(Move(r.key, i, j))
+        check_moves(views, out)
+        return out
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    specs=st.lists(
+        st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 24)), min_size=1, max_size=7
+    ),
+    seed=st.integers(0, 2**16),
+    p=st.sampled_from([0.3, 1.0]),
+    replicas=st.sampled_from([2, 3]),
+)
+def test_every_request_finishes_once_and_no_slot_leaks(model, engines, specs, seed, p, replicas):
+    """Random lengths, group sizes and migration decisions: each group is emitted once, each
+    sample ends once (one final slot span), tokens are those of one engine, slots all come back."""
+    rng = np.random.default_rng(seed)
+    reqs = [
+        Request(
+            uid=uid,
+            prompt=tuple(int(t) for t in rng.integers(0, 256, size=int(rng.integers(1, 9)))),
+            group_size=g,
+            keep=min(keep, g) if keep < g else 0,
+            params=SamplingParams(temperature=1.0, max_new_tokens=n),
+        )
+        for uid, (g, keep, n) in enumerate(specs)
+    ]
+
+    def run(devices, policy):
+        groups, timeline = [], Timeline()
+        sampler = ReplicaSampler(
+            [engines(d) for d in devices],
+            make_admission=FCFS,
+            reward_fn=lambda r, c: 0.0,
+            emit=groups.append,
+            migration=policy,
+            timeline=timeline,
+        )
+        sampler.set_params(engines(devices[0]).load_params(model), 0)
+        sampler.submit(reqs)
+        sampler.run_until_idle(max_steps=400)
+        return groups, sampler, timeline
+
+    ref, _, _ = run([0], None)
+    groups, sampler, timeline = run([1, 2, 0][:replicas], RandomMoves(seed, p))
+    keys = [g.request.key for g in groups]
+    assert sorted(keys) == sorted(r.key for r in reqs) and len(set(keys)) == len(keys)
+    tokens = lambda gs: {g.request.key: [(c.sample, c.tokens) for c in g.completions] for g in gs}
+    assert tokens(groups) == tokens(ref)
+    for g in groups:  # every kept sample ended once, on one replica's slot
+        finals = [
+            s
+            for s in timeline.spans("sampler/slot")
+            if s.args["uid"] == g.request.uid and not s.args.get("migrated")
+        ]
+        ended = sorted(s.args["sample"] for s in finals)
+        kept = sorted(c.sample for c in g.completions)
+        assert sorted(set(ended)) == ended and set(kept) <= set(ended)
+    for loop in sampler.loops.values():  # no slot leaked or left reserved
+        view = loop.view()
+        assert view.free == view.slots and not view.running and not loop._reserved
+        assert not jax.device_get(loop._state.active).any()
