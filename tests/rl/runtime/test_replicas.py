@@ -14,9 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh
 
+from configs import base
 from rl.admission import FCFS
 from rl.elastic.migration import MigrationConfig, Move, check_moves, make_migration_policy
 from rl.models import create_model, get_preset
+from rl.runtime.compose import build_driver
 from rl.runtime.replicas import ReplicaSampler
 from rl.timeline import Timeline
 from rl.types import Request, SamplingParams
@@ -235,3 +237,37 @@ def test_every_request_finishes_once_and_no_slot_leaks(model, engines, specs, se
         view = loop.view()
         assert view.free == view.slots and not view.running and not loop._reserved
         assert not jax.device_get(loop._state.active).any()
+
+
+def run_threads(replicas, migration, rounds=2):
+    config = base.get_config("smoke")
+    config.sft.max_steps = 0
+    config.driver.mode, config.driver.batching = "cgp", "ordered"
+    config.mesh.sampler_replicas = replicas
+    config.elastic.migration = migration
+    runtime, driver = build_driver(config, rounds=rounds)
+    try:
+        try:
+            results = [driver.run_round(r) for r in range(rounds)]
+        finally:
+            driver.close()
+        return results, jax.device_get(runtime.learner.state.params)
+    finally:
+        runtime.close()
+
+
+def test_threads_runtime_with_forced_migration_equals_one_replica():
+    """cgp + ordered: 2 replicas migrating at every step train on the tokens of 1 replica and
+    reach the same parameters, bitwise (the run-level form of the exactness invariant)."""
+    one, p1 = run_threads(1, "off")
+    two, p2 = run_threads(2, "always")
+    tokens = lambda rs: [
+        [(g.request.uid, c.sample, c.tokens, c.logprobs) for g in r.groups for c in g.completions]
+        for r in rs
+    ]
+    assert tokens(two) == tokens(one)
+    for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert sum(r.metrics["migrations"] for r in two) > 0
+    assert all(r.metrics["migrated_bytes"] > 0 for r in two)
+    assert all(r.metrics["sequences"] == one[0].metrics["sequences"] for r in two)
