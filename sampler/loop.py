@@ -135,17 +135,11 @@ class Handoff:
         with their rewards in flight).
       samples: the sample indices that were running, in the order of `state`'s rows.
       state: their decode state (Engine.export_slots), on the source's devices.
-      seconds: how long the export took.
     """
 
     run: _Run
     samples: tuple[int, ...]
     state: SlotState
-    seconds: float
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return self.run.request.key
 
 
 class SamplerLoop:
@@ -300,7 +294,13 @@ class SamplerLoop:
                 (self._params, self._version), self._pending_params = self._pending_params, None
             to_free, self._to_free = self._to_free, []
             params, version = self._params, self._version
-            imports, self._imports = self._imports, []
+            # an adoption aborted before its import has its slots in to_free: nothing to import
+            imports = [
+                (slots, moved)
+                for slots, moved in self._imports
+                if all(self._slot_run[x] is not None for x in slots)
+            ]
+            self._imports = []
         if to_free:
             self._state = self.engine.free(self._state, to_free)
         for slots, moved in imports:
@@ -635,7 +635,6 @@ class SamplerLoop:
             del self._runs[key]
             for s in slots:
                 self._slot_run[s] = None
-        t0 = self.clock()
         moved = self.engine.export_slots(self._state, slots)
         self._state = self.engine.free(self._state, slots)
         t1 = self.clock()
@@ -658,7 +657,7 @@ class SamplerLoop:
                     tokens=len(sample.tokens) - sample.base,
                     migrated=True,
                 )
-        return Handoff(run=run, samples=samples, state=moved, seconds=t1 - t0)
+        return Handoff(run=run, samples=samples, state=moved)
 
     def adopt(self, handoff: Handoff, slots: list[int]) -> None:
         """Takes over a request another loop handed off, into slots `reserve` gave (any

@@ -271,3 +271,34 @@ def test_threads_runtime_with_forced_migration_equals_one_replica():
     assert sum(r.metrics["migrations"] for r in two) > 0
     assert all(r.metrics["migrated_bytes"] > 0 for r in two)
     assert all(r.metrics["sequences"] == one[0].metrics["sequences"] for r in two)
+
+
+def test_an_adoption_aborted_before_its_import_leaves_no_live_slot(model, engines):
+    from sampler.loop import SamplerLoop
+
+    groups = []
+    a, b = (
+        SamplerLoop(
+            engines(d),
+            engines(d).load_params(model),
+            admission=FCFS(),
+            reward_fn=lambda r, c: 0.0,
+            emit=groups.append,
+        )
+        for d in (1, 2)
+    )
+    reqs = requests(2, lengths=[30, 30])
+    a.submit(reqs)
+    a.step()
+    key = reqs[0].key
+    slots = b.reserve(2)
+    moved = a.handoff(key)
+    b.adopt(moved, slots)
+    with pytest.raises(ValueError, match=r"not a movable running request here"):
+        b.handoff(key)  # adopted, not decoded here yet
+    assert [r.key for r in b.abort([key])] == [key]
+    a.run_until_idle(max_steps=100)
+    b.run_until_idle(max_steps=100)
+    assert [g.request.key for g in groups] == [reqs[1].key]
+    for loop in (a, b):
+        assert not jax.device_get(loop._state.active).any() and loop.view().free == 4
