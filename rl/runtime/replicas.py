@@ -92,6 +92,8 @@ class ReplicaSampler:
         clock: Callable[[], float] = time.monotonic,
     ):
         engines = list(engines)
+        if not engines:
+            raise ValueError("ReplicaSampler needs at least one engine; received none.")
         self._routing = Routing(routing, max(1, len(engines)))
         self._make_admission, self._reward_fn, self._emit = make_admission, reward_fn, emit
         self._group_atomic, self._recompute_kv = group_atomic, recompute_kv
@@ -117,7 +119,8 @@ class ReplicaSampler:
             self._next_offset,
             self._next_offset + engine.max_concurrent_decodes,
         )
-        params, version = self._params
+        published = self._params
+        params, version = published
         loop = SamplerLoop(
             engine,
             None if params is None else engine.place_params(params),
@@ -133,6 +136,9 @@ class ReplicaSampler:
         )
         with self._lock:
             self.loops[i], self._offsets[i] = loop, offset
+            latest = self._params
+        if latest is not published:  # weights published while the loop was built
+            loop.set_params(engine.place_params(latest[0]), latest[1])
         return loop
 
     def add_replica(self, engine: Engine) -> int:

@@ -156,6 +156,8 @@ def test_add_and_remove_replicas_between_steps(model, engines):
         sampler.remove_replica(1)
     with pytest.raises(ValueError, match="is the last one"):
         sampler.remove_replica(0)
+    with pytest.raises(ValueError, match="at least one engine; received none"):
+        ReplicaSampler([], make_admission=FCFS, reward_fn=lambda r, c: 0.0, emit=groups.append)
 
 
 class RandomMoves:
