@@ -251,7 +251,13 @@ class ThreadsRuntime:
     def evaluate(self, published: Any, records: Any, *, k: int = 1) -> dict[str, float]:
         """Held-out accuracy (and pass@k, k > 1) of published params (WeightSync output)."""
         return evaluate_heldout(
-            self.config, self.setup, self.engine, published, records, self.eval_reward, k
+            self.config,
+            self.setup,
+            self.engine,
+            self.engine.place_params(published),  # on the first replica's devices
+            records,
+            self.eval_reward,
+            k,
         )
 
     def export_hf(self, path: str) -> None:
