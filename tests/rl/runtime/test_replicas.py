@@ -18,8 +18,9 @@ from configs import base
 from rl.admission import FCFS
 from rl.elastic.migration import MigrationConfig, Move, check_moves, make_migration_policy
 from rl.models import create_model, get_preset
-from rl.runtime.compose import build_driver
+from rl.runtime.compose import Setup, build_driver
 from rl.runtime.replicas import ReplicaSampler
+from rl.tasks.data import load_task
 from rl.timeline import Timeline
 from rl.types import Request, SamplingParams
 from sampler.engine import Engine, EngineConfig
@@ -254,6 +255,11 @@ def run_threads(replicas, migration, rounds=2):
             results = [driver.run_round(r) for r in range(rounds)]
         finally:
             driver.close()
+        if replicas > 1:  # evaluation runs on the first replica, with the published weights
+            setup = Setup.from_config(config)
+            heldout = load_task(setup.data, setup.tokenizer, max_prompt_tokens=16).heldout
+            published = runtime.weight_sync.publish(runtime.learner.params, version=-1).params
+            assert 0 <= runtime.evaluate(published, heldout, k=1)["accuracy"] <= 1
         return results, jax.device_get(runtime.learner.state.params)
     finally:
         runtime.close()
