@@ -4,6 +4,7 @@ validation of the simulator against a real run.
     python -m launch.simulate --json /tmp/sim.json [--gpu h100 --sampler_gpus 4 --learner_gpus 4]
     python -m launch.simulate --profile /tmp/profile.json --validate /tmp/bench_pipeline.json
     python -m launch.simulate --plan_budgets 8,16,32
+    python -m launch.simulate --migration tail --modes sync,cgp+frontier+fifo,async+frontier+s1
     python -m launch.simulate --workload rollpacker --modes sync,sync+tail,cgp+frontier+fifo,\
         cgp+frontier+tail --setups 64,128 --balance_wait 0.7
 
@@ -31,6 +32,12 @@ lag_mean and lag_max.
 prompt, the same epoch, R, U, G, slots, steps per call) with --profile's model: per mode the real
 and simulated figures and the error, cgp also without the contention term.
 
+--migration tail (or always) adds a JigsawRL block: per setup and mode, the replicas' static split
+(requests routed round-robin at submission, as the runtimes do) against the same with long-tail
+migration (rl/elastic/migration.py, thresholds --migration_fraction and --migration_min_left; a
+move costs StageModel.migrate_s: the request's KV bytes over NVLink plus a fixed 10 ms in the GPU
+presets): throughput (groups/s) and the sampler replica-seconds busy, each vs the static split.
+
 --plan_budgets runs rl/plan.py on each budget: the planner's split beside every split's simulated
 time per round.
 """
@@ -43,9 +50,10 @@ from typing import Any
 
 from absl import app, flags
 
+from rl.elastic.migration import MIGRATION_POLICIES, MigrationConfig
 from rl.plan import Split, compare, format_table
 from rl.rounds import TailConfig
-from rl.sim.compare import balance_learner, run_modes, sim_config, validate
+from rl.sim.compare import balance_learner, compare_migration, run_modes, sim_config, validate
 from rl.sim.presets import gpu_preset
 from rl.sim.simulator import SimResult
 from rl.sim.stage import StageModel
@@ -103,6 +111,15 @@ _BALANCE = flags.DEFINE_float(
 )
 _VALIDATE = flags.DEFINE_string("validate", "", "A launch.bench_pipeline JSON to validate against.")
 _PLAN = flags.DEFINE_list("plan_budgets", [], "Device budgets for the split planner.")
+_MIGRATION = flags.DEFINE_enum(
+    "migration", "off", MIGRATION_POLICIES, "Add the static-split vs migration block (tail)."
+)
+_MIG_FRACTION = flags.DEFINE_float(
+    "migration_fraction", 0.25, "Migration: act once running <= this * all slots."
+)
+_MIG_MIN_LEFT = flags.DEFINE_integer(
+    "migration_min_left", 0, "Migration: requests with fewer tokens to go stay put."
+)
 _GANTT_DIR = flags.DEFINE_string("gantt_dir", "", "Write simulated Gantt PNGs of setup R=32 here.")
 
 
@@ -250,6 +267,47 @@ def validation(model: StageModel, out: dict[str, Any]) -> None:
         )
 
 
+def migration_block(model: StageModel, slots: int, out: dict[str, Any]) -> None:
+    workload = workload_config()
+    replicas = 1 if _PROFILE.value else _SAMPLER_GPUS.value // _SAMPLER_TP.value
+    mig = MigrationConfig(
+        policy=_MIGRATION.value,
+        max_running_fraction=_MIG_FRACTION.value,
+        min_tokens_left=_MIG_MIN_LEFT.value,
+    )
+    out["migration"] = {"config": mig.__dict__, "replicas": replicas}
+    for r in map(int, _SETUPS.value):
+        rows = compare_migration(
+            _MODES.value,
+            model,
+            workload,
+            mig,
+            rounds=_ROUNDS.value,
+            groups_per_round=r,
+            groups_per_update=_PER_UPDATE.value,
+            group_size=_GROUP_SIZE.value,
+            max_new_tokens=max_new_tokens(),
+            replicas=replicas,
+            slots=slots,
+            tail=TailConfig(eta=_ETA.value, response_eta=_RESPONSE_ETA.value),
+        )
+        out["migration"][f"R{r}"] = rows
+        print(
+            f"migration ({mig.policy}, {replicas} replicas x {slots} slots, round-robin routing) "
+            f"R={r}:"
+        )
+        print(
+            f"  {'mode':<36}{'r2t_end s':>10}{'groups/s':>9}{'vs static':>10}"
+            f"{'replica-s busy':>15}{'vs static':>10}{'moves/rd':>9}{'MB/rd':>9}"
+        )
+        for name, row in rows.items():
+            print(
+                f"  {name:<36}{row['rollout_to_train_end_s']:>10.2f}{row['groups_per_s']:>9.3f}"
+                f"{row['groups_per_s_vs_static']:>9.2f}x{row['replica_busy_s']:>15.1f}"
+                f"{row['busy_vs_static']:>9.2f}x{row['migrations']:>9.1f}{row['migrated_mb']:>9.1f}"
+            )
+
+
 def planning(out: dict[str, Any]) -> None:
     workload = workload_config()
     out["plan"] = {}
@@ -290,6 +348,8 @@ def main(argv: list[str]) -> None:
         validation(model, out)
     else:
         comparison(model, slots, out)
+    if _MIGRATION.value != "off":
+        migration_block(model, slots, out)
     if _PLAN.value:
         planning(out)
     if _JSON.value:

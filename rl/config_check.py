@@ -298,6 +298,10 @@ def check_config(config: Any) -> None:
                 f"learner) with config.runtime={runtime!r}; expected 1: the threads runtime runs "
                 "the learner and the sampler in one process."
             )
+    if clean("elastic") and "elastic" in config:
+        from rl.runtime.compose import migration_config_from
+
+        p.build("elastic", lambda: migration_config_from(config))
     if clean("mesh"):
         mesh = p.build("mesh", lambda: MeshConfig(**config.mesh))
         meshes = p.build("mesh", lambda: make_meshes(mesh)) if mesh is not None else None
@@ -334,7 +338,8 @@ def check_config(config: Any) -> None:
             )
     if meshes is not None:
         learner_mesh, sampler_mesh = meshes
-        fsdp, data_axis = learner_mesh.shape["fsdp"], sampler_mesh.shape["data"]
+        fsdp = learner_mesh.shape["fsdp"]
+        data_axis = sampler_mesh.shape["data"] // mesh.sampler_replicas
         if learner is not None and learner.micro_batch_rows % fsdp:
             p.add(
                 f"config.learner.micro_batch_rows={learner.micro_batch_rows} is not divisible by "
@@ -344,6 +349,15 @@ def check_config(config: Any) -> None:
             p.add(
                 f"config.engine.max_slots={engine.max_slots} is not divisible by the sampler "
                 f"mesh's data axis ({data_axis}); expected a multiple of {data_axis}."
+            )
+
+        replicas = mesh.sampler_replicas
+        tail = driver is not None and (driver.tail.enabled or driver.tail.response_eta > 1)
+        if replicas > 1 and tail:
+            p.add(
+                f"config.mesh.sampler_replicas={replicas} with config.driver.tail: the threaded "
+                "runtime cuts a round inside one sampler loop; expected mesh.sampler_replicas=1 "
+                "with tail batching, or config.runtime='ray' (its router cuts across replicas)."
             )
 
     # Warm start and evaluation.

@@ -7,6 +7,8 @@ uses (free strings; the part before the first "/" is the lane group, one trace p
     sampler/slot{i}   one per engine slot: a span per sequence (args uid, sample, round, tokens)
     sampler/prefill   prefill spans
     sampler/groups    instants when a group completes
+    sampler/migrate   long-tail migrations out of a replica (args round, uid, sequences, bytes,
+                      src, dst); replica i > 0's non-slot lanes are sampler/replica{i}/...
     learner           spans "micro_step" and "update" (args step, round, tokens)
     publish           weight publish spans (args version)
 """
@@ -27,8 +29,9 @@ if TYPE_CHECKING:
 
 GROUP_ORDER = ("sampler", "learner", "publish")  # trace processes and Gantt rows, top to bottom
 SLOT_PREFIX = "sampler/slot"
-_CATEGORIES = ("sequence", "prefill", "micro_step", "update", "publish", "other")  # Gantt bars
-_COLORS = dict(zip(_CATEGORIES, ("C0", "C9", "C1", "C3", "C2", "C7"), strict=True))
+# Gantt bars
+_CATEGORIES = ("sequence", "prefill", "migrate", "micro_step", "update", "publish", "other")
+_COLORS = dict(zip(_CATEGORIES, ("C0", "C9", "C4", "C1", "C3", "C2", "C7"), strict=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +69,16 @@ def _time(lane: str, name: str, key: str, t: Any) -> float:
     except (TypeError, ValueError):
         pass
     raise ValueError(f"{lane}/{name}: {key} must be a finite number of seconds; received {t!r}.")
+
+
+def replica_lane(lane: str, replica: int, offset: int) -> str:
+    """Replica `replica`'s own lane on the run's timeline: slot lanes numbered across replicas
+    (its slot i is slot offset + i), its other sampler lanes under sampler/replica{replica}/."""
+    if lane.startswith(SLOT_PREFIX):
+        return f"{SLOT_PREFIX}{offset + int(lane[len(SLOT_PREFIX) :])}"
+    if lane.startswith("sampler/"):
+        return f"sampler/replica{replica}/{lane.removeprefix('sampler/')}"
+    return lane
 
 
 def lane_group(lane: str) -> str:
@@ -107,8 +120,8 @@ def _meta(kind: str, pid: int, tid: int, name: str) -> list[dict[str, Any]]:
 def _category(span: Span) -> str:
     if span.lane.startswith(SLOT_PREFIX):
         return "sequence"
-    if span.lane == "sampler/prefill":
-        return "prefill"
+    if lane_group(span.lane) == "sampler" and span.name in ("prefill", "migrate"):
+        return span.name  # any replica's prefill lane, its migrations (rl.elastic)
     if span.name in ("micro_step", "update"):
         return span.name
     return "publish" if lane_group(span.lane) == "publish" else "other"

@@ -196,28 +196,50 @@ def export_policy(config: Any, setup: Setup, learner: Learner, path: str) -> Non
     )
 
 
+def migration_config_from(config: Any) -> Any:
+    """config.elastic as a typed rl.elastic.migration.MigrationConfig (validated)."""
+    from rl.elastic.migration import MigrationConfig
+
+    e = config.elastic
+    return MigrationConfig(
+        policy=e.migration,
+        max_running_fraction=e.max_running_fraction,
+        min_tokens_left=e.min_tokens_left,
+    )
+
+
 class ThreadsRuntime:
-    """Everything in this process: the learner and one sampler on disjoint meshes (or colocated).
+    """Everything in this process: the learner and the sampler replicas on disjoint meshes (or
+    colocated), config.mesh.sampler_replicas of them, each an Engine on its own devices.
 
     Attributes:
       learner: the Learner.
-      weight_sync: a DevicePutSync learner mesh -> sampler mesh.
-      engine: the sampler Engine (evaluation uses it too).
+      weight_sync: a DevicePutSync learner mesh -> sampler mesh (all replicas' devices; each
+        replica places the published weights on its own).
+      engines: the sampler replicas' Engines.
+      engine: the first of them (evaluation uses it).
       reward, eval_reward: rollouts and evaluation get their own runners, so each counts its own
         errors and timeouts.
     """
 
     def __init__(self, config: Any, setup: Setup, *, total_updates: int):
-        from learner.mesh import MeshConfig, make_meshes
+        from learner.mesh import MeshConfig, make_meshes, replica_meshes
         from learner.publish import DevicePutSync
+        from rl.elastic.migration import make_migration_policy
 
         self.config, self.setup = config, setup
-        learner_mesh, sampler_mesh = make_meshes(MeshConfig(**config.mesh))
+        mesh_cfg = MeshConfig(**config.mesh)
+        learner_mesh, sampler_mesh = make_meshes(mesh_cfg)
+        self.migration = make_migration_policy(migration_config_from(config))
         model = build_checked_model(config, setup, learner_mesh)
         self.learner = build_learner(
             config, setup, model, learner_mesh, total_updates=total_updates
         )
-        self.engine = build_engine(config, setup, sampler_mesh, model)
+        self.engines = [
+            build_engine(config, setup, mesh, model)
+            for mesh in replica_meshes(sampler_mesh, mesh_cfg.sampler_replicas)
+        ]
+        self.engine = self.engines[0]
         # Colocated with the same sharding and dtype, publishing shares the learner's arrays.
         self.weight_sync = DevicePutSync(
             self.learner.params,
@@ -240,8 +262,10 @@ class ThreadsRuntime:
 
         return threaded_driver(
             cfg,
-            engine=self.engine,
+            engine=self.engines,
             learner=self.learner,
+            routing=self.config.mesh.sampler_routing,
+            migration=self.migration,
             weight_sync=self.weight_sync,
             reward_fn=reward_fn or rollout_reward(self.config, self.reward),
             **kwargs,
@@ -254,7 +278,13 @@ class ThreadsRuntime:
     def evaluate(self, published: Any, records: Any, *, k: int = 1) -> dict[str, float]:
         """Held-out accuracy (and pass@k, k > 1) of published params (WeightSync output)."""
         return evaluate_heldout(
-            self.config, self.setup, self.engine, published, records, self.eval_reward, k
+            self.config,
+            self.setup,
+            self.engine,
+            self.engine.place_params(published),  # on the first replica's devices
+            records,
+            self.eval_reward,
+            k,
         )
 
     def export_hf(self, path: str) -> None:

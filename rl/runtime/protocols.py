@@ -1,7 +1,7 @@
 """What the driver (rl.driver) talks to: a sampler, a queue of complete groups and a weight sync.
 
-Both runtimes implement them: `threads` with a SamplerLoop, a GroupQueue and a DevicePutSync in one
-process; `ray` with sampler replica actors behind a router, a queue actor and the object store
+Both runtimes implement them: `threads` with sampler replicas in threads (rl.runtime.replicas: a
+SamplerLoop per Engine), a GroupQueue and a DevicePutSync in one process; `ray` with sampler replica actors behind a router, a queue actor and the object store
 (rl.runtime.ray). The driver never sees which.
 """
 

@@ -179,3 +179,39 @@ def validate(
             row["median_round_error_r2t"] = float(np.median(errors))
         out[name] = row
     return out
+
+
+def compare_migration(
+    modes: Sequence[str],
+    model: StageModel,
+    workload: WorkloadConfig,
+    migration: Any,
+    *,
+    rounds: int,
+    **fields: Any,
+) -> dict[str, dict[str, Any]]:
+    """Each mode with its replicas' static split (requests routed round-robin at submission, as
+    the runtimes route) and with long-tail migration (`migration`, a MigrationConfig).
+
+    Returns, per "<mode>" and "<mode>+migration": summarize's figures, replica_busy_s (sampler
+    replica-seconds busy, what freed replicas give back), migrations and migrated_mb per round,
+    and groups_per_s_vs_static / busy_vs_static (the migration row over its static row).
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        for name, mig in ((mode, None), (f"{mode}+migration", migration)):
+            extra = {} if mig is None else {"migration": mig}
+            cfg = sim_config(mode, routing="round_robin", **extra, **dict(fields))
+            result = Simulator(cfg, model, Workload(workload)).run(rounds)
+            row = summarize(result)
+            n = max(1, len(result.rounds))
+            row["replica_busy_s"] = float(result.counters["replica_busy_s"])
+            row["migrations"] = sum(float(r["migrations"]) for r in result.rounds) / n
+            row["migrated_mb"] = sum(float(r["migrated_bytes"]) for r in result.rounds) / n / 1e6
+            out[name] = row
+        static, moved = out[mode], out[f"{mode}+migration"]
+        for r in (static, moved):
+            r["groups_per_s_vs_static"] = r["groups_per_s"] / static["groups_per_s"]
+            r["busy_vs_static"] = r["replica_busy_s"] / static["replica_busy_s"]
+        del moved  # both rows filled
+    return out

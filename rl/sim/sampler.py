@@ -14,6 +14,14 @@ Speed: between two events nothing changes but the context, so a replica jumps to
 finishing call in one event (StageModel.decode_calls_s sums the calls in closed form); an abort or
 a change of contention cuts the jump at the call in flight.
 
+Migration (JigsawRL): with a policy (rl.elastic.migration, the object the threaded replica sampler
+runs), a replica at a call boundary, before it admits, asks it and executes the moves out of it:
+the request's running sequences leave their slots (a partial slot span, args migrated=True), free
+slots are reserved on the destination, and after StageModel.migrate_s(their KV tokens) they
+continue there from the token they reached (the destination's jump is cut so it imports them at
+its next call boundary; an idle destination starts then). A "migrate" span on sampler/migrate
+records each (args round, uid, sequences, bytes, src, dst), as in the runtime.
+
 Routing: "shared" (one admission policy; a replica pulls from it whenever it has free slots at a
 call boundary, an idle one at once) or "round_robin" (a policy per replica; submissions dealt in
 turn, so a replica's queue may wait while another idles).
@@ -26,7 +34,9 @@ import heapq
 from collections.abc import Callable, Iterable
 
 from rl.admission import AdmissionPolicy
+from rl.elastic.migration import MigrationPolicy
 from rl.rounds import RoundCut, RoundCuts
+from rl.sim.migration import SimMigration
 from rl.sim.stage import StageModel
 from rl.sim.workload import Workload
 from rl.timeline import Timeline
@@ -45,6 +55,7 @@ class _Seq:
     admit_call: int  # the replica's call count when it started
     finish_call: int  # ... when it ends
     start: float
+    base: int = 0  # tokens it had made on other replicas (migrated)
 
 
 @dataclasses.dataclass
@@ -66,9 +77,14 @@ class _Replica:
         self.chunk: _Chunk | None = None
         self.epoch = 0
         self.busy = False
+        self.reserved: set[int] = set()  # slots promised to migrating sequences
+        self.incoming: list[tuple[float, _Pending, list[tuple[_Seq, int, int]]]] = []
+        self.fresh: set[tuple[int, int]] = set()  # adopted, no call run here yet: not movable
+        self.busy_since = 0.0
+        self.busy_s = 0.0  # total time busy (replica-seconds)
 
     def free_slots(self) -> list[int]:
-        return [i for i, s in enumerate(self.seqs) if s is None]
+        return [i for i, s in enumerate(self.seqs) if s is None and i not in self.reserved]
 
     def context(self, k: int) -> float:
         return self.prompt_sum + k * (self.active * self.calls - self.admit_sum)
@@ -99,9 +115,11 @@ class SamplerCounters:
     samples_cut: int = 0  # unfinished over-provisioned samples dropped (Request.keep)
     tokens: int = 0  # tokens of finished sequences
     aborted_tokens: int = 0  # tokens decoded by sequences later aborted (wasted work)
+    migrations: int = 0  # requests moved between replicas
+    migrated_sequences: int = 0
 
 
-class SimSampler:
+class SimSampler(SimMigration):
     """Replicas over a virtual clock; see the module docstring.
 
     Args:
@@ -115,6 +133,7 @@ class SimSampler:
       emit: emit(group, t) when a group completes.
       on_busy: on_busy(busy, t) when the sampler as a whole turns busy or idle.
       timeline: where spans go.
+      migration: a long-tail migration policy (rl.elastic.migration); None: none.
     """
 
     def __init__(
@@ -130,6 +149,7 @@ class SimSampler:
         emit: Callable[[Group, float], None],
         on_busy: Callable[[bool, float], None],
         timeline: Timeline,
+        migration: MigrationPolicy | None = None,
     ):
         if routing not in ROUTINGS:
             raise ValueError(f"routing={routing!r}; expected one of {ROUTINGS}.")
@@ -146,6 +166,7 @@ class SimSampler:
         ]
         self._schedule, self._emit, self._on_busy = schedule, emit, on_busy
         self.timeline = timeline
+        self.migration = migration
         self.factor = 1.0
         self.version = 0  # the weights' version; a sequence is stamped with it at admission
         self.counters = SamplerCounters()
@@ -225,8 +246,16 @@ class SimSampler:
 
     # --------------------------------------------------------------------------- the replica
 
+    def replica_busy_s(self, now: float) -> list[float]:
+        """Each replica's busy time so far (replica-seconds; what migration frees)."""
+        return [r.busy_s + (now - r.busy_since if r.busy else 0.0) for r in self.replicas]
+
     def _set_busy(self, rep: _Replica, busy: bool, now: float) -> None:
         before = self.busy
+        if busy and not rep.busy:
+            rep.busy_since = now
+        elif rep.busy and not busy:
+            rep.busy_s += now - rep.busy_since
         rep.busy = busy
         if self.busy != before:
             self._on_busy(self.busy, now)
@@ -249,7 +278,11 @@ class SimSampler:
             self._go(rep, t[rep.index])
 
     def _step(self, rep: _Replica, now: float) -> None:
-        """A step at a call boundary: admit what fits (prefills), then plan the next calls."""
+        """A step at a call boundary: adopt what arrived, migrate out what the policy says,
+        admit what fits (prefills), then plan the next calls."""
+        self._import(rep, now)
+        if self.migration is not None and len(self.replicas) > 1:
+            self._migrate(rep, now)
         t = now
         while (request := rep.admission.next(len(rep.free_slots()))) is not None:
             t = self._admit(rep, request, t)
@@ -330,6 +363,7 @@ class SimSampler:
             return
         rep.calls += rep.chunk.calls
         rep.chunk = None
+        rep.fresh.clear()
         finished: list[_Seq] = []
         while rep.heap and rep.heap[0][0] <= rep.calls:
             _, sid, slot = heapq.heappop(rep.heap)
@@ -348,7 +382,7 @@ class SimSampler:
                 round=r.round,
                 uid=r.uid,
                 sample=seq.sample,
-                tokens=seq.length,
+                tokens=seq.length - seq.base,
             )
             self.counters.tokens += seq.length
             p = self._pending.get(r.key)

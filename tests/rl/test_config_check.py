@@ -221,3 +221,24 @@ def test_task_options_are_known_fields_and_a_typo_names_the_closest(monkeypatch)
     assert e.value.problems == [
         "config.task has no field 'digitz'; did you mean config.task.digits?"
     ]
+
+
+def test_replica_and_migration_fields_are_checked():
+    config = smoke.get_config()
+    config.elastic.migration = "sometimes"
+    config.mesh.sampler_routing = "random"
+    with pytest.raises(ConfigError) as e:
+        check_config(config)
+    assert e.value.problems == [
+        "config.elastic: elastic.migration='sometimes'; expected one of ('off', 'tail', 'always').",
+        "config.mesh: mesh.sampler_routing='random'; expected one of "
+        "('round_robin', 'least_loaded').",
+    ]
+    config = smoke.get_config()
+    config.mesh.sampler_replicas = 2
+    config.driver.tail.enabled = True
+    with pytest.raises(ConfigError, match=r"sampler_replicas=2 with config.driver.tail"):
+        check_config(config)
+    config.driver.tail.enabled = False
+    config.elastic.migration = "tail"
+    check_config(config)  # two replicas of one device each (colocated smoke) migrate: fine
