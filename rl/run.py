@@ -96,9 +96,10 @@ def _sft(config: Any, sft: Any, learner: Any, heldout_accuracy: Any, writer: Met
         bar.update(1)
         # The last step is always evaluated: the learner ends with the SFT params.
         if done % config.sft.eval_every == 0 or done == config.sft.max_steps:
+            loss = sft.loss()  # waits for the steps: their time is SFT's, not evaluation's
             sft.commit()
             acc = heldout_accuracy(learner.params)
-            writer.write(done, {"loss": sft.loss(), "heldout_acc": acc}, prefix="sft")
+            writer.write(done, {"loss": loss, "heldout_acc": acc}, prefix="sft")
             if acc >= config.sft.target_accuracy:
                 break
     bar.close()
