@@ -43,6 +43,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.mesh.sampler_devices = 0  # 0: the other half (all when colocated)
     config.mesh.sampler_tp = 1  # sampler tensor parallelism; data = sampler_devices / sampler_tp
     config.mesh.colocated = False  # learner and sampler share devices (one GPU, Colab, CPU)
+    # fixed: the device counts above; plan: open, rl/plan.py picks learner_devices and
+    # sampler_devices (leave both 0) from config.elastic.stage_model (README "Elastic devices")
+    config.mesh.split = "fixed"
+
+    # Elastic devices (rl/elastic; README "Elastic devices"). BiDiRL borrowing: the idle pool lends
+    # its devices to the bottleneck when the stage-time models predict a gain above the switch cost.
+    config.elastic = ml_collections.ConfigDict()
+    # learner: the learner trains on sampler devices too once the rollout has drained;
+    # sampler: an extra engine replica on learner devices while the learner waits (simulator only)
+    config.elastic.borrowing = "off"  # off | learner | sampler | both
+    config.elastic.switch_cost_s = 1.0  # prior cost of one switch (there and back); then measured
+    config.elastic.margin = 1.0  # borrow only when predicted gain > margin x switch cost
+    # stage-time models to predict with: a launch.profile JSON, or "preset:<model>:<gpu>" (e.g.
+    # "preset:qwen3-1.7b:h100"); needed by borrowing and mesh.split="plan"
+    config.elastic.stage_model = ""
+    config.elastic.median_tokens = 0.0  # planner workload: median response length; 0: cap / 4
 
     config.learner = ml_collections.ConfigDict()
     config.learner.policy_loss = "ppo_clip"  # ppo_clip | gspo | tis_reinforce | decoupled_ppo

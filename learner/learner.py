@@ -322,7 +322,7 @@ class Learner:
         filtered, self._filtered_in_update = self._filtered_in_update, 0
         tokens, self._tokens_in_update = self._tokens_in_update, 0
         if tokens == 0 and filtered:  # every response truncated and filtered: no gradient, no step
-            shapes = jax.eval_shape(self._home.apply, self.state, self._acc)  # shapes only[1]
+            shapes = jax.eval_shape(self._home.apply, self.state, self._acc)[1]  # metric names
             self._acc = None
             metrics = dict.fromkeys(shapes, 0.0)
             metrics.update(lr=float(self.schedule(step)), nonfinite_leaf=-1.0)

@@ -10,6 +10,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+SPLITS = ("fixed", "plan")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
@@ -18,8 +20,11 @@ class MeshConfig:
     sampler_devices: int = 0  # 0: the other half (all of them when colocated)
     sampler_tp: int = 1  # tensor parallelism on the sampler; data = sampler_devices / sampler_tp
     colocated: bool = False  # both sides on the same devices, time-sliced (one GPU, Colab, CPU)
+    split: str = "fixed"  # fixed: the counts above; plan: rl.elastic.planning.plan_mesh picks them
 
     def __post_init__(self):
+        if self.split not in SPLITS:
+            raise ValueError(f"mesh.split={self.split!r}; expected one of {SPLITS}.")
         for name in ("learner_devices", "learner_tp", "sampler_devices", "sampler_tp"):
             v = getattr(self, name)
             if v < 0 or (name.endswith("_tp") and v < 1):
@@ -30,6 +35,11 @@ class MeshConfig:
 
 def make_meshes(cfg: MeshConfig, devices: Sequence[Any] | None = None) -> tuple[Mesh, Mesh]:
     """Returns (learner_mesh, sampler_mesh): disjoint device sets unless `cfg.colocated`."""
+    if cfg.split != "fixed":
+        raise ValueError(
+            f"make_meshes needs mesh.split='fixed'; received {cfg.split!r} (an open split: "
+            "rl.elastic.planning.plan_mesh turns it into the fixed one first)."
+        )
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
     if cfg.colocated:

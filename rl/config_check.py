@@ -298,8 +298,31 @@ def check_config(config: Any) -> None:
                 f"learner) with config.runtime={runtime!r}; expected 1: the threads runtime runs "
                 "the learner and the sampler in one process."
             )
+    elastic = None
+    if clean("elastic") and "elastic" in config:
+        from rl.elastic.borrowing import BorrowConfig
+
+        elastic = p.build("elastic", lambda: BorrowConfig(**config.elastic))
+        if elastic is not None and elastic.borrowing in ("sampler", "both"):
+            p.add(
+                f"config.elastic.borrowing={elastic.borrowing!r}: the runtime lends the sampler's "
+                "devices to the learner only; expected 'off' or 'learner' (the sampler direction "
+                "runs in launch.simulate)."
+            )
     if clean("mesh"):
         mesh = p.build("mesh", lambda: MeshConfig(**config.mesh))
+        if mesh is not None and mesh.split == "plan":
+            if not config.get("elastic", {}).get("stage_model"):
+                p.add(
+                    "config.mesh.split='plan' with no config.elastic.stage_model; expected a "
+                    "launch.profile JSON or 'preset:<model>:<gpu>' for the planner."
+                )
+            if config.get("runtime", "threads") != "threads":
+                p.add(
+                    "config.mesh.split='plan' with config.runtime='ray'; expected the threads "
+                    "runtime (Ray workers size their meshes from mesh.*_devices)."
+                )
+            mesh = None  # the planner picks the counts: the fixed checks below do not apply
         meshes = p.build("mesh", lambda: make_meshes(mesh)) if mesh is not None else None
 
     # Rules between sections.

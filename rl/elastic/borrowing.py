@@ -35,18 +35,21 @@ DIRECTIONS = ("learner", "sampler")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BorrowConfig:
-    """config.elastic: which directions may borrow, the switch-cost prior and the margin."""
+    """config.elastic: which directions may borrow, the switch-cost prior and the margin, and the
+    stage-time models borrowing and the planner (mesh.split="plan") predict with."""
 
     borrowing: str = "off"  # off | learner | sampler | both
     switch_cost_s: float = 1.0  # prior cost of one switch (there and back) before any is measured
     margin: float = 1.0  # move only when predicted gain > margin * switch cost
+    stage_model: str = ""  # a launch.profile JSON or "preset:<model>:<gpu>" (rl/elastic/planning)
+    median_tokens: float = 0.0  # the planner's workload: median response length; 0: cap / 4
 
     def __post_init__(self):
         if self.borrowing not in MODES:
             raise ValueError(
                 f"config.elastic.borrowing={self.borrowing!r}; expected one of {MODES}."
             )
-        for name in ("switch_cost_s", "margin"):
+        for name in ("switch_cost_s", "margin", "median_tokens"):
             v = getattr(self, name)
             if (
                 isinstance(v, bool)
@@ -55,6 +58,11 @@ class BorrowConfig:
                 or v < 0
             ):
                 raise ValueError(f"config.elastic.{name}={v!r}; expected a finite number >= 0.")
+        if self.borrowing != "off" and not self.stage_model:
+            raise ValueError(
+                f"config.elastic.borrowing={self.borrowing!r} with no config.elastic.stage_model; "
+                "expected a launch.profile JSON or 'preset:<model>:<gpu>' to predict gains with."
+            )
 
     def allows(self, direction: str) -> bool:
         return self.borrowing in (direction, "both")

@@ -182,6 +182,8 @@ class ThreadsRuntime:
     """Everything in this process: the learner and one sampler on disjoint meshes (or colocated).
 
     Attributes:
+      mesh_plan: the planner's choice (rl.elastic.planning.MeshPlan) when config.mesh.split is
+        "plan", else None.
       learner: the Learner.
       weight_sync: a DevicePutSync learner mesh -> sampler mesh.
       engine: the sampler Engine (evaluation uses it too).
@@ -194,7 +196,15 @@ class ThreadsRuntime:
         from learner.publish import DevicePutSync
 
         self.config, self.setup = config, setup
-        learner_mesh, sampler_mesh = make_meshes(MeshConfig(**config.mesh))
+        mesh_cfg, self.mesh_plan = MeshConfig(**config.mesh), None
+        if mesh_cfg.split == "plan":  # an open split: the planner picks it (rl/elastic/planning)
+            import jax
+
+            from rl.elastic.planning import plan_mesh
+
+            mesh_cfg, self.mesh_plan = plan_mesh(config, len(jax.devices()))
+        learner_mesh, sampler_mesh = make_meshes(mesh_cfg)
+        self.sampler_devices = list(sampler_mesh.devices.flat)
         model = build_checked_model(config, setup, learner_mesh)
         self.learner = build_learner(
             config, setup, model, learner_mesh, total_updates=total_updates
