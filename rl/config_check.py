@@ -303,6 +303,12 @@ def check_config(config: Any) -> None:
         from rl.elastic.borrowing import BorrowConfig
 
         elastic = p.build("elastic", lambda: BorrowConfig(**config.elastic))
+        if elastic is not None and elastic.borrowing != "off" and not elastic.stage_model:
+            p.add(
+                f"config.elastic.borrowing={elastic.borrowing!r} with no config.elastic."
+                "stage_model; expected a launch.profile JSON or 'preset:<model>:<gpu>' to predict "
+                "gains with."
+            )
         if elastic is not None and elastic.borrowing in ("sampler", "both"):
             p.add(
                 f"config.elastic.borrowing={elastic.borrowing!r}: the runtime lends the sampler's "

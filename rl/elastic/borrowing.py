@@ -12,8 +12,9 @@ measured switches of that direction; `switch_cost_s` before the first).
                     remaining without = T_learn(L), with = T_learn(L + S).
   sampler borrows   the learner waits for groups while sequences remain: an extra engine replica
                     per `tp` learner devices decodes until the rollout drains; the learner's work
-                    waits for its devices. remaining without = max(T_roll(n) + one update, T_learn),
-                    with = T_roll(n + k) + T_learn.
+                    waits for its devices. remaining without = max(T_roll(n) + one update, T_learn)
+                    when the learner trains groups as they arrive (cgp), T_roll(n) + T_learn when it
+                    trains after the rollout (sync); with = T_roll(n + k) + T_learn.
 
 T_learn(D): micro-batches x learner_fixed + tokens x learner_per_token x (L0 / D) + updates x
 update_s (data parallel over D devices: only the per-token term scales; the optimizer apply and the
@@ -58,11 +59,6 @@ class BorrowConfig:
                 or v < 0
             ):
                 raise ValueError(f"config.elastic.{name}={v!r}; expected a finite number >= 0.")
-        if self.borrowing != "off" and not self.stage_model:
-            raise ValueError(
-                f"config.elastic.borrowing={self.borrowing!r} with no config.elastic.stage_model; "
-                "expected a launch.profile JSON or 'preset:<model>:<gpu>' to predict gains with."
-            )
 
     def allows(self, direction: str) -> bool:
         return self.borrowing in (direction, "both")
@@ -91,6 +87,7 @@ class PoolState:
     micro_batches_left: int = 0
     learner_tokens_left: float = 0.0
     learner_waiting: bool = False
+    overlap: bool = True  # the learner trains groups as they arrive (cgp); sync: after the rollout
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -226,7 +223,8 @@ class BorrowPolicy:
                 ),
                 s.learner_devices,
             )
-            without = max(self.rollout_s(s, s.sampler_replicas) + one_update, learn)
+            roll = self.rollout_s(s, s.sampler_replicas)
+            without = max(roll + one_update, learn) if s.overlap else roll + learn
             with_ = self.rollout_s(s, s.sampler_replicas + extra) + learn
             return self._judge("sampler", extra * s.replica_devices, without - with_)
         return NO_DECISION

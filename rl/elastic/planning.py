@@ -10,7 +10,10 @@ parallel); its sampler replica is what was measured, so it offers tp = 1 only.
 `plan_mesh(config, devices)` is what a run does when `config.mesh.split == "plan"` (the split is
 "open": the planner, not the config, picks mesh.learner_devices and mesh.sampler_devices, which must
 be left 0): rl.plan.plan over every split of the local devices into a learner and sampler replicas
-of mesh.sampler_tp devices with config.engine.max_slots slots each (what the runtime builds), the
+of mesh.sampler_tp devices (what the runtime builds: one engine of config.engine.max_slots slots
+sharded over the replicas' data axis, so max_slots / replicas slots each; splits
+whose learner fsdp does not divide learner.micro_batch_rows, or whose replicas do not divide
+engine.max_slots, are skipped), the
 run's schedule (driver: mode, R, U, G) and a workload of its response cap (median
 config.elastic.median_tokens). It returns the fixed MeshConfig of the chosen split.
 """
@@ -123,7 +126,16 @@ def plan_mesh(config: Any, devices: int) -> tuple[Any, MeshPlan]:
     cfg = SimConfig(**{n: getattr(driver, n) for n in shared}, max_new_tokens=cap)
     median = config.elastic.median_tokens or max(1.0, cap / 4)
     workload = Workload(WorkloadConfig(max_new_tokens=cap, median_tokens=median, seed=config.seed))
-    make = split_models(config.elastic.stage_model, slots=config.engine.max_slots)
+    models = split_models(config.elastic.stage_model)
+    rows_per_micro, slots = config.learner.micro_batch_rows, config.engine.max_slots
+
+    def make(split: Split) -> Preset:  # only splits the runtime can build (rl.plan skips others)
+        fsdp = split.learner_gpus // mesh.learner_tp
+        if split.learner_gpus % mesh.learner_tp or rows_per_micro % fsdp or slots % split.replicas:
+            raise ValueError(f"{split} does not fit micro-batch rows or slots")
+        # one engine over the sampler devices, its max_slots split over the data axis
+        return dataclasses.replace(models(split), slots=slots // split.replicas)
+
     choice, rows = plan(devices, make, cfg, workload, tps=(mesh.sampler_tp,))
     best = min(rows, key=lambda r: r.predicted_s)
     out = MeshPlan(choice, best.predicted_s, tuple((str(r.split), r.predicted_s) for r in rows))

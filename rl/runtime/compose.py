@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from learner.learner import Learner
     from rl.driver import Driver, DriverConfig
+    from rl.elastic.lending import LearnerBorrower
     from sampler.engine import Engine
 
 
@@ -178,6 +179,34 @@ def export_policy(config: Any, setup: Setup, learner: Learner, path: str) -> Non
     )
 
 
+def build_borrower(config: Any, learner: Learner, sampler_mesh: Mesh) -> LearnerBorrower | None:
+    """The learner's borrower of the sampler's devices (config.elastic), its steps compiled ahead;
+    None when borrowing is off."""
+    from rl.elastic.borrowing import BorrowConfig, BorrowPolicy
+    from rl.elastic.lending import LearnerBorrower
+    from rl.elastic.planning import split_models
+    from rl.plan import Split
+
+    cfg = BorrowConfig(**config.get("elastic", {}))
+    if not cfg.allows("learner"):
+        return None
+    learner_n = len(learner.mesh.devices.flat)
+    sampler_n, tp = len(sampler_mesh.devices.flat), sampler_mesh.shape["tp"]
+    split = Split(sampler_gpus=sampler_n, tp=tp, learner_gpus=learner_n)
+    preset = split_models(cfg.stage_model, slots=config.engine.max_slots)(split)
+    borrower = LearnerBorrower(
+        BorrowPolicy(cfg, preset.model, model_learner_devices=learner_n),
+        learner,
+        list(sampler_mesh.devices.flat),
+        sampler_replicas=split.replicas,
+        replica_devices=tp,
+        slots=max(1, config.engine.max_slots // split.replicas),  # one engine, data-sharded
+        micro_batch_rows=config.learner.micro_batch_rows,
+    )
+    borrower.prepare()
+    return borrower
+
+
 class ThreadsRuntime:
     """Everything in this process: the learner and one sampler on disjoint meshes (or colocated).
 
@@ -187,6 +216,7 @@ class ThreadsRuntime:
       learner: the Learner.
       weight_sync: a DevicePutSync learner mesh -> sampler mesh.
       engine: the sampler Engine (evaluation uses it too).
+      borrow: the learner's borrower of the sampler's devices (config.elastic.borrowing), or None.
       reward, eval_reward: rollouts and evaluation get their own runners, so each counts its own
         errors and timeouts.
     """
@@ -220,11 +250,14 @@ class ThreadsRuntime:
         )
         self.reward, self.eval_reward = build_reward(config, setup), build_reward(config, setup)
         self._ckpt = None
+        self.borrow = build_borrower(config, self.learner, sampler_mesh)
 
     def driver(self, cfg: DriverConfig, **kwargs: Any) -> Driver:
         """A Driver over a sampler thread (rl.runtime.threads); kwargs go to the Driver."""
         from rl.runtime.threads import threaded_driver
 
+        if self.borrow is not None:
+            kwargs.setdefault("borrower", self.borrow)
         return threaded_driver(
             cfg,
             engine=self.engine,
