@@ -40,8 +40,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.mesh = ml_collections.ConfigDict()
     config.mesh.learner_devices = 0  # 0: half of the devices (all when colocated)
     config.mesh.learner_tp = 1  # learner tensor parallelism; fsdp = learner_devices / learner_tp
-    config.mesh.sampler_devices = 0  # 0: the other half (all when colocated)
+    # devices of each sampler replica; 0: the other half (all when colocated) split over the
+    # replicas (runtime=ray: each replica actor's first N devices, 0: all it sees)
+    config.mesh.sampler_devices = 0
     config.mesh.sampler_tp = 1  # sampler tensor parallelism; data = sampler_devices / sampler_tp
+    # sampler replicas, an Engine + SamplerLoop each on its own devices: threads in this process
+    # (runtime=threads) or Ray actors (runtime=ray)
+    config.mesh.sampler_replicas = 1
+    config.mesh.sampler_routing = "round_robin"  # request -> replica: round_robin | least_loaded
     config.mesh.colocated = False  # learner and sampler share devices (one GPU, Colab, CPU)
     # fixed: the device counts above; plan: open, rl/plan.py picks learner_devices and
     # sampler_devices (leave both 0) from config.elastic.stage_model (README "Elastic devices")
@@ -59,6 +65,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # "preset:qwen3-1.7b:h100"); needed by borrowing and mesh.split="plan"
     config.elastic.stage_model = ""
     config.elastic.median_tokens = 0.0  # planner workload: median response length; 0: cap / 4
+    # Long-tail migration (JigsawRL, rl/elastic/migration.py): at decode-step boundaries the
+    # last running requests move, KV cache included, onto fewer sampler replicas (threads runtime
+    # with mesh.sampler_replicas > 1; tokens unchanged)
+    config.elastic.migration = "off"  # off | tail | always (every step: the exactness test's mode)
+    config.elastic.max_running_fraction = 0.25  # tail: migrate once running <= this * all slots
+    config.elastic.min_tokens_left = 0  # tail: requests with fewer tokens to go stay put
 
     config.learner = ml_collections.ConfigDict()
     config.learner.policy_loss = "ppo_clip"  # ppo_clip | gspo | tis_reinforce | decoupled_ppo
@@ -249,11 +261,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.ray = ml_collections.ConfigDict()
     config.ray.address = ""  # "": start a local Ray cluster; "auto" or host:port joins one
     config.ray.num_cpus = 0  # CPUs of a local cluster; 0: every core
-    config.ray.sampler_replicas = 1  # sampler actors, an Engine + SamplerLoop each
     # learner actors (one per host) forming one jax.distributed job, its mesh over all their
     # devices; the runtime assigns their learner.distributed fields (coordinator, rank)
     config.ray.learner_workers = 1
-    config.ray.routing = "round_robin"  # request -> replica: round_robin | least_loaded
     config.ray.on_replica_failure = "resample"  # a dead replica: resample (on the others) | stop
     config.ray.learner_gpus = 0  # GPUs of the learner worker (its devices: mesh.learner_devices)
     config.ray.replica_gpus = 0  # GPUs of each sampler replica (mesh.sampler_devices of them)

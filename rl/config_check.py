@@ -301,8 +301,10 @@ def check_config(config: Any) -> None:
     elastic = None
     if clean("elastic") and "elastic" in config:
         from rl.elastic.borrowing import BorrowConfig
+        from rl.runtime.compose import migration_config_from
 
-        elastic = p.build("elastic", lambda: BorrowConfig(**config.elastic))
+        p.build("elastic", lambda: migration_config_from(config))
+        elastic = p.build("elastic", lambda: BorrowConfig.from_section(config.elastic))
         if elastic is not None and elastic.borrowing != "off" and not elastic.stage_model:
             p.add(
                 f"config.elastic.borrowing={elastic.borrowing!r} with no config.elastic."
@@ -363,7 +365,8 @@ def check_config(config: Any) -> None:
             )
     if meshes is not None:
         learner_mesh, sampler_mesh = meshes
-        fsdp, data_axis = learner_mesh.shape["fsdp"], sampler_mesh.shape["data"]
+        fsdp = learner_mesh.shape["fsdp"]
+        data_axis = sampler_mesh.shape["data"] // mesh.sampler_replicas
         if learner is not None and learner.micro_batch_rows % fsdp:
             p.add(
                 f"config.learner.micro_batch_rows={learner.micro_batch_rows} is not divisible by "
@@ -373,6 +376,14 @@ def check_config(config: Any) -> None:
             p.add(
                 f"config.engine.max_slots={engine.max_slots} is not divisible by the sampler "
                 f"mesh's data axis ({data_axis}); expected a multiple of {data_axis}."
+            )
+
+        replicas = mesh.sampler_replicas
+        tail = driver is not None and (driver.tail.enabled or driver.tail.response_eta > 1)
+        if replicas > 1 and tail:
+            p.add(
+                f"config.mesh.sampler_replicas={replicas} with config.driver.tail: a round cut "
+                "spans one sampler; expected mesh.sampler_replicas=1 with tail batching."
             )
 
     # Warm start and evaluation.

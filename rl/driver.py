@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from rl.metrics import replica_metrics, round_metrics, staleness_metrics
+from rl.metrics import migration_metrics, replica_metrics, round_metrics, staleness_metrics
 from rl.rounds import RoundPlan, RoundPlanner, TailConfig
 from rl.schedules import (
     Action,
@@ -323,6 +323,9 @@ class Driver:
                     rollout_start=self._starts[round],
                     replica_slots=self.sampler.replica_slots,
                 )
+            )
+            metrics.update(
+                migration_metrics(self.timeline, round=round, rollout_start=self._starts[round])
             )
         metrics.update(
             self._round_stats(plan, trained, list(done.discarded), stats, self._stats0.pop(round))

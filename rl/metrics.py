@@ -23,9 +23,12 @@ step's micro_step "tokens" when the update carries none (or has not happened yet
 belongs to the update with the same "step" arg; without one, to the first update ending at or
 after it. A metric whose spans are missing (no update yet, say) is NaN (null in the JSONL).
 
-With several sampler replicas (the Ray runtime), slot spans carry args["replica"], and
-`replica_metrics` gives replica{i}_slot_occupancy and replica{i}_tokens_per_s over each replica's
-own rollout window [t0, end of its last sequence of the round].
+With several sampler replicas, slot spans carry args["replica"], and `replica_metrics` gives
+replica{i}_slot_occupancy and replica{i}_tokens_per_s over each replica's own rollout window
+[t0, end of its last sequence of the round]. A sequence that migrated (rl.elastic.migration) has a
+slot span per replica it ran on, the earlier ones marked args["migrated"]; `sequences` counts it
+once, tokens add up. `migration_metrics` sums the round's "migrate" spans: migrations (requests
+moved), migrated_sequences, migrated_bytes (decode state moved) and migration_s (time spent).
 """
 
 from __future__ import annotations
@@ -149,7 +152,7 @@ def round_metrics(
         "slot_occupancy": _div(slot_busy, num_slots * rollout_s),
         "sampler_tokens_per_s": _div(sampler_tokens, rollout_s),
         "learner_tokens_per_s": _div(learner_tokens, _busy(learner)),
-        "sequences": float(len(slots)),
+        "sequences": float(sum(not s.args.get("migrated") for s in slots)),
         "updates": float(len(updates)),
         "sampler_tokens": sampler_tokens,
         "learner_tokens": learner_tokens,
@@ -181,6 +184,27 @@ def replica_metrics(
         out[f"replica{i}_tokens_per_s"] = _div(_tokens(mine), end - rollout_start)
         out[f"replica{i}_sequences"] = float(len(mine))
     return out
+
+
+def migration_metrics(timeline: Timeline, *, round: int, rollout_start: float) -> dict[str, float]:
+    """The round's long-tail migrations: its "migrate" spans (any sampler lane) summed.
+
+    Args:
+      timeline: the run's Timeline.
+      round: which round (the moved requests' round).
+      rollout_start: when the round's rollout started (seconds, the timeline's clock).
+    """
+    moves = [
+        s
+        for s in timeline.spans(since=rollout_start)
+        if s.name == "migrate" and lane_group(s.lane) == "sampler" and s.args.get("round") == round
+    ]
+    return {
+        "migrations": float(len(moves)),
+        "migrated_sequences": float(sum(s.args.get("sequences", 0) for s in moves)),
+        "migrated_bytes": float(sum(s.args.get("bytes", 0) for s in moves)),
+        "migration_s": float(sum(s.duration for s in moves)),
+    }
 
 
 def staleness_metrics(groups: Iterable[Any], version: int) -> dict[str, float]:

@@ -68,6 +68,16 @@ def _time(lane: str, name: str, key: str, t: Any) -> float:
     raise ValueError(f"{lane}/{name}: {key} must be a finite number of seconds; received {t!r}.")
 
 
+def replica_lane(lane: str, replica: int, offset: int) -> str:
+    """Replica `replica`'s own lane on the run's timeline: slot lanes numbered across replicas
+    (its slot i is slot offset + i), its other sampler lanes under sampler/replica{replica}/."""
+    if lane.startswith(SLOT_PREFIX):
+        return f"{SLOT_PREFIX}{offset + int(lane[len(SLOT_PREFIX) :])}"
+    if lane.startswith("sampler/"):
+        return f"sampler/replica{replica}/{lane.removeprefix('sampler/')}"
+    return lane
+
+
 def lane_group(lane: str) -> str:
     """The lane's group: the part before the first "/" ("sampler/slot3" -> "sampler")."""
     return lane.split("/", 1)[0]

@@ -121,6 +121,53 @@ class DecodeState:
     stop_ids: jax.Array  # (B, max_stop_tokens) int32, -1 padded
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SlotState:
+    """Running slots' state taken out of an engine (`export_slots`) for another (`import_slots`).
+
+    Rows are padded to a power of two (the padding repeats the first slot and is dropped on
+    import); `count` of them are real. Cache rows stop at `length` positions (whole attention
+    blocks covering every exported slot's position).
+    """
+
+    k: tuple[jax.Array, ...]  # (N, kv heads, length, head dim) per layer
+    v: tuple[jax.Array, ...]
+    tokens: jax.Array  # (N,) and the other per-slot DecodeState fields, as in DecodeState
+    positions: jax.Array
+    active: jax.Array
+    last_position: jax.Array
+    keys: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    stop_ids: jax.Array
+    count: int = dataclasses.field(metadata=dict(static=True), default=0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the real rows (what a migration moves)."""
+        leaves = [x for x in jax.tree.leaves(self) if hasattr(x, "dtype")]
+        total = sum(
+            x.size * (8 if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x.itemsize)
+            for x in leaves
+        )
+        return total * self.count // self.tokens.shape[0]
+
+
+_PER_SLOT = (
+    "tokens",
+    "positions",
+    "active",
+    "last_position",
+    "keys",
+    "temperature",
+    "top_k",
+    "top_p",
+    "stop_ids",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Prefix:
     """One prompt's prefilled keys/values, (bucket, K, H) per layer, and its length."""
@@ -194,6 +241,8 @@ class Engine:
         )
         self._free = jit("free", self._free_impl, donate_argnums=(0,), **out)
         self._prefill_insert = jit("prefill_insert", self._prefill_insert_impl, **donate, **out)
+        self._export = jit("export", self._export_impl, static_argnums=(2,))
+        self._import = jit("import", self._import_impl, donate_argnums=(0,), **out)
 
     # ------------------------------------------------------------------------------ properties
 
@@ -726,3 +775,99 @@ class Engine:
     def free(self, state: DecodeState, slots: list[int] | tuple[int, ...]) -> DecodeState:
         """Deactivates slots (abort); they can be inserted into again at once."""
         return self._call(self._free, state, jnp.asarray(slots, jnp.int32))
+
+    # --------------------------------------------------------------------------------- migration
+
+    def _export_impl(self, state: DecodeState, slots_N: jax.Array, length: int) -> SlotState:
+        rows = lambda c: c[slots_N, :, :length]
+        return SlotState(
+            k=tuple(map(rows, state.cache.k)),
+            v=tuple(map(rows, state.cache.v)),
+            **{name: getattr(state, name)[slots_N] for name in _PER_SLOT},
+        )
+
+    def export_slots(self, state: DecodeState, slots: Sequence[int]) -> SlotState:
+        """Running slots' KV cache rows (up to their positions), positions, last tokens and
+        sampling state, for `import_slots` on another engine (JigsawRL migration). The slots stay
+        as they are here: `free` them once the state is taken.
+
+        Args:
+          state: this engine's decode state.
+          slots: distinct running slots.
+        """
+        if not self.head_major:
+            raise ValueError(
+                "export_slots needs the head-major cache; received an engine with "
+                "legacy_decode=True (expected EngineConfig.legacy_decode=False to migrate)."
+            )
+        slots = list(slots)
+        if not slots or len(set(slots)) != len(slots):
+            raise ValueError(f"export_slots: expected distinct slots; received {slots}.")
+        if not all(0 <= x < self.config.max_slots for x in slots):
+            raise ValueError(
+                f"export_slots: slots must be in [0, {self.config.max_slots}); received {slots}."
+            )
+        pos, active = jax.device_get((state.positions, state.active))
+        if not all(active[slots]):
+            raise ValueError(f"export_slots: slots {slots} must all be running; some are not.")
+        block = self.config.attention_block
+        need = int(np.max(pos[slots])) + 1  # positions 0..pos are written
+        length = min(block << (-(-need // block) - 1).bit_length(), self.cache_length)
+        n = 1 << (len(slots) - 1).bit_length()
+        padded = np.asarray(slots + [slots[0]] * (n - len(slots)), np.int32)
+        out = self._call(self._export, state, jnp.asarray(padded), length)
+        return dataclasses.replace(out, count=len(slots))
+
+    def _import_impl(self, state: DecodeState, moved: SlotState, slots_N: jax.Array) -> DecodeState:
+        length = moved.k[0].shape[2]
+
+        def put(cache: jax.Array, rows: jax.Array) -> jax.Array:
+            return cache.at[slots_N, :, :length].set(rows.astype(cache.dtype), mode="drop")
+
+        return DecodeState(
+            cache=HeadMajorKVCache(
+                k=tuple(map(put, state.cache.k, moved.k)), v=tuple(map(put, state.cache.v, moved.v))
+            ),
+            **{
+                name: getattr(state, name).at[slots_N].set(getattr(moved, name), mode="drop")
+                for name in _PER_SLOT
+            },
+        )
+
+    def import_slots(
+        self, state: DecodeState, moved: SlotState, slots: Sequence[int]
+    ) -> DecodeState:
+        """Writes exported slots (another engine's `export_slots`, on any devices) into free
+        `slots` here, row i into slots[i]; they continue decoding with exactly the tokens they
+        would have produced there (a slot's random stream is its request's and sample's)."""
+        slots = list(slots)
+        if len(slots) != moved.count or len(set(slots)) != len(slots):
+            raise ValueError(
+                f"import_slots: expected {moved.count} distinct slots; received {slots}."
+            )
+        if not all(0 <= x < self.config.max_slots for x in slots):
+            raise ValueError(
+                f"import_slots: slots must be in [0, {self.config.max_slots}); received {slots}."
+            )
+        if moved.k[0].shape[2] > self.cache_length or len(moved.k) != len(state.cache.k):
+            raise ValueError(
+                f"import_slots: {len(moved.k)} layers of {moved.k[0].shape[2]} positions do not "
+                f"fit this engine's {len(state.cache.k)} layers of {self.cache_length}."
+            )
+        if jax.device_get(state.active)[slots].any():
+            raise ValueError(f"import_slots: slots {slots} must be free; some are running.")
+        n = moved.tokens.shape[0]
+        padded = np.asarray(slots + [self.config.max_slots] * (n - len(slots)), np.int32)
+        target = (
+            jax.devices()[0]
+            if self.mesh is None
+            else NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        )
+        moved = jax.device_put(moved, target)
+        return self._call(self._import, state, moved, jnp.asarray(padded))
+
+    def place_params(self, params: Any) -> Any:
+        """`params` (published for any mesh) on this engine's devices, with its shardings."""
+        if self.mesh is None:
+            return params
+        return jax.device_put(params, self._param_shardings)

@@ -43,10 +43,11 @@ import jax
 import numpy as np
 
 from rl.admission import AdmissionPolicy
+from rl.elastic.migration import ReplicaView, RunningView
 from rl.queue import QueueClosed
 from rl.rounds import RoundCut, RoundCuts
 from rl.types import Completion, Group, Request
-from sampler.engine import Engine
+from sampler.engine import Engine, SlotState
 
 RewardFn = Callable[[Request, Completion], float]
 EmitFn = Callable[[Group], None]
@@ -58,6 +59,7 @@ class _Sample:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     start: float = 0.0  # when it entered its slot
+    base: int = 0  # tokens it had when it entered this slot (> 0 after a migration)
 
 
 @dataclasses.dataclass
@@ -106,10 +108,44 @@ class SamplerStats:
     slot_steps: int = 0  # slots x decode steps run (occupancy = tokens / slot_steps)
     recomputes: int = 0  # recompute_kv: running samples re-prefilled after a weight swap
     recomputed_tokens: int = 0  # the tokens those re-prefills covered (prompt + response so far)
+    migrations: int = 0  # requests handed off to another replica (JigsawRL migration)
+    migrated_sequences: int = 0  # their running samples
+    migrated_bytes: int = 0  # decode state moved (KV rows and per-slot state)
 
     @property
     def occupancy(self) -> float:
         return self.tokens / self.slot_steps if self.slot_steps else 0.0
+
+    @classmethod
+    def total(cls, stats: Iterable[SamplerStats]) -> SamplerStats:
+        """The counters of several replicas summed."""
+        out = cls()
+        for one in stats:
+            for f in dataclasses.fields(cls):
+                setattr(out, f.name, getattr(out, f.name) + getattr(one, f.name))
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Handoff:
+    """A request's running samples taken out of one loop (`handoff`) for another (`adopt`).
+
+    Attributes:
+      run: the request's bookkeeping (tokens, log-probs and versions so far, finished samples
+        with their rewards in flight).
+      samples: the sample indices that were running, in the order of `state`'s rows.
+      state: their decode state (Engine.export_slots), on the source's devices.
+      seconds: how long the export took.
+    """
+
+    run: _Run
+    samples: tuple[int, ...]
+    state: SlotState
+    seconds: float
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.run.request.key
 
 
 class SamplerLoop:
@@ -129,8 +165,12 @@ class SamplerLoop:
         recompute_kv: bool = False,
         timeline: Any = None,
         clock: Callable[[], float] = time.monotonic,
+        on_boundary: Callable[[], None] | None = None,
     ):
         self.engine = engine
+        # Called on the loop's thread at every step boundary (after frees and adoptions, before
+        # admission): a replica sampler decides and executes migrations there.
+        self.on_boundary = on_boundary
         self.timeline = timeline  # rl.timeline.Timeline: slot, prefill and group-complete events
         self.clock = clock
         self.admission = admission
@@ -148,6 +188,9 @@ class SamplerLoop:
         self._slot_sample = [0] * engine.max_concurrent_decodes  # the sample index in each slot
         self._runs: dict[tuple[int, int], _Run] = {}
         self._to_free: list[int] = []
+        self._reserved: set[int] = set()  # free slots promised to an adoption (`reserve`)
+        self._imports: list[tuple[list[int], SlotState]] = []  # adopted, imported at the next step
+        self._unmovable: set[tuple[int, int]] = set()  # adopted runs not decoded here yet
         self._cuts = RoundCuts()  # which complete groups of a cut round are emitted
         self._scoring: collections.deque[_Complete] = collections.deque()  # completion order
         self._submit_reward = getattr(reward_fn, "submit", None)  # off the decode thread
@@ -257,16 +300,24 @@ class SamplerLoop:
                 (self._params, self._version), self._pending_params = self._pending_params, None
             to_free, self._to_free = self._to_free, []
             params, version = self._params, self._version
+            imports, self._imports = self._imports, []
         if to_free:
             self._state = self.engine.free(self._state, to_free)
+        for slots, moved in imports:
+            self._state = self.engine.import_slots(self._state, moved, slots)
         if swapped and self.recompute_kv:
             self._recompute(params)
+        if self.on_boundary is not None:
+            self.on_boundary()
         self._admit(params)
         if not any(r is not None for r in self._slot_run):
             self._emit_scored(wait=True)  # nothing to decode: wait for rewards still running
             return self.pending() > 0
         self._state, result = self.engine.generate(params, self._state)
         result = jax.device_get(result)
+        if imports:
+            with self._lock:  # decoded here once: movable again
+                self._unmovable.difference_update(self._slot_keys(imports))
         finished = self._record(result, version)
         complete = [g for g in (self._finish(run, s) for run, s in finished) if g is not None]
         with self._lock:
@@ -325,7 +376,11 @@ class SamplerLoop:
                         # publish never runs on the weights before it (async's staleness bound
                         # counts on that).
                         break
-                    free = [i for i, r in enumerate(self._slot_run) if r is None]
+                    free = [
+                        i
+                        for i, r in enumerate(self._slot_run)
+                        if r is None and i not in self._reserved
+                    ]
                     taken = self._take(len(free))
                     if taken is None:
                         break
@@ -433,7 +488,7 @@ class SamplerLoop:
                                 round=run.request.round,
                                 uid=run.request.uid,
                                 sample=i,
-                                tokens=len(sample.tokens),
+                                tokens=len(sample.tokens) - sample.base,
                             )
                         break
         return finished
@@ -492,6 +547,143 @@ class SamplerLoop:
                 self._release_slots(run)
         return _Complete(request=r, done=tuple(run.done[j] for j in sorted(run.done)))
 
+    # ----------------------------------------------------------------------------------- migration
+
+    def _slot_keys(self, imports: list[tuple[list[int], SlotState]]) -> set[tuple[int, int]]:
+        return {
+            run.request.key
+            for slots, _ in imports
+            for s in slots
+            if (run := self._slot_run[s]) is not None
+        }
+
+    @property
+    def idle(self) -> bool:
+        """Nothing waits, runs or is being scored here."""
+        return self.pending() == 0
+
+    def view(self) -> ReplicaView:
+        """This loop as a migration policy sees it (rl.elastic.migration)."""
+        with self._lock:
+            count: dict[int, int] = {}
+            runs: dict[int, _Run] = {}
+            left: dict[int, int] = {}
+            for s, run in enumerate(self._slot_run):
+                if run is None:
+                    continue
+                sample = run.samples[self._slot_sample[s]]
+                count[id(run)] = count.get(id(run), 0) + 1
+                runs[id(run)] = run
+                rest = run.request.params.max_new_tokens - len(sample.tokens)
+                left[id(run)] = max(left.get(id(run), 0), rest)
+            running = tuple(
+                RunningView(
+                    key=run.request.key,
+                    sequences=count[i],
+                    tokens_left=left[i],
+                    movable=self._movable(run),
+                )
+                for i, run in runs.items()
+            )
+            free = sum(
+                r is None and s not in self._reserved and s not in self._to_free
+                for s, r in enumerate(self._slot_run)
+            )
+            return ReplicaView(
+                slots=self.num_slots, free=free, queued=len(self.admission) > 0, running=running
+            )
+
+    def _movable(self, run: _Run) -> bool:
+        """A run can move: not done, every sample started, decoded here since it came (lock)."""
+        return (
+            not run.aborted
+            and None not in run.slots
+            and run.request.key not in self._unmovable
+            and run.request.key in self._runs
+        )
+
+    def reserve(self, n: int) -> list[int] | None:
+        """Promises n free slots to an adoption (any thread); None if fewer are free now."""
+        with self._lock:
+            free = [
+                s
+                for s, r in enumerate(self._slot_run)
+                if r is None and s not in self._reserved and s not in self._to_free
+            ]
+            if n < 1 or len(free) < n:
+                return None
+            self._reserved.update(free[:n])
+            return free[:n]
+
+    def unreserve(self, slots: Iterable[int]) -> None:
+        """Gives back slots `reserve` promised and no adoption took."""
+        with self._lock:
+            self._reserved.difference_update(slots)
+
+    def handoff(self, key: tuple[int, int]) -> Handoff:
+        """Takes request `key`'s running samples out of this loop (on its own thread, at a step
+        boundary: in `on_boundary`), with their decode state; their slots are freed here."""
+        with self._lock:
+            run = self._runs.get(key)
+            if run is None or not self._movable(run):
+                raise ValueError(
+                    f"handoff: request {key} is not a movable running request here; expected "
+                    "one with every sample started and decoded here since it came."
+                )
+            slots = [s for s, r in enumerate(self._slot_run) if r is run]
+            samples = tuple(self._slot_sample[s] for s in slots)
+            del self._runs[key]
+            for s in slots:
+                self._slot_run[s] = None
+        t0 = self.clock()
+        moved = self.engine.export_slots(self._state, slots)
+        self._state = self.engine.free(self._state, slots)
+        t1 = self.clock()
+        with self._lock:
+            self.stats.migrations += 1
+            self.stats.migrated_sequences += len(slots)
+            self.stats.migrated_bytes += moved.nbytes
+        if self.timeline is not None:
+            r = run.request
+            for s, i in zip(slots, samples, strict=True):
+                sample = run.samples[i]
+                self.timeline.span(
+                    f"sampler/slot{s}",
+                    f"{r.uid}/{i}",
+                    sample.start,
+                    t1,
+                    round=r.round,
+                    uid=r.uid,
+                    sample=i,
+                    tokens=len(sample.tokens) - sample.base,
+                    migrated=True,
+                )
+        return Handoff(run=run, samples=samples, state=moved, seconds=t1 - t0)
+
+    def adopt(self, handoff: Handoff, slots: list[int]) -> None:
+        """Takes over a request another loop handed off, into slots `reserve` gave (any
+        thread); its state is imported before the next decode step, and its group completes here."""
+        run = handoff.run
+        if len(slots) != len(handoff.samples):
+            raise ValueError(
+                f"adopt: {len(handoff.samples)} samples need as many slots; received {slots}."
+            )
+        now = self.clock()
+        with self._lock:
+            if not set(slots) <= self._reserved:
+                raise ValueError(f"adopt: slots {slots} were not reserved here.")
+            self._raise_if_failed()
+            for s, i in zip(slots, handoff.samples, strict=True):
+                run.slots[i] = s
+                self._slot_run[s], self._slot_sample[s] = run, i
+                run.samples[i].start, run.samples[i].base = now, len(run.samples[i].tokens)
+            self._reserved.difference_update(slots)
+            self._runs[run.request.key] = run
+            self._unmovable.add(run.request.key)
+            self._imports.append((list(slots), handoff.state))
+            self._idle.clear()
+            self._wake.notify_all()
+
     # ------------------------------------------------------------------------------------ threaded
 
     def start(self) -> None:
@@ -510,6 +702,7 @@ class SamplerLoop:
                         or self._runs
                         or self._scoring
                         or self._to_free
+                        or self._imports
                         or self._pending_params
                     ):
                         self._idle.set()

@@ -1,6 +1,11 @@
-"""Elastic devices: policies that move work or devices between the pools while a run goes.
+"""Elastic devices: work and devices that move while a run goes (DESIGN.md, "Runtimes").
 
-`borrowing` (BiDiRL): lend the idle pool's devices to the bottleneck when the stage-time models
-predict a gain above the measured switch cost. Pure, clock-free objects shared by the runtime
-(rl/driver.py, learner/) and the simulator (rl/sim).
+- `migration`: JigsawRL long-tail migration, a pure policy that, given a snapshot of the sampler
+  replicas at a decode-step boundary, says which running requests move to which replica so the
+  round's tail runs on fewer replicas (the threaded replica sampler, rl.runtime.replicas, and the
+  simulator, rl.sim.sampler, both execute its moves).
+- `borrowing`: BiDiRL bidirectional borrowing, a pure policy that lends the idle pool's devices to
+  the bottleneck when the stage-time models predict a gain above the measured switch cost (the
+  driver with learner.Learner.borrow, rl.elastic.lending, and the simulator, rl.sim.borrow).
+- `planning`: the planner in the run (config.mesh.split = "plan"): rl/plan.py's static split.
 """

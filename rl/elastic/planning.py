@@ -8,14 +8,14 @@ the replica's slots). A profile's learner per-token term is scaled by 1 / learne
 parallel); its sampler replica is what was measured, so it offers tp = 1 only.
 
 `plan_mesh(config, devices)` is what a run does when `config.mesh.split == "plan"` (the split is
-"open": the planner, not the config, picks mesh.learner_devices and mesh.sampler_devices, which must
-be left 0): rl.plan.plan over every split of the local devices into a learner and sampler replicas
-of mesh.sampler_tp devices (what the runtime builds: one engine of config.engine.max_slots slots
-sharded over the replicas' data axis, so max_slots / replicas slots each; splits
-whose learner fsdp does not divide learner.micro_batch_rows, or whose replicas do not divide
-engine.max_slots, are skipped), the
-run's schedule (driver: mode, R, U, G) and a workload of its response cap (median
-config.elastic.median_tokens). It returns the fixed MeshConfig of the chosen split.
+"open": the planner, not the config, picks mesh.learner_devices, mesh.sampler_replicas and
+mesh.sampler_devices, the first and last of which must be left 0): rl.plan.plan over every split
+of the local devices into a learner and sampler replicas of mesh.sampler_tp devices, each an Engine
+of config.engine.max_slots slots (what the threads runtime builds; splits whose learner fsdp does
+not divide learner.micro_batch_rows are skipped), with the run's schedule (driver: mode, R, U, G)
+and a workload of its response cap (median config.elastic.median_tokens). It returns the fixed
+MeshConfig of the chosen split: learner_devices = learner GPUs, sampler_replicas = replicas,
+sampler_devices = sampler_tp (devices per replica).
 """
 
 from __future__ import annotations
@@ -108,11 +108,12 @@ def plan_mesh(config: Any, devices: int) -> tuple[Any, MeshPlan]:
     mesh = MeshConfig(**config.mesh)
     if mesh.split != "plan":
         raise ValueError(f"plan_mesh needs config.mesh.split='plan'; received {mesh.split!r}.")
-    if mesh.learner_devices or mesh.sampler_devices or mesh.colocated:
+    if mesh.learner_devices or mesh.sampler_devices or mesh.sampler_replicas != 1 or mesh.colocated:
         raise ValueError(
-            "config.mesh.split='plan' picks the learner and sampler devices; expected "
-            f"mesh.learner_devices=0, sampler_devices=0, colocated=False; received "
-            f"{mesh.learner_devices}, {mesh.sampler_devices}, {mesh.colocated}."
+            "config.mesh.split='plan' picks the learner devices and the sampler replicas; expected "
+            "mesh.learner_devices=0, sampler_devices=0, sampler_replicas=1, colocated=False; "
+            f"received {mesh.learner_devices}, {mesh.sampler_devices}, {mesh.sampler_replicas}, "
+            f"{mesh.colocated}."
         )
     from rl.driver import driver_config_from
     from rl.sim.simulator import SimConfig
@@ -126,15 +127,14 @@ def plan_mesh(config: Any, devices: int) -> tuple[Any, MeshPlan]:
     cfg = SimConfig(**{n: getattr(driver, n) for n in shared}, max_new_tokens=cap)
     median = config.elastic.median_tokens or max(1.0, cap / 4)
     workload = Workload(WorkloadConfig(max_new_tokens=cap, median_tokens=median, seed=config.seed))
-    models = split_models(config.elastic.stage_model)
-    rows_per_micro, slots = config.learner.micro_batch_rows, config.engine.max_slots
+    models = split_models(config.elastic.stage_model, slots=config.engine.max_slots)
+    rows_per_micro = config.learner.micro_batch_rows
 
     def make(split: Split) -> Preset:  # only splits the runtime can build (rl.plan skips others)
         fsdp = split.learner_gpus // mesh.learner_tp
-        if split.learner_gpus % mesh.learner_tp or rows_per_micro % fsdp or slots % split.replicas:
-            raise ValueError(f"{split} does not fit micro-batch rows or slots")
-        # one engine over the sampler devices, its max_slots split over the data axis
-        return dataclasses.replace(models(split), slots=slots // split.replicas)
+        if split.learner_gpus % mesh.learner_tp or rows_per_micro % fsdp:
+            raise ValueError(f"{split}: learner fsdp does not divide the micro-batch rows")
+        return models(split)
 
     choice, rows = plan(devices, make, cfg, workload, tps=(mesh.sampler_tp,))
     best = min(rows, key=lambda r: r.predicted_s)
@@ -144,6 +144,7 @@ def plan_mesh(config: Any, devices: int) -> tuple[Any, MeshPlan]:
         mesh,
         split="fixed",
         learner_devices=choice.learner_gpus,
-        sampler_devices=choice.sampler_gpus,
+        sampler_devices=choice.tp,  # per replica
+        sampler_replicas=choice.replicas,
     )
     return fixed, out

@@ -187,43 +187,60 @@ def build_borrower(config: Any, learner: Learner, sampler_mesh: Mesh) -> Learner
     from rl.elastic.planning import split_models
     from rl.plan import Split
 
-    cfg = BorrowConfig(**config.get("elastic", {}))
+    cfg = BorrowConfig.from_section(config.elastic)
     if not cfg.allows("learner"):
         return None
     learner_n = len(learner.mesh.devices.flat)
-    sampler_n, tp = len(sampler_mesh.devices.flat), sampler_mesh.shape["tp"]
-    split = Split(sampler_gpus=sampler_n, tp=tp, learner_gpus=learner_n)
+    replicas = config.mesh.sampler_replicas
+    per_replica = len(sampler_mesh.devices.flat) // replicas
+    split = Split(sampler_gpus=per_replica * replicas, tp=per_replica, learner_gpus=learner_n)
     preset = split_models(cfg.stage_model, slots=config.engine.max_slots)(split)
     borrower = LearnerBorrower(
         BorrowPolicy(cfg, preset.model, model_learner_devices=learner_n),
         learner,
         list(sampler_mesh.devices.flat),
-        sampler_replicas=split.replicas,
-        replica_devices=tp,
-        slots=max(1, config.engine.max_slots // split.replicas),  # one engine, data-sharded
+        sampler_replicas=replicas,
+        replica_devices=per_replica,
+        slots=config.engine.max_slots,  # each replica's Engine
         micro_batch_rows=config.learner.micro_batch_rows,
     )
     borrower.prepare()
     return borrower
 
 
+def migration_config_from(config: Any) -> Any:
+    """config.elastic as a typed rl.elastic.migration.MigrationConfig (validated)."""
+    from rl.elastic.migration import MigrationConfig
+
+    e = config.elastic
+    return MigrationConfig(
+        policy=e.migration,
+        max_running_fraction=e.max_running_fraction,
+        min_tokens_left=e.min_tokens_left,
+    )
+
+
 class ThreadsRuntime:
-    """Everything in this process: the learner and one sampler on disjoint meshes (or colocated).
+    """Everything in this process: the learner and the sampler replicas on disjoint meshes (or
+    colocated), config.mesh.sampler_replicas of them, each an Engine on its own devices.
 
     Attributes:
       mesh_plan: the planner's choice (rl.elastic.planning.MeshPlan) when config.mesh.split is
         "plan", else None.
       learner: the Learner.
-      weight_sync: a DevicePutSync learner mesh -> sampler mesh.
-      engine: the sampler Engine (evaluation uses it too).
+      weight_sync: a DevicePutSync learner mesh -> sampler mesh (all replicas' devices; each
+        replica places the published weights on its own).
+      engines: the sampler replicas' Engines.
+      engine: the first of them (evaluation uses it).
       borrow: the learner's borrower of the sampler's devices (config.elastic.borrowing), or None.
       reward, eval_reward: rollouts and evaluation get their own runners, so each counts its own
         errors and timeouts.
     """
 
     def __init__(self, config: Any, setup: Setup, *, total_updates: int):
-        from learner.mesh import MeshConfig, make_meshes
+        from learner.mesh import MeshConfig, make_meshes, replica_meshes
         from learner.publish import DevicePutSync
+        from rl.elastic.migration import make_migration_policy
 
         self.config, self.setup = config, setup
         mesh_cfg, self.mesh_plan = MeshConfig(**config.mesh), None
@@ -235,11 +252,16 @@ class ThreadsRuntime:
             mesh_cfg, self.mesh_plan = plan_mesh(config, len(jax.devices()))
         learner_mesh, sampler_mesh = make_meshes(mesh_cfg)
         self.sampler_devices = list(sampler_mesh.devices.flat)
+        self.migration = make_migration_policy(migration_config_from(config))
         model = build_checked_model(config, setup, learner_mesh)
         self.learner = build_learner(
             config, setup, model, learner_mesh, total_updates=total_updates
         )
-        self.engine = build_engine(config, setup, sampler_mesh, model)
+        self.engines = [
+            build_engine(config, setup, mesh, model)
+            for mesh in replica_meshes(sampler_mesh, mesh_cfg.sampler_replicas)
+        ]
+        self.engine = self.engines[0]
         # Colocated with the same sharding and dtype, publishing shares the learner's arrays.
         self.weight_sync = DevicePutSync(
             self.learner.params,
@@ -260,8 +282,10 @@ class ThreadsRuntime:
             kwargs.setdefault("borrower", self.borrow)
         return threaded_driver(
             cfg,
-            engine=self.engine,
+            engine=self.engines,
             learner=self.learner,
+            routing=self.config.mesh.sampler_routing,
+            migration=self.migration,
             weight_sync=self.weight_sync,
             reward_fn=rollout_reward(self.config, self.reward),
             **kwargs,

@@ -11,8 +11,6 @@ Driver's Queue over the queue actor.
 from __future__ import annotations
 
 import collections
-import dataclasses
-import itertools
 import logging
 import time
 from collections.abc import Iterable
@@ -22,10 +20,11 @@ import ray
 from ray.exceptions import RayActorError
 
 from rl.rounds import RoundCut
-from rl.timeline import SLOT_PREFIX, Timeline
+from rl.runtime.routing import Routing
+from rl.timeline import Timeline, replica_lane
 from rl.types import Group, Request
 
-ROUTINGS = ("round_robin", "least_loaded")
+__all__ = ["QueueClient", "ReplicaRouter"]
 
 
 class QueueClient:
@@ -75,24 +74,24 @@ class ReplicaRouter:
     """
 
     def __init__(self, replicas: list[Any], *, routing: str, on_failure: str, timeline: Timeline):
-        self.replicas, self.routing, self.on_failure = replicas, routing, on_failure
+        self.replicas, self.on_failure = replicas, on_failure
         self.timeline = timeline
         self.replica_slots = tuple(ray.get([r.num_slots.remote() for r in replicas]))
         self.num_slots = sum(self.replica_slots)
         self._offset = [sum(self.replica_slots[:i]) for i in range(len(replicas))]
-        self.alive = list(range(len(replicas)))
-        self._outstanding: dict[tuple[int, int], tuple[int, Request]] = {}
-        self._load = collections.Counter()
-        self._rr = itertools.count()
+        self._routing = Routing(routing, len(replicas))
         self._error: BaseException | None = None
         self._stats: dict[int, Any] = {}  # the last counters of each replica (a dead one's stay)
         self.resampled = 0  # requests re-submitted after their replica died
-        self.routed = collections.Counter()  # requests per replica
 
-    def _route(self) -> int:
-        if self.routing == "least_loaded":
-            return min(self.alive, key=lambda i: (self._load[i], i))
-        return self.alive[next(self._rr) % len(self.alive)]
+    @property
+    def alive(self) -> list[int]:
+        return self._routing.alive
+
+    @property
+    def routed(self) -> collections.Counter[int]:
+        """Requests routed to each replica."""
+        return self._routing.routed
 
     def _each(self, method: str, *args: Any, replicas: Iterable[int] | None = None) -> dict:
         """Calls `method` on replicas (default: the live ones); handles the dead ones."""
@@ -109,7 +108,7 @@ class ReplicaRouter:
     def _lost(self, i: int, e: BaseException) -> None:
         if i not in self.alive:
             return
-        self.alive.remove(i)
+        lost = self._routing.remove(i)
         why = f"sampler replica {i} died ({type(e).__name__}: {str(e).splitlines()[0]})"
         if self.on_failure == "stop" or not self.alive:
             if self._error is None:
@@ -120,13 +119,9 @@ class ReplicaRouter:
                 )
             return
         logging.warning("%s: re-sampling its unfinished requests on replicas %s", why, self.alive)
-        lost = [r for j, r in self._outstanding.values() if j == i]
-        self._load.pop(i, None)
-        for r in lost:
-            del self._outstanding[r.key]
         self.resampled += len(lost)
         if lost:
-            self.submit(sorted(lost, key=lambda r: r.key))
+            self.submit(lost)
 
     @property
     def error(self) -> BaseException | None:
@@ -142,19 +137,11 @@ class ReplicaRouter:
         for i, (stats, spans, instants) in self._each("stats").items():
             self._merge(i, spans, instants)
             self._stats[i] = stats
-        total = SamplerStats()
-        for stats in self._stats.values():
-            for f in dataclasses.fields(SamplerStats):
-                setattr(total, f.name, getattr(total, f.name) + getattr(stats, f.name))
-        return total
+        return SamplerStats.total(self._stats.values())
 
     def _merge(self, i: int, spans: list[Any], instants: list[Any]) -> None:
         for s in spans:
-            lane = s.lane
-            if lane.startswith(SLOT_PREFIX):
-                lane = f"{SLOT_PREFIX}{self._offset[i] + int(lane[len(SLOT_PREFIX) :])}"
-            elif lane.startswith("sampler/"):
-                lane = f"sampler/replica{i}/{lane.removeprefix('sampler/')}"
+            lane = replica_lane(s.lane, i, self._offset[i])
             self.timeline.span(lane, s.name, s.start, s.end, **s.args, replica=i)
         for t in instants:
             self.timeline.instant(t.lane, t.name, t.t, **t.args, replica=i)
@@ -175,11 +162,7 @@ class ReplicaRouter:
             raise self._error
         by_replica: dict[int, list[Request]] = collections.defaultdict(list)
         for r in requests:
-            i = self._route()
-            self._outstanding[r.key] = (i, r)
-            self._load[i] += 1
-            self.routed[i] += 1
-            by_replica[i].append(r)
+            by_replica[self._routing.route(r)].append(r)
         for i, rs in by_replica.items():
             try:
                 ray.get(self.replicas[i].submit.remote(rs))
@@ -188,11 +171,7 @@ class ReplicaRouter:
 
     def accept(self, group: Group) -> bool:
         """Marks a delivered group; False for a second copy (see QueueClient)."""
-        owner = self._outstanding.pop(group.request.key, None)
-        if owner is None:
-            return False
-        self._load[owner[0]] -= 1
-        return True
+        return self._routing.deliver(group.request.key) is not None
 
     def request_stop(self) -> None:
         self._each("request_stop")

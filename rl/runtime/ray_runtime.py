@@ -1,7 +1,7 @@
 """The Ray runtime: the same Driver and schedules as the threaded one, its sides in Ray actors.
 
     python -m launch.train --config=configs/smoke.py --config.runtime=ray \
-        --config.ray.sampler_replicas=2
+        --config.mesh.sampler_replicas=2
 
 This process (the Ray driver) runs rl.driver.Driver and its schedule. Around it:
 - a learner worker (rl.runtime.ray_workers.LearnerWorker) owning the Learner on its devices;
@@ -36,7 +36,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from rl.runtime.ray_router import ROUTINGS, QueueClient, ReplicaRouter
+from rl.runtime.ray_router import QueueClient, ReplicaRouter
+from rl.runtime.routing import ROUTINGS
 from rl.timeline import Timeline
 from rl.types import Group
 
@@ -45,15 +46,27 @@ ON_REPLICA_FAILURE = ("resample", "stop")
 
 def check_ray_config(config: Any) -> None:
     """config.ray's fields, with what was received and what is expected."""
-    r = config.ray
-    if r.routing not in ROUTINGS:
-        raise ValueError(f"config.ray.routing={r.routing!r}; expected one of {ROUTINGS}.")
+    r, mesh = config.ray, config.mesh
+    if mesh.sampler_routing not in ROUTINGS:
+        raise ValueError(
+            f"config.mesh.sampler_routing={mesh.sampler_routing!r}; expected one of {ROUTINGS}."
+        )
+    if not isinstance(mesh.sampler_replicas, int) or mesh.sampler_replicas < 1:
+        raise ValueError(
+            f"config.mesh.sampler_replicas must be an int >= 1; received {mesh.sampler_replicas!r}."
+        )
+    if config.elastic.migration != "off":
+        raise ValueError(
+            f"config.elastic.migration={config.elastic.migration!r} with config.runtime='ray': "
+            "migrating running sequences between replica actors is not built yet; expected "
+            "elastic.migration='off', or config.runtime='threads'."
+        )
     if r.on_replica_failure not in ON_REPLICA_FAILURE:
         raise ValueError(
             f"config.ray.on_replica_failure={r.on_replica_failure!r}; expected one of "
             f"{ON_REPLICA_FAILURE}."
         )
-    for name in ("sampler_replicas", "learner_workers"):
+    for name in ("learner_workers",):
         if not isinstance(r[name], int) or r[name] < 1:
             raise ValueError(f"config.ray.{name} must be an int >= 1; received {r[name]!r}.")
     for name in ("num_cpus", "learner_cpus", "replica_cpus", "learner_gpus", "replica_gpus"):
@@ -237,7 +250,7 @@ class RayRuntime:
         self.queue_actor = QueueActor.options(
             name=actor_name(config, "queue"),
             num_cpus=0,
-            max_concurrency=4 + 2 * r.sampler_replicas,
+            max_concurrency=4 + 2 * config.mesh.sampler_replicas,
             runtime_env=env,
         ).remote(config.driver.queue_size)
         # The learner: one worker, or a group of `group` forming one jax.distributed job (one
@@ -267,7 +280,7 @@ class RayRuntime:
                 num_gpus=r.replica_gpus,
                 runtime_env=env,
             ).remote(cfg, i, self.queue_actor)
-            for i in range(r.sampler_replicas)
+            for i in range(config.mesh.sampler_replicas)
         ]
         self.learner = LearnerClient(workers)
         self.weight_sync = ObjectStoreSync()
@@ -280,7 +293,10 @@ class RayRuntime:
         timeline = kwargs.pop("timeline", None) or Timeline()
         r = self.config.ray
         self.router = ReplicaRouter(
-            self.replicas, routing=r.routing, on_failure=r.on_replica_failure, timeline=timeline
+            self.replicas,
+            routing=self.config.mesh.sampler_routing,
+            on_failure=r.on_replica_failure,
+            timeline=timeline,
         )
         return Driver(
             cfg,

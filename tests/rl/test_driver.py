@@ -302,7 +302,7 @@ def test_learner_failure_stops_both_sides_with_the_original_error():
     driver = build("cgp", learner_cls=FailingLearner)
     with pytest.raises(Boom, match="learner fell over"):
         run(driver)
-    assert not driver.sampler._thread.is_alive()
+    assert not driver.sampler.loops[0]._thread.is_alive()
     assert driver.learner.step == 1
 
 
@@ -434,7 +434,7 @@ def test_rewards_off_the_decode_thread_train_the_same_groups_in_the_same_order(
     finally:
         runner.close()
     assert runner.calls > 0 and runner.timeouts == runner.errors == 0
-    assert offloaded.sampler._submit_reward is not None  # the off-thread path ran
+    assert offloaded.sampler.loops[0]._submit_reward is not None  # the off-thread path ran
 
     def trained(results):
         return [

@@ -71,15 +71,15 @@ def test_planner_picks_the_open_split_and_the_runtime_builds_it():
     config = tiny_config()
     config.mesh.split = "plan"
     config.mesh.learner_devices = config.mesh.sampler_devices = 0
-    config.engine.max_slots = 24
     runtime = ThreadsRuntime(config, Setup.from_config(config), total_updates=2)
     try:
         plan = runtime.mesh_plan
         assert plan is not None and plan.split.learner_gpus + plan.split.sampler_gpus == 8
         assert len(runtime.learner.mesh.devices.flat) == plan.split.learner_gpus
         assert len(runtime.sampler_devices) == plan.split.sampler_gpus
+        assert len(runtime.engines) == plan.split.replicas  # one Engine per planned replica
         assert plan.predicted_round_s == min(s for _, s in plan.rows)
-        # buildable: learner fsdp divides 8 rows, replicas divide 24 slots: 4 + 4 and 6 + 2
-        assert sorted(r for r, _ in plan.rows) == sorted(str(Split(s, 1, 8 - s)) for s in (4, 6))
+        # buildable: learner fsdp divides 8 rows: 4 + 4, 6 + 2, 7 + 1 sampler + learner
+        assert sorted(r for r, _ in plan.rows) == sorted(str(Split(s, 1, 8 - s)) for s in (4, 6, 7))
     finally:
         runtime.close()

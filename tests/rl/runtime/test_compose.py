@@ -25,12 +25,19 @@ def config(**fields):
             {"runtime": "processes"},
             r"config.runtime='processes'; expected one of \('threads', 'ray'\)",
         ),
-        ({"runtime": "ray", "ray.routing": "random"}, r"config.ray.routing='random'; expected one"),
+        (
+            {"runtime": "ray", "mesh.sampler_routing": "random"},
+            r"config.mesh.sampler_routing='random'; expected one",
+        ),
+        (
+            {"runtime": "ray", "elastic.migration": "tail"},
+            r"elastic.migration='tail' with config.runtime='ray'",
+        ),
         (
             {"runtime": "ray", "ray.on_replica_failure": "retry"},
             r"on_replica_failure='retry'; expected one of \('resample', 'stop'\)",
         ),
-        ({"runtime": "ray", "ray.sampler_replicas": 0}, r"sampler_replicas must be an int >= 1"),
+        ({"runtime": "ray", "mesh.sampler_replicas": 0}, r"sampler_replicas must be an int >= 1"),
         ({"runtime": "ray", "ray.replica_gpus": -1}, r"replica_gpus must be a number >= 0"),
         ({"runtime": "ray", "driver.tail.enabled": True}, r"tail batching .* expected"),
         ({"runtime": "ray", "sft.max_steps": 5}, r"sft.max_steps=5 with config.runtime='ray'"),
@@ -43,4 +50,4 @@ def test_bad_runtime_config_is_named(fields, match):
 
 def test_good_runtime_configs_pass():
     check_runtime_config(config())
-    check_runtime_config(config(runtime="ray", **{"ray.sampler_replicas": 2}))
+    check_runtime_config(config(runtime="ray", **{"mesh.sampler_replicas": 2}))

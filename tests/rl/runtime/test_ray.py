@@ -16,7 +16,7 @@ def tiny_config(runtime="threads", replicas=1, **ray_fields):
     config.driver.mode, config.driver.batching = "cgp", "ordered"
     config.driver.groups_per_round = 4
     config.runtime = runtime
-    config.ray.sampler_replicas = replicas
+    config.mesh.sampler_replicas = replicas
     for k, v in ray_fields.items():
         config.ray[k] = v
     return config
@@ -164,7 +164,7 @@ def test_launch_train_joins_a_cluster_and_keeps_ray_logs_off_the_console(ray_clu
         "--config=configs/smoke.py",
         "--config.runtime=ray",
         f"--config.ray.address={address}",
-        "--config.ray.sampler_replicas=2",
+        "--config.mesh.sampler_replicas=2",
         "--config.sft.max_steps=0",
         "--config.rounds=1",
         "--config.eval.every_rounds=0",

@@ -1,0 +1,237 @@
+"""Long-tail migration (JigsawRL): which running requests move to which sampler replica.
+
+A pure, clock-free policy shared by the threaded replica sampler (rl.runtime.replicas) and the
+simulator (rl.sim.sampler). At a decode-step boundary the runtime describes every replica
+(`ReplicaView`: slots, free slots, queued work, the requests running there) and asks
+`policy.moves(views)`; it gets `Move`s back and executes those whose source is the replica at its
+boundary (a replica only gives work away between its own decode steps).
+
+The unit of a move is a request (one group, `(round, uid)`): all its samples still running on the
+source move together, KV cache and sampling state included, into free slots of the destination,
+and the group completes there. Moving whole groups keeps a group's bookkeeping (tokens so far,
+rewards in flight) on one replica; a group whose samples are not all started (per-sample
+admission) or that was just adopted and has not decoded yet is not movable (`RunningView.movable`).
+
+Policies (`make_migration_policy`, names in MIGRATION_POLICIES):
+  off     never moves anything.
+  tail    when a round's tail leaves few running sequences (at most `max_running_fraction` of all
+          slots, and no replica with queued work) spread over more replicas than needed to hold
+          them, it empties the least-loaded replicas into the most-loaded ones (first fit, largest
+          group first). A replica is emptied only if every movable request on it fits and none
+          is unmovable; requests with fewer than `min_tokens_left` tokens to go (when known) stay.
+  always  every movable request moves to the next replica (in index order, wrapping) with room,
+          at every opportunity: the exactness test's forcing mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
+
+MIGRATION_POLICIES = ("off", "tail", "always")
+Key = tuple[int, int]  # a request's (round, uid)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunningView:
+    """A request running on a replica, as the policy sees it.
+
+    Attributes:
+      key: the request's (round, uid).
+      sequences: its samples running in slots there (the slots a move needs on the destination).
+      tokens_left: the most tokens any of them may still produce (max_new_tokens - produced); an
+        upper bound, None when unknown.
+      movable: False for a request with unstarted samples or one not yet decoded after adoption.
+    """
+
+    key: Key
+    sequences: int
+    tokens_left: int | None = None
+    movable: bool = True
+
+    def __post_init__(self):
+        if self.sequences < 1:
+            raise ValueError(
+                f"RunningView {self.key}: sequences must be >= 1; received {self.sequences}."
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplicaView:
+    """One replica at a step boundary.
+
+    Attributes:
+      slots: its engine slots.
+      free: slots a move may fill now (not running, not being freed or reserved).
+      queued: whether requests wait for admission there.
+      running: the requests running there.
+    """
+
+    slots: int
+    free: int
+    queued: bool = False
+    running: tuple[RunningView, ...] = ()
+
+    def __post_init__(self):
+        used = sum(r.sequences for r in self.running)
+        if self.slots < 1 or not 0 <= self.free <= self.slots - used:
+            raise ValueError(
+                f"ReplicaView: expected slots >= 1 and 0 <= free <= slots - running sequences; "
+                f"received slots={self.slots}, free={self.free}, running sequences={used}."
+            )
+
+    @property
+    def sequences(self) -> int:
+        return sum(r.sequences for r in self.running)
+
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """Request `key`'s running samples go from replica `src` to replica `dst`."""
+
+    key: Key
+    src: int
+    dst: int
+
+
+class MigrationPolicy(Protocol):
+    def moves(self, replicas: Sequence[ReplicaView]) -> list[Move]:
+        """The moves to make now (empty: none); at most one per request, into free slots."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MigrationConfig:
+    """config.elastic: the policy name and the `tail` thresholds."""
+
+    policy: str = "off"  # off | tail | always
+    max_running_fraction: float = 0.25  # tail: running sequences <= this * all slots
+    min_tokens_left: int = 0  # tail: a request closer than this to its end (if known) stays
+
+    def __post_init__(self):
+        if self.policy not in MIGRATION_POLICIES:
+            raise ValueError(
+                f"elastic.migration={self.policy!r}; expected one of {MIGRATION_POLICIES}."
+            )
+        if not 0 < self.max_running_fraction <= 1:
+            raise ValueError(
+                "elastic.max_running_fraction must be in (0, 1]; received "
+                f"{self.max_running_fraction}."
+            )
+        if self.min_tokens_left < 0:
+            raise ValueError(
+                f"elastic.min_tokens_left must be >= 0; received {self.min_tokens_left}."
+            )
+
+
+class Off:
+    """Never migrates."""
+
+    def moves(self, replicas: Sequence[ReplicaView]) -> list[Move]:
+        return []
+
+
+class Always:
+    """Every movable request moves to the next replica with room (the forcing mode)."""
+
+    def moves(self, replicas: Sequence[ReplicaView]) -> list[Move]:
+        free = [r.free for r in replicas]
+        out = []
+        n = len(replicas)
+        for i, rep in enumerate(replicas):
+            for run in rep.running:
+                if not run.movable:
+                    continue
+                for step in range(1, n):
+                    j = (i + step) % n
+                    if free[j] >= run.sequences:
+                        free[j] -= run.sequences
+                        out.append(Move(run.key, i, j))
+                        break
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Tail:
+    """Consolidates a round's tail onto the fewest replicas; see the module docstring."""
+
+    config: MigrationConfig
+
+    def moves(self, replicas: Sequence[ReplicaView]) -> list[Move]:
+        busy = [i for i, r in enumerate(replicas) if r.running]
+        total = sum(r.sequences for r in replicas)
+        slots = sum(r.slots for r in replicas)
+        if (
+            len(busy) < 2
+            or any(r.queued for r in replicas)
+            or total > self.config.max_running_fraction * slots
+        ):
+            return []
+        free = [r.free for r in replicas]
+        # Keep the most-loaded replicas; empty the least-loaded first (fewest bytes move).
+        order = sorted(busy, key=lambda i: (replicas[i].sequences, -i))
+        out: list[Move] = []
+        emptied: set[int] = set()
+        received: set[int] = set()  # a replica that takes work is not emptied after
+        for src in order:
+            runs = replicas[src].running
+            if src in received or any(not self._movable(r) for r in runs):
+                continue
+            targets = [i for i in busy if i != src and i not in emptied]
+            trial, plan = list(free), []
+            for run in sorted(runs, key=lambda r: (-r.sequences, r.key)):
+                dst = next(
+                    (
+                        j
+                        for j in sorted(targets, key=lambda j: (-replicas[j].sequences, j))
+                        if trial[j] >= run.sequences
+                    ),
+                    None,
+                )
+                if dst is None:
+                    break
+                trial[dst] -= run.sequences
+                plan.append(Move(run.key, src, dst))
+            else:
+                free, emptied = trial, emptied | {src}
+                received |= {m.dst for m in plan}
+                out.extend(plan)
+            if len(emptied) >= len(busy) - 1:
+                break
+        return out
+
+    def _movable(self, run: RunningView) -> bool:
+        left = run.tokens_left
+        return run.movable and (left is None or left >= self.config.min_tokens_left)
+
+
+def make_migration_policy(config: MigrationConfig) -> MigrationPolicy:
+    """The policy `config.policy` names."""
+    if config.policy == "tail":
+        return Tail(config)
+    if config.policy == "always":
+        return Always()
+    return Off()
+
+
+def check_moves(replicas: Sequence[ReplicaView], moves: Sequence[Move]) -> None:
+    """Raises ValueError unless `moves` is executable on `replicas`: each names a movable request
+    running on its source, at most once, and the destinations' free slots hold what arrives."""
+    running = {
+        (i, run.key): run for i, rep in enumerate(replicas) for run in rep.running if run.movable
+    }
+    free = [r.free for r in replicas]
+    seen = set()
+    for m in moves:
+        run = running.get((m.src, m.key))
+        if run is None or m.key in seen or not 0 <= m.dst < len(replicas) or m.dst == m.src:
+            raise ValueError(
+                f"Migration move {m} is not executable: expected a movable request running on "
+                f"replica {m.src}, moved once, to another of the {len(replicas)} replicas."
+            )
+        seen.add(m.key)
+        free[m.dst] -= run.sequences
+        if free[m.dst] < 0:
+            raise ValueError(
+                f"Migration moves overfill replica {m.dst} ({replicas[m.dst].free} free slots)."
+            )

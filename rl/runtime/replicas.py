@@ -1,0 +1,315 @@
+"""N sampler replicas in one process: the threaded runtime's Sampler (rl.runtime.protocols).
+
+Each replica is an Engine on its own devices and a SamplerLoop in its own thread. Requests are
+routed at submission (rl.runtime.routing: round-robin or least-loaded, the Ray router's logic);
+every replica emits its complete groups onto the one queue. With one replica this is that replica's
+SamplerLoop with nothing added but args["replica"] = 0 on its slot spans.
+
+Migration (JigsawRL, rl.elastic.migration): at each step boundary of replica i (on its thread) the
+policy sees every replica (`SamplerLoop.view`) and the moves whose source is i are executed at
+once: free slots are reserved on the destination, the request's running samples are exported from
+i (KV rows, positions, sampling state; Engine.export_slots) and adopted by the destination, which
+imports them before its next decode step; the group completes there. Each move is a span
+"migrate" on the source replica's lane sampler/[replica{i}/]migrate (args round, uid, sequences,
+bytes, src, dst); rl.metrics.migration_metrics sums them per round. A replica left with nothing
+to do takes queued work at its next step, or is idle (`idle_replicas`).
+
+Elastic replicas: `add_replica(engine)` starts another replica (it gets the latest weights) and
+`remove_replica(i)` stops one, its undelivered requests re-sampled on the others (per-request
+randomness makes them identical; a group delivered twice is dropped). Both are safe between the
+replicas' decode steps, from any thread.
+
+Lanes: replica i's slot s is lane sampler/slot{offset_i + s} (offsets never reused) and its slot
+spans carry args["replica"] = i; replica 0 keeps the plain sampler/prefill and sampler/groups
+lanes, replica i > 0 writes sampler/replica{i}/... (as the Ray router merges them).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from rl.elastic.migration import MigrationPolicy, Off
+from rl.rounds import RoundCut
+from rl.runtime.routing import Routing
+from rl.timeline import SLOT_PREFIX, replica_lane
+from rl.types import Group, Request
+
+if TYPE_CHECKING:
+    from rl.admission import AdmissionPolicy
+    from sampler.engine import Engine
+    from sampler.loop import SamplerLoop, SamplerStats
+
+
+class ReplicaTimeline:
+    """A replica's view of the run's Timeline: its lanes renamed, args["replica"] added to slots."""
+
+    def __init__(self, timeline: Any, replica: int, offset: int):
+        self.timeline, self.replica, self.offset = timeline, replica, offset
+
+    def _lane(self, lane: str) -> str:
+        if self.replica == 0 and not lane.startswith(SLOT_PREFIX):
+            return lane
+        return replica_lane(lane, self.replica, self.offset)
+
+    def span(self, lane: str, name: str, start: float, end: float, **args: Any) -> None:
+        if lane.startswith(SLOT_PREFIX):
+            args["replica"] = self.replica
+        self.timeline.span(self._lane(lane), name, start, end, **args)
+
+    def instant(self, lane: str, name: str, t: float, **args: Any) -> None:
+        self.timeline.instant(self._lane(lane), name, t, **args)
+
+
+class ReplicaSampler:
+    """The Driver's Sampler over N in-process replicas; see the module docstring.
+
+    Args:
+      engines: one Engine per replica, each on its own devices.
+      make_admission: a fresh admission policy (one per replica).
+      reward_fn, emit, group_atomic, recompute_kv, timeline, clock: as for SamplerLoop; `emit`
+        gets each group once.
+      version: the weights' version before the first set_params.
+      routing: "round_robin" or "least_loaded".
+      migration: the migration policy (default: none).
+    """
+
+    def __init__(
+        self,
+        engines: Iterable[Engine],
+        *,
+        make_admission: Callable[[], AdmissionPolicy],
+        reward_fn: Any,
+        emit: Callable[[Group], None],
+        version: int = 0,
+        group_atomic: bool = True,
+        recompute_kv: bool = False,
+        routing: str = "round_robin",
+        migration: MigrationPolicy | None = None,
+        timeline: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        engines = list(engines)
+        self._routing = Routing(routing, max(1, len(engines)))
+        self._make_admission, self._reward_fn, self._emit = make_admission, reward_fn, emit
+        self._group_atomic, self._recompute_kv = group_atomic, recompute_kv
+        self.migration = Off() if migration is None else migration
+        self.timeline, self.clock = timeline, clock
+        self._params: tuple[Any, int] = (None, version)
+        self._lock = threading.Lock()  # routing and the replica table
+        self._topology = threading.RLock()  # held by a migration, add_replica, remove_replica
+        self.loops: dict[int, SamplerLoop] = {}  # live replicas by index
+        self._removed: list[SamplerLoop] = []  # their counters stay in `stats`
+        self._offsets: dict[int, int] = {}
+        self._next_offset = 0
+        self._started = False
+        for i, engine in enumerate(engines):
+            self._build(i, engine)
+
+    # ------------------------------------------------------------------------------ replicas
+
+    def _build(self, i: int, engine: Engine) -> SamplerLoop:
+        from sampler.loop import SamplerLoop
+
+        offset, self._next_offset = (
+            self._next_offset,
+            self._next_offset + engine.max_concurrent_decodes,
+        )
+        params, version = self._params
+        loop = SamplerLoop(
+            engine,
+            None if params is None else engine.place_params(params),
+            admission=self._make_admission(),
+            reward_fn=self._reward_fn,
+            emit=self._deliver,
+            version=version,
+            group_atomic=self._group_atomic,
+            recompute_kv=self._recompute_kv,
+            timeline=None if self.timeline is None else ReplicaTimeline(self.timeline, i, offset),
+            clock=self.clock,
+            on_boundary=lambda: self._boundary(i),
+        )
+        with self._lock:
+            self.loops[i], self._offsets[i] = loop, offset
+        return loop
+
+    def add_replica(self, engine: Engine) -> int:
+        """Starts another replica on `engine` (with the latest weights); returns its index."""
+        with self._topology:
+            with self._lock:
+                i = self._routing.add()
+            loop = self._build(i, engine)
+            if self._started:
+                loop.start()
+        return i
+
+    def remove_replica(self, i: int) -> None:
+        """Stops replica i; its undelivered requests are re-sampled on the other replicas."""
+        with self._topology:
+            with self._lock:
+                if i not in self.loops:
+                    raise ValueError(f"No live sampler replica {i}; live: {sorted(self.loops)}.")
+                if len(self.loops) == 1:
+                    raise ValueError(f"Replica {i} is the last one; a sampler needs one replica.")
+                loop = self.loops.pop(i)
+                lost = self._routing.remove(i)
+                self._removed.append(loop)
+        loop.close()  # outside the locks: its thread may be emitting a group
+        if lost:
+            self.submit(lost)
+
+    def pending(self) -> int:
+        """Requests waiting, running, or complete with rewards running, over the replicas."""
+        return sum(loop.pending() for loop in self._live())
+
+    def busy_slots(self) -> int:
+        return sum(loop.busy_slots() for loop in self._live())
+
+    def idle_replicas(self) -> list[int]:
+        """Live replicas with nothing waiting, running or being scored (lendable devices)."""
+        with self._lock:
+            loops = dict(self.loops)
+        return [i for i, loop in sorted(loops.items()) if loop.idle]
+
+    # ------------------------------------------------------------------------ the protocol
+
+    @property
+    def num_slots(self) -> int:
+        return sum(self.replica_slots)
+
+    @property
+    def replica_slots(self) -> tuple[int, ...]:
+        with self._lock:
+            return tuple(loop.num_slots for _, loop in sorted(self.loops.items()))
+
+    @property
+    def routed(self) -> Any:
+        """Requests routed to each replica (a Counter)."""
+        return self._routing.routed
+
+    @property
+    def error(self) -> BaseException | None:
+        with self._lock:
+            loops = [*self.loops.values(), *self._removed]
+        return next((loop.error for loop in loops if loop.error is not None), None)
+
+    @property
+    def stats(self) -> SamplerStats:
+        from sampler.loop import SamplerStats
+
+        with self._lock:
+            loops = [*self.loops.values(), *self._removed]
+        return SamplerStats.total(loop.stats for loop in loops)
+
+    def start(self) -> None:
+        with self._topology:
+            self._started = True
+            for loop in self._live():
+                loop.start()
+
+    def submit(self, requests: Iterable[Request], cut: RoundCut | None = None) -> None:
+        requests = list(requests)
+        with self._lock:
+            if cut is not None and len(self.loops) > 1:
+                raise ValueError(
+                    f"A round cut (tail batching) spans one sampler; this one has {len(self.loops)} "
+                    "replicas. Expected config.mesh.sampler_replicas=1 with driver.tail."
+                )
+            by_replica: dict[int, list[Request]] = {}
+            for r in requests:
+                by_replica.setdefault(self._routing.route(r), []).append(r)
+            loops = {i: self.loops[i] for i in by_replica}
+        for i, rs in sorted(by_replica.items()):
+            loops[i].submit(rs, cut)
+
+    def set_params(self, params: Any, version: int) -> None:
+        with self._lock:
+            self._params = (params, version)
+            loops = list(self.loops.values())
+        for loop in loops:
+            loop.set_params(loop.engine.place_params(params), version)
+
+    def request_stop(self) -> None:
+        for loop in self._live():
+            loop.request_stop()
+
+    def close(self) -> None:
+        errors = []
+        for loop in self._live():
+            try:
+                loop.close()
+            except BaseException as e:  # close them all, then raise the first
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    # ------------------------------------------------------------------------ synchronous use
+
+    def step(self) -> bool:
+        """One step of every replica in index order (tests); whether any work is left."""
+        for loop in self._live():
+            loop.step()
+        return self.pending() > 0  # a later replica may have handed work to an earlier one
+
+    def run_until_idle(self, max_steps: int = 100_000) -> None:
+        for _ in range(max_steps):
+            if not self.step():
+                return
+        raise RuntimeError(f"Sampler replicas still busy after {max_steps} steps.")
+
+    # ------------------------------------------------------------------------------ internals
+
+    def _live(self) -> list[SamplerLoop]:
+        with self._lock:
+            return [loop for _, loop in sorted(self.loops.items())]
+
+    def _deliver(self, group: Group) -> None:
+        with self._lock:
+            first = self._routing.deliver(group.request.key) is not None
+        if first:  # a removed replica's late copy of a re-sampled group is dropped
+            self._emit(group)
+
+    def _boundary(self, i: int) -> None:
+        """Replica i is between decode steps: run the migration policy's moves out of it."""
+        if isinstance(self.migration, Off):
+            return
+        with self._topology:
+            with self._lock:
+                loops = dict(sorted(self.loops.items()))
+            if i not in loops or len(loops) < 2:
+                return
+            ids = list(loops)
+            views = [loop.view() for loop in loops.values()]
+            for move in self.migration.moves(views):
+                src, dst = ids[move.src], ids[move.dst]
+                if src == i:
+                    self._move(move.key, i, dst, loops, views[move.src])
+
+    def _move(
+        self, key: tuple[int, int], src: int, dst: int, loops: dict[int, SamplerLoop], view: Any
+    ) -> None:
+        n = next(r.sequences for r in view.running if r.key == key)
+        slots = loops[dst].reserve(n)
+        if slots is None:  # the destination admitted work meanwhile
+            return
+        t0 = self.clock()
+        handoff = loops[src].handoff(key)
+        with self._lock:
+            self._routing.move(key, dst)
+        loops[dst].adopt(handoff, slots)
+        if self.timeline is not None:
+            r = handoff.run.request
+            ReplicaTimeline(self.timeline, src, self._offsets[src]).span(
+                "sampler/migrate",
+                "migrate",
+                t0,
+                self.clock(),
+                round=r.round,
+                uid=r.uid,
+                sequences=len(handoff.samples),
+                bytes=handoff.state.nbytes,
+                src=src,
+                dst=dst,
+            )

@@ -1,0 +1,118 @@
+"""The migration policies (rl/elastic/migration.py): pure decisions on replica snapshots."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rl.elastic.migration import (
+    MigrationConfig,
+    Move,
+    ReplicaView,
+    RunningView,
+    check_moves,
+    make_migration_policy,
+)
+
+
+def view(slots, *groups, queued=False, free=None):
+    running = tuple(RunningView(key=(0, uid), sequences=n) for uid, n in groups)
+    used = sum(n for _, n in groups)
+    return ReplicaView(
+        slots=slots, free=slots - used if free is None else free, queued=queued, running=running
+    )
+
+
+def test_off_never_moves():
+    policy = make_migration_policy(MigrationConfig(policy="off"))
+    assert policy.moves([view(8, (0, 1)), view(8, (1, 1))]) == []
+
+
+def test_tail_consolidates_onto_the_most_loaded_replica():
+    policy = make_migration_policy(MigrationConfig(policy="tail", max_running_fraction=0.5))
+    replicas = [view(8, (0, 2)), view(8, (1, 1), (2, 1)), view(8, (3, 3))]
+    moves = policy.moves(replicas)
+    check_moves(replicas, moves)
+    # replicas 0 and 1 (4 sequences) fit in replica 2's 5 free slots: both empty into it
+    assert set(moves) == {Move((0, 0), 0, 2), Move((0, 1), 1, 2), Move((0, 2), 1, 2)}
+
+
+def test_tail_waits_while_work_is_queued_or_many_run():
+    policy = make_migration_policy(MigrationConfig(policy="tail", max_running_fraction=0.25))
+    assert policy.moves([view(8, (0, 1)), view(8, (1, 1), queued=True)]) == []
+    assert policy.moves([view(8, (0, 4)), view(8, (1, 1))]) == []  # 5 > 0.25 * 16
+    assert policy.moves([view(8, (0, 1)), view(8)]) == []  # one busy replica: nothing to gain
+
+
+def test_tail_keeps_requests_near_their_end():
+    policy = make_migration_policy(MigrationConfig(policy="tail", min_tokens_left=10))
+    near = ReplicaView(
+        slots=8, free=7, running=(RunningView(key=(0, 0), sequences=1, tokens_left=3),)
+    )
+    far = ReplicaView(
+        slots=8, free=7, running=(RunningView(key=(0, 1), sequences=1, tokens_left=50),)
+    )
+    moves = policy.moves([near, far])
+    assert moves == [Move((0, 1), 1, 0)]
+
+
+def test_always_moves_every_movable_request():
+    policy = make_migration_policy(MigrationConfig(policy="always"))
+    pinned = RunningView(key=(0, 9), sequences=1, movable=False)
+    a = ReplicaView(slots=4, free=1, running=(RunningView(key=(0, 0), sequences=2), pinned))
+    b = view(4, (1, 1))
+    moves = policy.moves([a, b])
+    check_moves([a, b], moves)
+    assert {m.key for m in moves} == {(0, 0), (0, 1)}
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"policy": "sometimes"}, r"elastic.migration='sometimes'; expected one of"),
+        ({"max_running_fraction": 0.0}, r"max_running_fraction must be in \(0, 1\]"),
+        ({"min_tokens_left": -1}, r"min_tokens_left must be >= 0; received -1"),
+    ],
+)
+def test_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MigrationConfig(**kwargs)
+
+
+def test_bad_views_and_moves_are_refused():
+    with pytest.raises(ValueError, match="free <= slots - running sequences"):
+        view(4, (0, 3), free=2)
+    with pytest.raises(ValueError, match="not executable"):
+        check_moves([view(4, (0, 1)), view(4)], [Move((0, 5), 0, 1)])
+    with pytest.raises(ValueError, match="overfill replica 1"):
+        check_moves([view(4, (0, 3)), view(4, (1, 2))], [Move((0, 0), 0, 1)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from(["tail", "always"]),
+    st.lists(
+        st.tuples(st.integers(2, 8), st.lists(st.integers(1, 3), max_size=4), st.booleans()),
+        min_size=1,
+        max_size=4,
+    ),
+)
+def test_moves_are_always_executable(name, spec):
+    uid, replicas = 0, []
+    for slots, sizes, queued in spec:
+        runs = []
+        for n in sizes:
+            if sum(r.sequences for r in runs) + n <= slots:
+                runs.append(RunningView(key=(0, uid), sequences=n, movable=uid % 5 != 4))
+                uid += 1
+        used = sum(r.sequences for r in runs)
+        replicas.append(
+            ReplicaView(slots=slots, free=slots - used, queued=queued, running=tuple(runs))
+        )
+    cfg = MigrationConfig(policy=name, max_running_fraction=1.0)
+    moves = make_migration_policy(cfg).moves(replicas)
+    check_moves(replicas, moves)
+    if name == "tail" and moves:  # a source is emptied whole, and never receives
+        srcs = {m.src for m in moves}
+        assert not srcs & {m.dst for m in moves}
+        for s in srcs:
+            assert {m.key for m in moves if m.src == s} == {r.key for r in replicas[s].running}

@@ -1,0 +1,273 @@
+"""Sampler replicas in one process (rl/runtime/replicas.py): routing, migration, elasticity.
+
+Exactness: per-request randomness does not depend on the slot or the replica, so two replicas,
+with or without migrating running sequences between them at every step, give the tokens and
+log-probs of one engine, bitwise (float32, CPU, tiny model).
+"""
+
+import random
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh
+
+from configs import base
+from rl.admission import FCFS
+from rl.elastic.migration import MigrationConfig, Move, check_moves, make_migration_policy
+from rl.models import create_model, get_preset
+from rl.runtime.compose import build_driver
+from rl.runtime.replicas import ReplicaSampler
+from rl.timeline import Timeline
+from rl.types import Request, SamplingParams
+from sampler.engine import Engine, EngineConfig
+
+CFG = EngineConfig(max_slots=4, max_length=64, max_prefill_length=16, steps_per_call=2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return create_model(get_preset("tiny", init_std=0.3), seed=0)
+
+
+@pytest.fixture(scope="module")
+def engines(model):
+    """Engines on devices 0, 1, 2, built (and compiled) once for the module."""
+    out = {}
+
+    def on(device):
+        if device not in out:
+            mesh = Mesh(np.array([jax.devices()[device]]).reshape(1, 1), ("data", "tp"))
+            out[device] = Engine(model, CFG, mesh=mesh)
+        return out[device]
+
+    return on
+
+
+def requests(n=5, seed=0, lengths=None):
+    rng = np.random.default_rng(seed)
+    out = []
+    for uid in range(n if lengths is None else len(lengths)):
+        prompt = tuple(int(t) for t in rng.integers(0, 256, size=int(rng.integers(3, 12))))
+        new = int(rng.integers(4, 40)) if lengths is None else lengths[uid]
+        params = SamplingParams(temperature=1.0, max_new_tokens=new)
+        out.append(Request(uid=uid, prompt=prompt, group_size=2, params=params))
+    return out
+
+
+def sample(
+    model,
+    engine_on,
+    devices,
+    policy="off",
+    routing="round_robin",
+    seed=0,
+    fraction=0.25,
+    lengths=None,
+):
+    engines = [engine_on(d) for d in devices]
+    groups, timeline = [], Timeline()
+    sampler = ReplicaSampler(
+        engines,
+        make_admission=FCFS,
+        reward_fn=lambda r, c: 0.0,
+        emit=groups.append,
+        routing=routing,
+        migration=make_migration_policy(
+            MigrationConfig(policy=policy, max_running_fraction=fraction)
+        ),
+        timeline=timeline,
+    )
+    sampler.set_params(engines[0].load_params(model), 0)
+    sampler.submit(requests(seed=seed, lengths=lengths))
+    sampler.run_until_idle(max_steps=500)
+    out = {
+        g.request.key: [(c.tokens, c.logprobs, c.versions) for c in g.completions] for g in groups
+    }
+    assert len(out) == len(groups)  # each group once
+    return out, sampler, timeline
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_replicas_and_migration_do_not_change_tokens(model, engines, seed):
+    one, _, _ = sample(model, engines, [0], seed=seed)
+    two, _, _ = sample(model, engines, [1, 2], seed=seed)
+    moved, sampler, timeline = sample(model, engines, [1, 2], policy="always", seed=seed)
+    assert one == two == moved
+    stats = sampler.stats
+    assert stats.migrations > 0 and stats.migrated_bytes > 0
+    assert stats.groups_emitted == len(one) and sampler.busy_slots() == sampler.pending() == 0
+    spans = timeline.spans("sampler/")
+    moves = [s for s in spans if s.name == "migrate"]
+    assert len(moves) == stats.migrations
+    assert {s.args["replica"] for s in spans if s.lane.startswith("sampler/slot")} == {0, 1}
+    finals = [s for s in spans if s.lane.startswith("sampler/slot") and not s.args.get("migrated")]
+    assert len(finals) == 2 * len(one)  # one final span per sequence
+    tokens = sum(len(t) for g in one.values() for t, _, _ in g)
+    assert sum(s.args["tokens"] for s in spans if s.lane.startswith("sampler/slot")) == tokens
+
+
+def test_tail_consolidates_and_frees_a_replica(model, engines):
+    # round-robin: each replica gets a long and a short group; the two long tails consolidate
+    lengths = [40, 40, 4, 4]
+    ref, _, _ = sample(model, engines, [0], lengths=lengths)
+    got, sampler, timeline = sample(
+        model, engines, [1, 2], policy="tail", fraction=0.5, lengths=lengths
+    )
+    assert got == ref
+    assert sampler.stats.migrations >= 1
+    assert sampler.idle_replicas() == [0, 1]
+    # after each move the source replica ran nothing more of that round's tail
+    for move in timeline.spans("sampler/"):
+        if move.name == "migrate":
+            later = [
+                s
+                for s in timeline.spans("sampler/slot")
+                if s.args["replica"] == move.args["src"] and s.start > move.end
+            ]
+            assert later == []
+
+
+def test_add_and_remove_replicas_between_steps(model, engines):
+    first = [engines(1)]
+    groups = []
+    sampler = ReplicaSampler(
+        first, make_admission=FCFS, reward_fn=lambda r, c: 0.0, emit=groups.append
+    )
+    sampler.set_params(first[0].load_params(model), 0)
+    reqs = requests(6)
+    sampler.submit(reqs[:3])
+    sampler.step()
+    i = sampler.add_replica(engines(2))
+    assert i == 1 and sampler.replica_slots == (4, 4)
+    sampler.submit(reqs[3:])
+    sampler.step()
+    sampler.remove_replica(1)  # its requests are re-sampled on replica 0
+    sampler.run_until_idle(max_steps=500)
+    assert sorted(g.request.key for g in groups) == sorted(r.key for r in reqs)
+    ref, _, _ = sample(model, engines, [0], seed=0)
+    got = {
+        g.request.key: [(c.tokens, c.logprobs, c.versions) for c in g.completions] for g in groups
+    }
+    assert {k: got[k] for k in ref} == ref
+    with pytest.raises(ValueError, match="No live sampler replica 1"):
+        sampler.remove_replica(1)
+    with pytest.raises(ValueError, match="is the last one"):
+        sampler.remove_replica(0)
+
+
+class RandomMoves:
+    """Random executable migration decisions (a policy for the property test)."""
+
+    def __init__(self, seed, p):
+        self.rng, self.p = random.Random(seed), p
+
+    def moves(self, views):
+        free, out = [v.free for v in views], []
+        for i, v in enumerate(views):
+            for r in v.running:
+                if not r.movable or self.rng.random() >= self.p:
+                    continue
+                dsts = [j for j in range(len(views)) if j != i and free[j] >= r.sequences]
+                if dsts:
+                    j = self.rng.choice(dsts)
+                    free[j] -= r.sequences
+                    out.append(Move(r.key, i, j))
+        check_moves(views, out)
+        return out
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    specs=st.lists(
+        st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 24)), min_size=1, max_size=7
+    ),
+    seed=st.integers(0, 2**16),
+    p=st.sampled_from([0.3, 1.0]),
+    replicas=st.sampled_from([2, 3]),
+)
+def test_every_request_finishes_once_and_no_slot_leaks(model, engines, specs, seed, p, replicas):
+    """Random lengths, group sizes and migration decisions: each group is emitted once, each
+    sample ends once (one final slot span), tokens are those of one engine, slots all come back."""
+    rng = np.random.default_rng(seed)
+    reqs = [
+        Request(
+            uid=uid,
+            prompt=tuple(int(t) for t in rng.integers(0, 256, size=int(rng.integers(1, 9)))),
+            group_size=g,
+            keep=min(keep, g) if keep < g else 0,
+            params=SamplingParams(temperature=1.0, max_new_tokens=n),
+        )
+        for uid, (g, keep, n) in enumerate(specs)
+    ]
+
+    def run(devices, policy):
+        groups, timeline = [], Timeline()
+        sampler = ReplicaSampler(
+            [engines(d) for d in devices],
+            make_admission=FCFS,
+            reward_fn=lambda r, c: 0.0,
+            emit=groups.append,
+            migration=policy,
+            timeline=timeline,
+        )
+        sampler.set_params(engines(devices[0]).load_params(model), 0)
+        sampler.submit(reqs)
+        sampler.run_until_idle(max_steps=400)
+        return groups, sampler, timeline
+
+    ref, _, _ = run([0], None)
+    groups, sampler, timeline = run([1, 2, 0][:replicas], RandomMoves(seed, p))
+    keys = [g.request.key for g in groups]
+    assert sorted(keys) == sorted(r.key for r in reqs) and len(set(keys)) == len(keys)
+    tokens = lambda gs: {g.request.key: [(c.sample, c.tokens) for c in g.completions] for g in gs}
+    assert tokens(groups) == tokens(ref)
+    for g in groups:  # every kept sample ended once, on one replica's slot
+        finals = [
+            s
+            for s in timeline.spans("sampler/slot")
+            if s.args["uid"] == g.request.uid and not s.args.get("migrated")
+        ]
+        ended = sorted(s.args["sample"] for s in finals)
+        kept = sorted(c.sample for c in g.completions)
+        assert sorted(set(ended)) == ended and set(kept) <= set(ended)
+    for loop in sampler.loops.values():  # no slot leaked or left reserved
+        view = loop.view()
+        assert view.free == view.slots and not view.running and not loop._reserved
+        assert not jax.device_get(loop._state.active).any()
+
+
+def run_threads(replicas, migration, rounds=2):
+    config = base.get_config("smoke")
+    config.sft.max_steps = 0
+    config.driver.mode, config.driver.batching = "cgp", "ordered"
+    config.mesh.sampler_replicas = replicas
+    config.elastic.migration = migration
+    runtime, driver = build_driver(config, rounds=rounds)
+    try:
+        try:
+            results = [driver.run_round(r) for r in range(rounds)]
+        finally:
+            driver.close()
+        return results, jax.device_get(runtime.learner.state.params)
+    finally:
+        runtime.close()
+
+
+def test_threads_runtime_with_forced_migration_equals_one_replica():
+    """cgp + ordered: 2 replicas migrating at every step train on the tokens of 1 replica and
+    reach the same parameters, bitwise (the run-level form of the exactness invariant)."""
+    one, p1 = run_threads(1, "off")
+    two, p2 = run_threads(2, "always")
+    tokens = lambda rs: [
+        [(g.request.uid, c.sample, c.tokens, c.logprobs) for g in r.groups for c in g.completions]
+        for r in rs
+    ]
+    assert tokens(two) == tokens(one)
+    for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert sum(r.metrics["migrations"] for r in two) > 0
+    assert all(r.metrics["migrated_bytes"] > 0 for r in two)
+    assert all(r.metrics["sequences"] == one[0].metrics["sequences"] for r in two)
