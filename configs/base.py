@@ -57,7 +57,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # its devices to the bottleneck when the stage-time models predict a gain above the switch cost.
     config.elastic = ml_collections.ConfigDict()
     # learner: the learner trains on sampler devices too once the rollout has drained;
-    # sampler: an extra engine replica on learner devices while the learner waits (simulator only)
+    # sampler: extra engine replicas (mesh.sampler_devices each) on the learner's devices while the
+    # learner waits for a round's groups (threads runtime); both: either, as predicted
     config.elastic.borrowing = "off"  # off | learner | sampler | both
     config.elastic.switch_cost_s = 1.0  # prior cost of one switch (there and back); then measured
     config.elastic.margin = 1.0  # borrow only when predicted gain > margin x switch cost

@@ -311,12 +311,14 @@ def check_config(config: Any) -> None:
                 "stage_model; expected a launch.profile JSON or 'preset:<model>:<gpu>' to predict "
                 "gains with."
             )
-        if elastic is not None and elastic.borrowing in ("sampler", "both"):
-            p.add(
-                f"config.elastic.borrowing={elastic.borrowing!r}: the runtime lends the sampler's "
-                "devices to the learner only; expected 'off' or 'learner' (the sampler direction "
-                "runs in launch.simulate)."
-            )
+        if elastic is not None and elastic.borrowing != "off":
+            mode = config.get("driver", {}).get("mode")
+            if mode == "async":
+                p.add(
+                    f"config.elastic.borrowing={elastic.borrowing!r} with config.driver.mode="
+                    "'async'; expected a round mode (sync or cgp): async publishes after every "
+                    "update, so devices would move back and forth each update."
+                )
     if clean("mesh"):
         mesh = p.build("mesh", lambda: MeshConfig(**config.mesh))
         if mesh is not None and mesh.split == "plan":

@@ -48,7 +48,7 @@ from rl.types import Group, Prompt, Request, SamplingParams
 
 if TYPE_CHECKING:
     from learner.learner import Learner
-    from rl.elastic.lending import LearnerBorrower
+    from rl.elastic.lending import LearnerBorrower, SamplerLender
     from rl.runtime.protocols import Queue, Sampler, WeightSync
 
 
@@ -131,14 +131,17 @@ class Driver:
         rounds: int | None = None,
         barrier_every: int = 0,
         borrower: LearnerBorrower | None = None,
+        lender: SamplerLender | None = None,
     ):
-        if borrower is not None and cfg.mode == "async":
+        if (borrower is not None or lender is not None) and cfg.mode == "async":
             raise ValueError(
                 "Borrowing needs a round mode (sync or cgp); received mode='async' (it publishes "
                 "after every update, so devices would move back and forth each update)."
             )
         self.cfg = cfg
-        self.borrower = borrower
+        self.borrower, self.lender = borrower, lender
+        self._deferred: list[Action] = []  # learner work held while its devices are lent
+        self._lengths = (0.0, 0.0, 0.0, 0)  # responses so far: mean, max, mean prompt, count
         self.learner = learner
         self.weight_sync = weight_sync
         self.planner = RoundPlanner(
@@ -157,8 +160,9 @@ class Driver:
         )
         self.timeline = Timeline() if timeline is None else timeline
         self.clock = clock
-        if borrower is not None:
-            borrower.bind(clock=clock, timeline=self.timeline)
+        for elastic in (borrower, lender):
+            if elastic is not None:
+                elastic.bind(clock=clock, timeline=self.timeline)
         self.on_group: Callable[[Group], None] | None = (
             None  # called as each complete group arrives
         )
@@ -205,6 +209,24 @@ class Driver:
         """Every submitted request was emitted, aborted or cut: the sampler's devices are idle."""
         st = self.sampler.stats
         return st.groups_emitted + st.groups_aborted + st.groups_cut >= self._submitted
+
+    def _maybe_lend(self, a: Submit) -> None:
+        """Round modes: the learner waits for this round's groups; the lender may add a replica."""
+        assert self.lender is not None
+        mean, longest, prompt, n = self._lengths
+        cap = self.cfg.sampling.max_new_tokens
+        self.lender.maybe_lend(
+            self.sampler,
+            a.round,
+            sequences=sum(r.group_size for r in a.requests),
+            response_tokens=mean if n else cap / 2,  # before any response: half the cap
+            longest=longest if n else cap,
+            prompt_tokens=prompt if n else float(np.mean([len(r.prompt) for r in a.requests])),
+            updates=self.cfg.updates_per_round,
+            group_size=self.cfg.group_size,
+            overlap=self.cfg.mode != "sync",
+        )
+        self.num_slots = max(self.num_slots, self.sampler.num_slots)
 
     def _maybe_borrow(self, round: int) -> None:
         if self.borrower is None:
@@ -258,7 +280,12 @@ class Driver:
         while todo:
             a = todo.popleft()
             follow: list[Action] = []
+            if self.lender is not None and self.lender.lent and not isinstance(a, Submit):
+                self._deferred.append(a)  # the learner's devices decode: its work waits
+                continue
             if isinstance(a, Submit):
+                if self.lender is not None:
+                    self._maybe_lend(a)
                 if a.round not in self._starts:
                     self._starts[a.round] = self.clock()
                     self._stats0[a.round] = dataclasses.replace(self.sampler.stats)
@@ -301,6 +328,11 @@ class Driver:
                 f"Round {round}: the prompt source is exhausted and the long-prompt queue is empty."
             ) from None
         while round not in self._done:
+            if self.lender is not None and self.lender.lent and self._drained():
+                self.lender.give_back(self.sampler)  # the learner's devices return
+                deferred, self._deferred = self._deferred, []
+                self._run(deferred)
+                continue
             self._run(self.schedule.on_group(self._next_group()))
         done = self._done.pop(round)
         stats = self.sampler.stats  # first: a remote sampler's timeline events come with it
@@ -340,6 +372,19 @@ class Driver:
             metrics["lag_max"] = float(np.max([m["lag_max"] for m in updates]))
         if self.borrower is not None:
             metrics.update(self.borrower.pop_metrics(round))
+        if self.lender is not None:
+            metrics.update(self.lender.pop_metrics(round))
+            self.num_slots = max(self.num_slots, self.sampler.num_slots)
+        mean, longest, prompt, n = self._lengths  # the lender's estimate of the next rounds
+        rows = [(len(c.prompt), len(c.tokens)) for g in trained for c in g.completions]
+        if rows:
+            k = n + len(rows)
+            self._lengths = (
+                (mean * n + sum(r for _, r in rows)) / k,
+                max(longest, max(r for _, r in rows)),
+                (prompt * n + sum(p for p, _ in rows)) / k,
+                k,
+            )
         self._added.pop(round, None)
         del self._starts[round]
         return RoundResult(

@@ -118,3 +118,115 @@ class LearnerBorrower:
         """The round's decision metrics (empty if no decision was taken in it)."""
         self._decided.discard(round)
         return self._metrics.pop(round, {})
+
+
+class SamplerLender:
+    """Lends the learner's devices to the sampler as an extra engine replica while it waits.
+
+    At a round's submission (round modes), while the learner waits for its first groups, the
+    policy decides from an estimate of the round's work (`sequences` x the mean response length of
+    the rounds so far; the longest response so far as the tail). On a move the extra Engines (one
+    per `replica_devices` of the learner's devices, as the policy counts them; built once by
+    `make_engines`) join the ReplicaSampler with the published weights (`add_replica`) before the
+    round's requests are routed; the driver holds the learner's work until the sampler has drained,
+    then they leave (`remove_replica`, idle: nothing is re-sampled) and the learner resumes. The switch (add + remove) is timed into the policy's
+    estimate, drawn on the "elastic" lane ("lend") and reported in the round's metrics
+    (borrow_sampler, _gain_s, _switch_cost_s, _measured_s).
+
+    Args:
+      policy: the borrowing policy (its config allows the "sampler" direction).
+      make_engines: builds the Engines on the learner's devices (called at the first move).
+      learner_devices, replica_devices, sampler_replicas, slots, micro_batch_rows: the split.
+    """
+
+    def __init__(
+        self,
+        policy: BorrowPolicy,
+        make_engines: Callable[[], list[Any]],
+        *,
+        learner_devices: int,
+        replica_devices: int,
+        sampler_replicas: int,
+        slots: int,
+        micro_batch_rows: int,
+    ):
+        if not policy.cfg.allows("sampler"):
+            raise ValueError(
+                f"SamplerLender needs elastic.borrowing 'sampler' or 'both'; received "
+                f"{policy.cfg.borrowing!r}."
+            )
+        self.policy, self.make_engines = policy, make_engines
+        self.shape = dict(
+            learner_devices=learner_devices,
+            sampler_replicas=sampler_replicas,
+            replica_devices=replica_devices,
+            slots=slots,
+        )
+        self.rows = micro_batch_rows
+        self.clock: Callable[[], float] = time.monotonic
+        self.timeline = Timeline()
+        self._engines: list[Any] = []
+        self._lent: tuple[int, list[int], float, float] | None = None  # round, replicas, since, s
+        self._metrics: dict[int, dict[str, float]] = {}
+
+    def bind(self, *, clock: Callable[[], float], timeline: Timeline) -> None:
+        self.clock, self.timeline = clock, timeline
+
+    @property
+    def lent(self) -> bool:
+        return self._lent is not None
+
+    def maybe_lend(
+        self,
+        sampler: Any,
+        round: int,
+        *,
+        sequences: int,
+        response_tokens: float,
+        longest: float,
+        prompt_tokens: float,
+        updates: int,
+        group_size: int,
+        overlap: bool,
+    ) -> None:
+        """Decides for the round about to be submitted; on a move adds the extra replica."""
+        if self._lent is not None or not sequences:
+            return
+        state = PoolState(
+            **self.shape,
+            sequences=sequences,
+            tokens_left=sequences * response_tokens,
+            longest_left=longest,
+            context=prompt_tokens + response_tokens / 2,
+            updates_left=updates,
+            micro_batches_left=math.ceil(sequences / self.rows),
+            learner_tokens_left=sequences * (prompt_tokens + response_tokens),
+            learner_waiting=True,
+            overlap=overlap,
+        )
+        d = self.policy.decide(state)
+        self._metrics[round] = d.metrics() | {"borrow_sampler_measured_s": math.nan}
+        if d.direction != "sampler" or not d.move:
+            return
+        t0 = self.clock()
+        if not self._engines:
+            self._engines = self.make_engines()
+        added = [sampler.add_replica(e) for e in self._engines]
+        self._lent = (round, added, t0, self.clock() - t0)
+
+    def give_back(self, sampler: Any) -> None:
+        """Removes the extra replica (the sampler has drained); the learner's devices return."""
+        assert self._lent is not None
+        round, added, since, add_s = self._lent
+        self._lent = None
+        t0 = self.clock()
+        for i in added:
+            sampler.remove_replica(i)
+        t1 = self.clock()
+        self.timeline.span("elastic", "lend", since, t1, round=round, replicas=len(added))
+        measured = add_s + (t1 - t0)
+        self.policy.record_switch("sampler", measured)
+        self._metrics.setdefault(round, {})["borrow_sampler_measured_s"] = measured
+
+    def pop_metrics(self, round: int) -> dict[str, float]:
+        return self._metrics.pop(round, {})

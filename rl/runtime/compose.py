@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from learner.learner import Learner
     from rl.driver import Driver, DriverConfig
-    from rl.elastic.lending import LearnerBorrower
+    from rl.elastic.lending import LearnerBorrower, SamplerLender
     from sampler.engine import Engine
 
 
@@ -208,6 +208,48 @@ def build_borrower(config: Any, learner: Learner, sampler_mesh: Mesh) -> Learner
     return borrower
 
 
+def build_lender(config: Any, setup: Setup, model: Any, learner: Learner) -> SamplerLender | None:
+    """The sampler's lender of the learner's devices (config.elastic): engine replicas of
+    mesh.sampler_devices devices each on the learner's devices; None when that direction is off."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from rl.elastic.borrowing import BorrowConfig, BorrowPolicy
+    from rl.elastic.lending import SamplerLender
+    from rl.elastic.planning import split_models
+    from rl.plan import Split
+
+    cfg = BorrowConfig.from_section(config.elastic)
+    if not cfg.allows("sampler"):
+        return None
+    own = list(learner.mesh.devices.flat)
+    per, tp, replicas = (
+        config.mesh.sampler_devices,
+        config.mesh.sampler_tp,
+        config.mesh.sampler_replicas,
+    )
+    per = per or 1
+    split = Split(sampler_gpus=per * replicas, tp=per, learner_gpus=len(own))
+    preset = split_models(cfg.stage_model, slots=config.engine.max_slots)(split)
+
+    def make_engines() -> list[Any]:
+        groups = [own[i : i + per] for i in range(0, len(own) - per + 1, per)]
+        return [
+            build_engine(config, setup, Mesh(np.array(g).reshape(-1, tp), ("data", "tp")), model)
+            for g in groups
+        ]
+
+    return SamplerLender(
+        BorrowPolicy(cfg, preset.model, model_learner_devices=len(own)),
+        make_engines,
+        learner_devices=len(own),
+        replica_devices=per,
+        sampler_replicas=replicas,
+        slots=config.engine.max_slots,
+        micro_batch_rows=config.learner.micro_batch_rows,
+    )
+
+
 def migration_config_from(config: Any) -> Any:
     """config.elastic as a typed rl.elastic.migration.MigrationConfig (validated)."""
     from rl.elastic.migration import MigrationConfig
@@ -233,6 +275,7 @@ class ThreadsRuntime:
       engines: the sampler replicas' Engines.
       engine: the first of them (evaluation uses it).
       borrow: the learner's borrower of the sampler's devices (config.elastic.borrowing), or None.
+      lend: the sampler's lender of the learner's devices (config.elastic.borrowing), or None.
       reward, eval_reward: rollouts and evaluation get their own runners, so each counts its own
         errors and timeouts.
     """
@@ -273,6 +316,7 @@ class ThreadsRuntime:
         self.reward, self.eval_reward = build_reward(config, setup), build_reward(config, setup)
         self._ckpt = None
         self.borrow = build_borrower(config, self.learner, sampler_mesh)
+        self.lend = build_lender(config, setup, model, self.learner)
 
     def driver(self, cfg: DriverConfig, **kwargs: Any) -> Driver:
         """A Driver over a sampler thread (rl.runtime.threads); kwargs go to the Driver."""
@@ -280,6 +324,8 @@ class ThreadsRuntime:
 
         if self.borrow is not None:
             kwargs.setdefault("borrower", self.borrow)
+        if self.lend is not None:
+            kwargs.setdefault("lender", self.lend)
         return threaded_driver(
             cfg,
             engine=self.engines,

@@ -83,3 +83,29 @@ def test_planner_picks_the_open_split_and_the_runtime_builds_it():
         assert sorted(r for r, _ in plan.rows) == sorted(str(Split(s, 1, 8 - s)) for s in (4, 6, 7))
     finally:
         runtime.close()
+
+
+def test_sampler_borrows_the_learners_devices_and_the_run_is_unchanged():
+    def config(borrowing):
+        c = tiny_config(borrowing)
+        c.driver.mode = "sync"
+        c.mesh.sampler_devices, c.mesh.sampler_replicas = 2, 2  # 2 replicas x 2 devices
+        return c
+
+    static, p_static, _, _ = run(config("off"))
+    lent, p_lent, runtime, driver = run(config("sampler"))
+    tokens = [
+        [(c.uid, c.sample, c.tokens) for g in r.groups for c in g.completions] for r in static
+    ]
+    assert tokens == [
+        [(c.uid, c.sample, c.tokens) for g in r.groups for c in g.completions] for r in lent
+    ]
+    for a, b in zip(jax.tree.leaves(p_static), jax.tree.leaves(p_lent), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the learner never moved
+    for r in lent:
+        assert r.metrics["borrow_sampler"] == 1.0 and r.metrics["borrow_sampler_measured_s"] > 0
+    spans = driver.timeline.spans("elastic")
+    assert [s.args["replicas"] for s in spans] == [2, 2]  # 4 learner devices / 2 per replica
+    assert sorted(driver.sampler.loops) == [0, 1]  # the extra replicas left after each round
+    slot_lanes = {s.lane for s in driver.timeline.spans("sampler/slot")}
+    assert len(slot_lanes) > 2 * 8  # the extra replicas decoded too
