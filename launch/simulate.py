@@ -41,7 +41,8 @@ rl/sim/borrow.py) with the static split: for each setup, sync and cgp+frontier+f
 with each setting (off = static split; learner: the learner trains on the sampler's devices once the
 rollout drains; sampler: the learner's devices decode as extra replicas while the learner waits;
 both), the throughput (groups/s) and its ratio to the static split, the moves made, against BiDiRL's
-up-to-1.94x. The switch cost is --switch_cost_s (BiDiRL measures seconds; weighed by the policy and
+up-to-1.94x; with --balance_wait > 0 again with the learner scaled so that sync waits that share
+of its round ("borrowing_balanced"). The switch cost is --switch_cost_s (BiDiRL measures seconds; weighed by the policy and
 charged by the simulator); the sampler side predicts from the workload's true lengths (an oracle the
 runtime lacks).
 """
@@ -311,35 +312,49 @@ def borrowing(model: StageModel, slots: int, out: dict[str, Any]) -> None:
         f"{_SAMPLER_TP.value}, {slots} slots) / {_LEARNER_GPUS.value} learner GPUs, switch cost "
         f"{_SWITCH.value:g} s; BiDiRL reports up to 1.94x"
     )
-    out["borrowing"] = {}
-    for r in map(int, _SETUPS.value):
-        rows = compare_borrowing(
-            _BORROW_MODES.value,
-            model,
-            workload,
-            rounds=_ROUNDS.value,
-            learner_devices=_LEARNER_GPUS.value,
-            replica_devices=_SAMPLER_TP.value,
-            borrowings=_BORROWING.value,
-            switch_cost_s=_SWITCH.value,
-            groups_per_round=r,
-            groups_per_update=_PER_UPDATE.value,
-            group_size=_GROUP_SIZE.value,
-            max_new_tokens=max_new_tokens(),
-            replicas=replicas,
-            slots=slots,
-        )
-        out["borrowing"][f"R{r}"] = rows
-        print(
-            f"  R={r}: {'mode':<20}{'borrowing':<10}{'groups/s':>9}{'vs static':>10}{'moves L/S':>10}"
-        )
-        for mode, by in rows.items():
-            for b, x in by.items():
-                print(
-                    f"  {'':<6}{mode:<20}{b:<10}{x['groups_per_s']:>9.3f}"
-                    f"{x['throughput_vs_static']:>9.2f}x"
-                    f"{x['moves_learner']:>5.0f}/{x['moves_sampler']:<4.0f}"
+    blocks = [("borrowing", 0.0)] + (
+        [("borrowing_balanced", _BALANCE.value)] * bool(_BALANCE.value)
+    )
+    for label, balance in blocks:
+        out[label] = {}
+        for r in map(int, _SETUPS.value):
+            fields = dict(
+                groups_per_round=r,
+                groups_per_update=_PER_UPDATE.value,
+                group_size=_GROUP_SIZE.value,
+                max_new_tokens=max_new_tokens(),
+                replicas=replicas,
+                slots=slots,
+            )
+            mdl, scale = model, 1.0
+            if balance:
+                mdl, scale = balance_learner(
+                    model, workload, target_wait=balance, rounds=_ROUNDS.value, **fields
                 )
+            rows = compare_borrowing(
+                _BORROW_MODES.value,
+                mdl,
+                workload,
+                rounds=_ROUNDS.value,
+                learner_devices=_LEARNER_GPUS.value,
+                replica_devices=_SAMPLER_TP.value,
+                borrowings=_BORROWING.value,
+                switch_cost_s=_SWITCH.value,
+                **fields,
+            )
+            out[label][f"R{r}"] = rows
+            what = f", learner x{scale:.1f} for sync wait {balance:.0%}" if balance else ""
+            print(f"  R={r}{what}:")
+            print(
+                f"  {'mode':<26}{'borrowing':<10}{'groups/s':>9}{'vs static':>10}{'moves L/S':>10}"
+            )
+            for mode, by in rows.items():
+                for b, x in by.items():
+                    print(
+                        f"  {mode:<26}{b:<10}{x['groups_per_s']:>9.3f}"
+                        f"{x['throughput_vs_static']:>9.2f}x"
+                        f"{x['moves_learner']:>6.0f}/{x['moves_sampler']:<4.0f}"
+                    )
 
 
 def main(argv: list[str]) -> None:

@@ -98,7 +98,12 @@ def test_validate_against_a_run_of_the_simulator_itself_has_no_error():
 def test_simulate_borrowing_alone_writes_the_comparison(tmp_path):
     out = tmp_path / "sim.json"
     cmd = [sys.executable, "-m", "launch.simulate", f"--json={out}", "--setups=8", "--rounds=2"]
-    cmd += ["--max_new_tokens=512", "--median_tokens=100", "--borrowing=off,both"]
+    cmd += [
+        "--max_new_tokens=512",
+        "--median_tokens=100",
+        "--borrowing=off,both",
+        "--balance_wait=0",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
