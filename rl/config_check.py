@@ -312,6 +312,12 @@ def check_config(config: Any) -> None:
                 "gains with."
             )
         if elastic is not None and elastic.borrowing != "off":
+            if config.get("mesh", {}).get("colocated"):
+                p.add(
+                    f"config.elastic.borrowing={elastic.borrowing!r} with config.mesh.colocated="
+                    "True; expected disjoint learner and sampler devices (colocated sides already "
+                    "share every device)."
+                )
             mode = config.get("driver", {}).get("mode")
             if mode == "async":
                 p.add(

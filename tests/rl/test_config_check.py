@@ -221,3 +221,28 @@ def test_task_options_are_known_fields_and_a_typo_names_the_closest(monkeypatch)
     assert e.value.problems == [
         "config.task has no field 'digitz'; did you mean config.task.digits?"
     ]
+
+
+def test_elastic_borrowing_and_the_open_split_are_checked():
+    config = smoke.get_config()  # colocated, no stage model
+    config.elastic.borrowing = "learner"
+    config.driver.mode = "async"
+    config.mesh.split = "plan"
+    with pytest.raises(ConfigError) as e:
+        check_config(config)
+    text = "\n".join(e.value.problems)
+    for expected in (
+        "config.elastic.borrowing='learner' with no config.elastic.stage_model",
+        "config.elastic.borrowing='learner' with config.mesh.colocated=True",
+        "config.elastic.borrowing='learner' with config.driver.mode='async'",
+        "config.mesh.split='plan' with no config.elastic.stage_model",
+    ):
+        assert expected in text, text
+    config = smoke.get_config()
+    config.elastic.borrowing = "sometimes"
+    config.mesh.split = "open"
+    with pytest.raises(ConfigError) as e:
+        check_config(config)
+    text = "\n".join(e.value.problems)
+    assert "config.elastic.borrowing='sometimes'; expected one of ('off'" in text
+    assert "mesh.split='open'; expected one of ('fixed', 'plan')" in text
