@@ -1,17 +1,37 @@
-"""Elastic devices on fake CPU devices, one process: borrowing on vs off (the static split).
+"""Elastic devices benchmark: long-tail migration (JigsawRL) vs the static replica split.
 
-    python -m launch.bench_elastic [--rounds 3 --groups 8 --json /tmp/bench_elastic.json]
+    python -m launch.bench_elastic [--json /tmp/elastic.json] [--replicas 2,4 --repeats 3]
 
-Borrowing section: the tiny-model workload (configs/base.py:smoke shapes, the addition task) in
-`sync` mode on 4 host devices, a learner of 2 and a sampler of 2, through the composition root, with
-config.elastic.borrowing "off" (the static split) and "learner" (the learner's data-parallel mesh
-extends over the sampler's 2 devices once the rollout has drained, and returns before the publish).
-The switch-cost prior and the margin are 0, so the learner borrows every round: the figure is what a
-move costs or saves here, not the policy's judgement (which the simulator exercises at GPU scale:
-launch.simulate --borrowing). Per setting: one warm-up round (compiles; not timed), then --rounds
-timed rounds; rollout-to-train-end, learner compute, the measured switch (there and back) and the
-ratio to the static split. Both settings sample the same tokens (checked). On 2 shared cores the
-4 fake devices share the cores, so these are correctness-grade figures, not a speed claim.
+One process, sampler replicas on fake CPU devices (this module asks XLA for 8 when jax is not yet
+imported), a tiny float32 model. Section `migration`: for each replica count n, one long-tailed
+round of 4n groups of G samples, routed round-robin (the static split): groups 0..n-1 (one per
+replica) run --long_tokens tokens, the others --short_tokens, so when the short ones are done every
+replica holds one long group. Warm-up passes (one with every request migrating at every step, so
+every engine has compiled its export and import; one per setting) precede the timed runs. Measured
+with migration off (the static split) and with the `tail`
+policy (--fraction): the round's time (submission to its last group), the replica-seconds busy (per
+replica, the round start to the end of its last sequence, summed: what consolidation frees for
+other work) and the migrations made, median of --repeats.
+Both runs must produce the same tokens (checked: migration does not change what is sampled).
+
+On 2 shared CPU cores the replicas are threads competing for the same cores, so these are
+correctness-grade figures: consolidation pays here mostly by running fewer generate calls, not by
+freeing a GPU. The paper-scale comparison is the simulator's (python -m launch.simulate
+--migration tail).
+
+Section `borrowing` (BiDiRL): the tiny-model workload (configs/base.py:smoke shapes, the addition
+task) in `sync` mode through the composition root, a learner of 2 fake devices and a sampler of 2,
+with config.elastic.borrowing "off" (the static split) and "learner" (the learner's data-parallel
+mesh extends over the sampler's 2 devices once the rollout has drained, and returns before the
+publish). The switch-cost prior and the margin are 0, so the learner borrows every round: the figure
+is what a move costs or saves here, not the policy's judgement (which the simulator exercises at
+GPU scale: launch.simulate --borrowing). Per setting one warm-up round (compiles; not timed), then
+--rounds timed rounds: rollout-to-train-end, learner compute, the measured switch (there and back)
+and the ratio to the static split. Both settings must sample the same tokens (checked). Correctness-
+grade as well: the fake devices share the 2 cores.
+
+One function per section: add a section as a function returning its JSON block and name it in
+--sections.
 """
 
 from __future__ import annotations
@@ -20,29 +40,178 @@ import os
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
-
-from launch import bench_env  # noqa: E402  (before jax: CPU platform; the count is set above)
-
-# isort: split
 
 import hashlib  # noqa: E402
 import json  # noqa: E402
+import statistics  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
 from typing import Any  # noqa: E402
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
 
 from configs import base  # noqa: E402
+from launch import bench_env  # noqa: E402
+from rl.admission import FCFS  # noqa: E402
+from rl.elastic.migration import MigrationConfig, make_migration_policy  # noqa: E402
+from rl.models import create_model, get_preset  # noqa: E402
 from rl.runtime.compose import build_driver  # noqa: E402
+from rl.runtime.replicas import ReplicaSampler  # noqa: E402
+from rl.timeline import SLOT_PREFIX, Timeline  # noqa: E402
+from rl.types import Group, Request, SamplingParams  # noqa: E402
+from sampler.engine import Engine, EngineConfig  # noqa: E402
+
+_JSON = flags.DEFINE_string("json", "", "Write the results here as JSON; empty: don't.")
+_SECTIONS = flags.DEFINE_list(
+    "sections", ["migration", "borrowing"], "Sections to run: migration, borrowing."
+)
+_REPLICAS = flags.DEFINE_list("replicas", ["2", "4"], "Replica counts (one fake device each).")
+_GROUP_SIZE = flags.DEFINE_integer("group_size", 4, "Samples per group (G).")
+_SLOTS = flags.DEFINE_integer("slots", 8, "Slots per replica.")
+_LONG = flags.DEFINE_integer("long_tokens", 320, "Response length of the long groups.")
+_SHORT = flags.DEFINE_integer("short_tokens", 32, "Response length of the other groups.")
+_FRACTION = flags.DEFINE_float("fraction", 0.5, "tail policy: running <= this * all slots.")
+_STEPS = flags.DEFINE_integer("steps_per_call", 4, "Decode steps fused into one generate call.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs of each setting; the median counts.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seeds the prompts and the model init.")
+
+
+def _round(n: int) -> list[Request]:
+    rng = np.random.default_rng(_SEED.value)
+    out = []
+    for uid in range(4 * n):
+        prompt = tuple(int(t) for t in rng.integers(0, 256, size=int(rng.integers(8, 16))))
+        new = _LONG.value if uid < n else _SHORT.value
+        params = SamplingParams(temperature=1.0, max_new_tokens=new)
+        out.append(Request(uid=uid, prompt=prompt, group_size=_GROUP_SIZE.value, params=params))
+    return out
+
+
+def _sample(engines: list[Engine], params: Any, requests: list[Request], policy: str) -> dict:
+    """One round through threaded replicas; its time, replica-seconds busy, moves and tokens."""
+    groups: list[Group] = []
+    done = threading.Event()
+
+    def emit(g: Group) -> None:
+        groups.append(g)
+        if len(groups) == len(requests):
+            done.set()
+
+    timeline = Timeline()
+    cfg = MigrationConfig(policy=policy, max_running_fraction=_FRACTION.value)
+    sampler = ReplicaSampler(
+        engines,
+        make_admission=FCFS,
+        reward_fn=lambda r, c: 0.0,
+        emit=emit,
+        migration=make_migration_policy(cfg),
+        timeline=timeline,
+    )
+    sampler.set_params(params, 0)
+    sampler.start()
+    t0 = time.monotonic()
+    sampler.submit(requests)
+    try:
+        if not done.wait(600):
+            raise TimeoutError(f"The round did not finish in 600 s ({len(groups)} groups done).")
+    finally:
+        sampler.close()
+    t1 = time.monotonic()
+    ends: dict[int, float] = {}
+    for s in timeline.spans(SLOT_PREFIX):
+        ends[s.args["replica"]] = max(ends.get(s.args["replica"], t0), s.end)
+    stats = sampler.stats
+    return dict(
+        round_s=t1 - t0,
+        replica_s=sum(e - t0 for e in ends.values()),
+        migrations=stats.migrations,
+        migrated_sequences=stats.migrated_sequences,
+        migrated_mb=stats.migrated_bytes / 1e6,
+        tokens={g.request.key: [c.tokens for c in g.completions] for g in groups},
+    )
+
+
+def migration_section() -> dict[str, Any]:
+    """Static split vs long-tail migration, per replica count (the module docstring)."""
+    model = create_model(get_preset("tiny", init_std=0.3), seed=_SEED.value)
+    cfg = EngineConfig(
+        max_slots=_SLOTS.value,
+        max_length=32 + _LONG.value,
+        max_prefill_length=16,
+        steps_per_call=_STEPS.value,
+    )
+    out: dict[str, Any] = {}
+    print(
+        f"migration: G={_GROUP_SIZE.value}, {_SLOTS.value} slots per replica, 4n groups (n long "
+        f"of {_LONG.value} tokens, 3n of {_SHORT.value}), tail policy at {_FRACTION.value:.0%} "
+        f"of slots; median of {_REPEATS.value}"
+    )
+    print(
+        f"  {'replicas':>8}{'policy':>8}{'round s':>9}{'vs static':>10}{'replica-s':>10}"
+        f"{'vs static':>10}{'moves':>7}{'MB moved':>9}{'same tokens':>12}"
+    )
+    counts = [int(n) for n in _REPLICAS.value]
+    if max(counts) > len(jax.devices()) or min(counts) < 2:
+        raise ValueError(
+            f"--replicas {counts}: expected counts >= 2, at most the {len(jax.devices())} devices."
+        )
+    # One engine per device, shared by the settings (each compiles once).
+    pool = [
+        Engine(model, cfg, mesh=Mesh(np.array([d]).reshape(1, 1), ("data", "tp")))
+        for d in jax.devices()[: max(counts)]
+    ]
+    params = pool[0].load_params(model)
+    for n in counts:
+        engines = pool[:n]
+        requests = _round(n)
+        rows: dict[str, dict[str, Any]] = {}
+        _sample(engines, params, requests, "always")  # warm-up: every engine's export/import
+        for policy in ("off", "tail"):
+            _sample(engines, params, requests, policy)  # warm-up: compiles
+            runs = [_sample(engines, params, requests, policy) for _ in range(_REPEATS.value)]
+            med = {
+                k: statistics.median(r[k] for r in runs)
+                for k in ("round_s", "replica_s", "migrations", "migrated_sequences", "migrated_mb")
+            }
+            med["round_s_range"] = [
+                min(r["round_s"] for r in runs),
+                max(r["round_s"] for r in runs),
+            ]
+            med["tokens"] = runs[0]["tokens"]
+            rows[policy] = med
+        same = rows["off"]["tokens"] == rows["tail"]["tokens"]
+        if not same:
+            raise AssertionError(f"{n} replicas: migration changed the sampled tokens.")
+        for policy, r in rows.items():
+            r["round_vs_static"] = r["round_s"] / rows["off"]["round_s"]
+            r["replica_s_vs_static"] = r["replica_s"] / rows["off"]["replica_s"]
+            print(
+                f"  {n:>8}{policy:>8}{r['round_s']:>9.3f}{r['round_vs_static']:>9.2f}x"
+                f"{r['replica_s']:>10.3f}{r['replica_s_vs_static']:>9.2f}x"
+                f"{r['migrations']:>7.0f}{r['migrated_mb']:>9.2f}{'yes' if same else 'NO':>12}"
+            )
+            del r["tokens"]
+        out[f"replicas{n}"] = rows
+    print(
+        "  round s: submission to the last group; replica-s: per replica, the round start to the "
+        "end of its last sequence, summed; vs static: over migration off. Correctness-grade "
+        "figures: the replicas share 2 CPU cores."
+    )
+    return out
+
 
 KEYS = ("rollout_to_train_end_s", "trainer_compute_s", "rollout_s", "borrow_learner_measured_s")
 
-_ROUNDS = flags.DEFINE_integer("rounds", 3, "Timed rounds per setting (after 1 warm-up).")
-_GROUPS = flags.DEFINE_integer("groups", 8, "R: groups per round.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "Response length cap.")
-_JSON = flags.DEFINE_string("json", "", "Write the figures here as JSON.")
+_ROUNDS = flags.DEFINE_integer(
+    "rounds", 3, "borrowing: timed rounds per setting (after 1 warm-up)."
+)
+_GROUPS = flags.DEFINE_integer("groups", 8, "borrowing: R, groups per round.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "borrowing: response length cap.")
 _CACHE = flags.DEFINE_string("compilation_cache", bench_env.DEFAULT_CACHE, bench_env.CACHE_HELP)
 
 
@@ -64,7 +233,7 @@ def borrowing_config(borrowing: str, *, groups: int, max_new_tokens: int) -> Any
     return config
 
 
-def borrowing_section(rounds: int, groups: int, max_new_tokens: int) -> dict[str, Any]:
+def borrowing_runs(rounds: int, groups: int, max_new_tokens: int) -> dict[str, Any]:
     """Rollout-to-train-end with borrowing off and on (see the module docstring)."""
     out: dict[str, Any] = {}
     for setting in ("off", "learner"):
@@ -91,11 +260,10 @@ def borrowing_section(rounds: int, groups: int, max_new_tokens: int) -> dict[str
     return out
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+def borrowing_section() -> dict[str, Any]:
+    """The borrowing section: borrowing_runs with the flags' sizes, printed as a table."""
     bench_env.use_compilation_cache(_CACHE.value)
-    rows = borrowing_section(_ROUNDS.value, _GROUPS.value, _MAX_NEW.value)
+    rows = borrowing_runs(_ROUNDS.value, _GROUPS.value, _MAX_NEW.value)
     print(
         f"borrowing (sync, R={_GROUPS.value}, learner 2 + sampler 2 fake CPU devices, "
         f"{_ROUNDS.value} timed rounds; correctness-grade on shared cores)"
@@ -110,9 +278,22 @@ def main(argv: list[str]) -> None:
             f"{r['borrowed_rounds']:>7.0f}"
         )
     print(f"  same tokens in both settings: {rows['off']['tokens_digest']}")
+    return rows
+
+
+SECTIONS = {"migration": migration_section, "borrowing": borrowing_section}
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    unknown = [s for s in _SECTIONS.value if s not in SECTIONS]
+    if unknown:
+        raise app.UsageError(f"--sections {unknown}; expected names from {sorted(SECTIONS)}.")
+    out = {name: SECTIONS[name]() for name in _SECTIONS.value}
     if _JSON.value:
         with open(_JSON.value, "w", encoding="utf-8") as f:
-            json.dump(dict(borrowing=rows), f, indent=2)
+            json.dump(out, f, indent=2)
         print(f"wrote {_JSON.value}")
 
 

@@ -4,8 +4,9 @@ validation of the simulator against a real run.
     python -m launch.simulate --json /tmp/sim.json [--gpu h100 --sampler_gpus 4 --learner_gpus 4]
     python -m launch.simulate --profile /tmp/profile.json --validate /tmp/bench_pipeline.json
     python -m launch.simulate --plan_budgets 8,16,32
-    python -m launch.simulate --borrowing off,learner,sampler,both --sampler_gpus 16 \
-        --learner_gpus 16 --setups 64,256
+    python -m launch.simulate --borrowing off,both,off+migration,both+migration \
+        --sampler_gpus 8 --learner_gpus 24 --setups 256
+    python -m launch.simulate --migration tail --modes sync,cgp+frontier+fifo,async+frontier+s1
     python -m launch.simulate --workload rollpacker --modes sync,sync+tail,cgp+frontier+fifo,\
         cgp+frontier+tail --setups 64,128 --balance_wait 0.7
 
@@ -33,6 +34,12 @@ lag_mean and lag_max.
 prompt, the same epoch, R, U, G, slots, steps per call) with --profile's model: per mode the real
 and simulated figures and the error, cgp also without the contention term.
 
+--migration tail (or always) adds a JigsawRL block: per setup and mode, the replicas' static split
+(requests routed round-robin at submission, as the runtimes do) against the same with long-tail
+migration (rl/elastic/migration.py, thresholds --migration_fraction and --migration_min_left; a
+move costs StageModel.migrate_s: the request's KV bytes over NVLink plus a fixed 10 ms in the GPU
+presets): throughput (groups/s) and the sampler replica-seconds busy, each vs the static split.
+
 --plan_budgets runs rl/plan.py on each budget: the planner's split beside every split's simulated
 time per round.
 
@@ -40,8 +47,9 @@ time per round.
 rl/sim/borrow.py) with the static split: for each setup, sync and cgp+frontier+fifo (--borrow_modes)
 with each setting (off = static split; learner: the learner trains on the sampler's devices once the
 rollout drains; sampler: the learner's devices decode as extra replicas while the learner waits;
-both), the throughput (groups/s) and its ratio to the static split, the moves made, against BiDiRL's
-up-to-1.94x; with --balance_wait > 0 again with the learner scaled so that sync waits that share
+both; each also as "<setting>+migration" with JigsawRL's long-tail migration, policy --migration or
+tail, so "off+migration" is migration alone), the throughput (groups/s) and its ratio to the
+static split, the moves made, against BiDiRL's up-to-1.94x (and JigsawRL's up-to-1.85x); with --balance_wait > 0 again with the learner scaled so that sync waits that share
 of its round ("borrowing_balanced"). The switch cost is --switch_cost_s (BiDiRL measures seconds; weighed by the policy and
 charged by the simulator); the sampler side predicts from the workload's true lengths (an oracle the
 runtime lacks).
@@ -55,11 +63,13 @@ from typing import Any
 
 from absl import app, flags
 
+from rl.elastic.migration import MIGRATION_POLICIES, MigrationConfig
 from rl.plan import Split, compare, format_table
 from rl.rounds import TailConfig
 from rl.sim.compare import (
     balance_learner,
     compare_borrowing,
+    compare_migration,
     run_modes,
     sim_config,
     validate,
@@ -128,6 +138,15 @@ _BORROW_MODES = flags.DEFINE_list(
     "borrow_modes", ["sync", "cgp+frontier+fifo"], "Modes of the borrowing comparison."
 )
 _SWITCH = flags.DEFINE_float("switch_cost_s", 5.0, "Borrowing: the switch cost (there and back).")
+_MIGRATION = flags.DEFINE_enum(
+    "migration", "off", MIGRATION_POLICIES, "Add the static-split vs migration block (tail)."
+)
+_MIG_FRACTION = flags.DEFINE_float(
+    "migration_fraction", 0.25, "Migration: act once running <= this * all slots."
+)
+_MIG_MIN_LEFT = flags.DEFINE_integer(
+    "migration_min_left", 0, "Migration: requests with fewer tokens to go stay put."
+)
 _GANTT_DIR = flags.DEFINE_string("gantt_dir", "", "Write simulated Gantt PNGs of setup R=32 here.")
 
 
@@ -275,6 +294,47 @@ def validation(model: StageModel, out: dict[str, Any]) -> None:
         )
 
 
+def migration_block(model: StageModel, slots: int, out: dict[str, Any]) -> None:
+    workload = workload_config()
+    replicas = 1 if _PROFILE.value else _SAMPLER_GPUS.value // _SAMPLER_TP.value
+    mig = MigrationConfig(
+        policy=_MIGRATION.value,
+        max_running_fraction=_MIG_FRACTION.value,
+        min_tokens_left=_MIG_MIN_LEFT.value,
+    )
+    out["migration"] = {"config": mig.__dict__, "replicas": replicas}
+    for r in map(int, _SETUPS.value):
+        rows = compare_migration(
+            _MODES.value,
+            model,
+            workload,
+            mig,
+            rounds=_ROUNDS.value,
+            groups_per_round=r,
+            groups_per_update=_PER_UPDATE.value,
+            group_size=_GROUP_SIZE.value,
+            max_new_tokens=max_new_tokens(),
+            replicas=replicas,
+            slots=slots,
+            tail=TailConfig(eta=_ETA.value, response_eta=_RESPONSE_ETA.value),
+        )
+        out["migration"][f"R{r}"] = rows
+        print(
+            f"migration ({mig.policy}, {replicas} replicas x {slots} slots, round-robin routing) "
+            f"R={r}:"
+        )
+        print(
+            f"  {'mode':<36}{'r2t_end s':>10}{'groups/s':>9}{'vs static':>10}"
+            f"{'replica-s busy':>15}{'vs static':>10}{'moves/rd':>9}{'MB/rd':>9}"
+        )
+        for name, row in rows.items():
+            print(
+                f"  {name:<36}{row['rollout_to_train_end_s']:>10.2f}{row['groups_per_s']:>9.3f}"
+                f"{row['groups_per_s_vs_static']:>9.2f}x{row['replica_busy_s']:>15.1f}"
+                f"{row['busy_vs_static']:>9.2f}x{row['migrations']:>9.1f}{row['migrated_mb']:>9.1f}"
+            )
+
+
 def planning(out: dict[str, Any]) -> None:
     workload = workload_config()
     out["plan"] = {}
@@ -310,7 +370,7 @@ def borrowing(model: StageModel, slots: int, out: dict[str, Any]) -> None:
     print(
         f"borrowing vs static split: {_SAMPLER_GPUS.value} sampler GPUs ({replicas}x tp"
         f"{_SAMPLER_TP.value}, {slots} slots) / {_LEARNER_GPUS.value} learner GPUs, switch cost "
-        f"{_SWITCH.value:g} s; BiDiRL reports up to 1.94x"
+        f"{_SWITCH.value:g} s; BiDiRL reports up to 1.94x, JigsawRL up to 1.85x"
     )
     blocks = [("borrowing", 0.0)] + (
         [("borrowing_balanced", _BALANCE.value)] * bool(_BALANCE.value)
@@ -340,18 +400,23 @@ def borrowing(model: StageModel, slots: int, out: dict[str, Any]) -> None:
                 replica_devices=_SAMPLER_TP.value,
                 borrowings=_BORROWING.value,
                 switch_cost_s=_SWITCH.value,
+                migration=MigrationConfig(
+                    policy=_MIGRATION.value if _MIGRATION.value != "off" else "tail",
+                    max_running_fraction=_MIG_FRACTION.value,
+                    min_tokens_left=_MIG_MIN_LEFT.value,
+                ),
                 **fields,
             )
             out[label][f"R{r}"] = rows
             what = f", learner x{scale:.1f} for sync wait {balance:.0%}" if balance else ""
             print(f"  R={r}{what}:")
             print(
-                f"  {'mode':<26}{'borrowing':<10}{'groups/s':>9}{'vs static':>10}{'moves L/S':>10}"
+                f"  {'mode':<26}{'borrowing':<16}{'groups/s':>9}{'vs static':>10}{'moves L/S':>10}"
             )
             for mode, by in rows.items():
                 for b, x in by.items():
                     print(
-                        f"  {mode:<26}{b:<10}{x['groups_per_s']:>9.3f}"
+                        f"  {mode:<26}{b:<16}{x['groups_per_s']:>9.3f}"
                         f"{x['throughput_vs_static']:>9.2f}x"
                         f"{x['moves_learner']:>6.0f}/{x['moves_sampler']:<4.0f}"
                     )
@@ -368,6 +433,8 @@ def main(argv: list[str]) -> None:
         validation(model, out)
     elif not _BORROWING.value or flags.FLAGS["modes"].present:  # --borrowing alone: only it
         comparison(model, slots, out)
+    if _MIGRATION.value != "off":
+        migration_block(model, slots, out)
     if _PLAN.value:
         planning(out)
     if _BORROWING.value:

@@ -192,6 +192,7 @@ def compare_borrowing(
     borrowings: Sequence[str] = ("off", "learner", "sampler", "both"),
     switch_cost_s: float = 5.0,
     margin: float = 1.0,
+    migration: Any = None,
     **fields: Any,
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """Each mode with each borrowing setting (rl.elastic.borrowing, rl/sim/borrow.py) on the same
@@ -203,9 +204,11 @@ def compare_borrowing(
       workload: response and prompt lengths.
       rounds: rounds per run.
       learner_devices, replica_devices: the split's learner devices and sampler tp.
-      borrowings: the settings to compare; the first is the baseline.
+      borrowings: the settings to compare (off | learner | sampler | both, each optionally
+        "+migration": with long-tail migration too); the first is the baseline.
       switch_cost_s: the switch cost (there and back) the policy weighs and the simulator charges.
       margin: move only when gain > margin x switch cost.
+      migration: the MigrationConfig of the "+migration" settings.
       **fields: SimConfig fields (R, U, G, replicas, slots, ...).
     """
     from rl.elastic.borrowing import BorrowConfig, BorrowPolicy
@@ -214,22 +217,67 @@ def compare_borrowing(
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for mode in modes:
         out[mode] = {}
-        for b in borrowings:
+        for name in borrowings:
+            b, _, mig = name.partition("+")
+            if mig not in ("", "migration") or (mig and migration is None):
+                raise ValueError(
+                    f"Borrowing setting {name!r}; expected off|learner|sampler|both, optionally "
+                    "with '+migration' (and a MigrationConfig)."
+                )
+            extra = {"migration": migration} if mig else {}
             borrow = None
             if b != "off":
-                cfg = BorrowConfig(borrowing=b, switch_cost_s=switch_cost_s, margin=margin)
-                policy = BorrowPolicy(cfg, model, model_learner_devices=learner_devices)
+                bcfg = BorrowConfig(borrowing=b, switch_cost_s=switch_cost_s, margin=margin)
+                policy = BorrowPolicy(bcfg, model, model_learner_devices=learner_devices)
                 borrow = SimBorrower(
                     policy, learner_devices=learner_devices, replica_devices=replica_devices
                 )
-            sim = Simulator(
-                sim_config(mode, **dict(fields)), model, Workload(workload), borrow=borrow
-            )
-            row = summarize(sim.run(rounds))
+            cfg = sim_config(mode, **extra, **dict(fields))
+            sim = Simulator(cfg, model, Workload(workload), borrow=borrow)
+            result = sim.run(rounds)
+            sim_rounds = result.rounds
+            row = summarize(result)
             row["moves_learner"] = float(borrow.moves["learner"]) if borrow else 0.0
             row["moves_sampler"] = float(borrow.moves["sampler"]) if borrow else 0.0
-            out[mode][b] = row
+            row["migrations"] = float(sum(float(r.get("migrations", 0)) for r in sim_rounds))
+            out[mode][name] = row
         base = out[mode][borrowings[0]]["groups_per_s"]
         for row in out[mode].values():
             row["throughput_vs_static"] = row["groups_per_s"] / base
+    return out
+
+
+def compare_migration(
+    modes: Sequence[str],
+    model: StageModel,
+    workload: WorkloadConfig,
+    migration: Any,
+    *,
+    rounds: int,
+    **fields: Any,
+) -> dict[str, dict[str, Any]]:
+    """Each mode with its replicas' static split (requests routed round-robin at submission, as
+    the runtimes route) and with long-tail migration (`migration`, a MigrationConfig).
+
+    Returns, per "<mode>" and "<mode>+migration": summarize's figures, replica_busy_s (sampler
+    replica-seconds busy, what freed replicas give back), migrations and migrated_mb per round,
+    and groups_per_s_vs_static / busy_vs_static (the migration row over its static row).
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        for name, mig in ((mode, None), (f"{mode}+migration", migration)):
+            extra = {} if mig is None else {"migration": mig}
+            cfg = sim_config(mode, routing="round_robin", **extra, **dict(fields))
+            result = Simulator(cfg, model, Workload(workload)).run(rounds)
+            row = summarize(result)
+            n = max(1, len(result.rounds))
+            row["replica_busy_s"] = float(result.counters["replica_busy_s"])
+            row["migrations"] = sum(float(r["migrations"]) for r in result.rounds) / n
+            row["migrated_mb"] = sum(float(r["migrated_bytes"]) for r in result.rounds) / n / 1e6
+            out[name] = row
+        static, moved = out[mode], out[f"{mode}+migration"]
+        for r in (static, moved):
+            r["groups_per_s_vs_static"] = r["groups_per_s"] / static["groups_per_s"]
+            r["busy_vs_static"] = r["replica_busy_s"] / static["replica_busy_s"]
+        del moved  # both rows filled
     return out

@@ -12,6 +12,8 @@ replaced by a `launch.profile` fit on the real hardware. Formulas (N params, P =
     update        AdamW over fp32 master + 2 moments (16 B/param read + written, sharded over D)
                   + a gradient reduce-scatter over NVLink + a fixed cost
     publish       N P bytes at sync_bw + a fixed pause/resume cost
+    migrate       a request's KV (kv_bytes_per_token per token) over NVLink (replicas on one node)
+                  + a fixed cost
     slots         min(max_slots, KV memory left after weights / (kv_bytes_per_token kv_reserve))
 """
 
@@ -60,6 +62,8 @@ class Assumptions:
     update_fixed_s: float = 0.05  # per optimizer step (clip, scheduler, bookkeeping)
     sync_bw: float = 50e9  # weight transfer learner -> sampler: 400 Gb/s IB (cross-node NCCL)
     sync_fixed_s: float = 1.0  # pause the engines, load, resume (slime/veRL: seconds)
+    migrate_fixed_s: float = 0.01  # per migrated request: export, import, re-schedule (a few
+    # kernel launches and host bookkeeping; no recompute, the KV moves)
     mem_reserve: float = 0.1  # fraction of HBM kept for activations, workspace, fragmentation
     kv_reserve_tokens: int = 4096  # KV tokens a slot holds on average (paged attention admits
     # by use, not by the cap; about half of an 8k cap)
@@ -144,6 +148,9 @@ def gpu_preset(
         publish_fixed=a.sync_fixed_s,
         publish_per_byte=1.0 / a.sync_bw,
         param_bytes=weights,
+        migrate_fixed=a.migrate_fixed_s,
+        migrate_per_byte=1.0 / g.nvlink_bw,
+        kv_bytes_per_token=int(kv),
         source=f"preset {model} on {g.name}: sampler tp={sampler_tp}, learner {learner_gpus} GPUs",
     )
     notes = dict(

@@ -14,6 +14,14 @@ Speed: between two events nothing changes but the context, so a replica jumps to
 finishing call in one event (StageModel.decode_calls_s sums the calls in closed form); an abort or
 a change of contention cuts the jump at the call in flight.
 
+Migration (JigsawRL): with a policy (rl.elastic.migration, the object the threaded replica sampler
+runs), a replica at a call boundary, before it admits, asks it and executes the moves out of it:
+the request's running sequences leave their slots (a partial slot span, args migrated=True), free
+slots are reserved on the destination, and after StageModel.migrate_s(their KV tokens) they
+continue there from the token they reached (the destination's jump is cut so it imports them at
+its next call boundary; an idle destination starts then). A "migrate" span on sampler/migrate
+records each (args round, uid, sequences, bytes, src, dst), as in the runtime.
+
 Routing: "shared" (one admission policy; a replica pulls from it whenever it has free slots at a
 call boundary, an idle one at once) or "round_robin" (a policy per replica; submissions dealt in
 turn, so a replica's queue may wait while another idles).
@@ -26,6 +34,7 @@ import heapq
 from collections.abc import Callable, Iterable
 
 from rl.admission import AdmissionPolicy
+from rl.elastic.migration import MigrationPolicy, ReplicaView, RunningView
 from rl.rounds import RoundCut, RoundCuts
 from rl.sim.stage import StageModel
 from rl.sim.workload import Workload
@@ -45,6 +54,7 @@ class _Seq:
     admit_call: int  # the replica's call count when it started
     finish_call: int  # ... when it ends
     start: float
+    base: int = 0  # tokens it had made on other replicas (migrated)
 
 
 @dataclasses.dataclass
@@ -66,9 +76,14 @@ class _Replica:
         self.chunk: _Chunk | None = None
         self.epoch = 0
         self.busy = False
+        self.reserved: set[int] = set()  # slots promised to migrating sequences
+        self.incoming: list[tuple[float, _Pending, list[tuple[_Seq, int, int]]]] = []
+        self.fresh: set[tuple[int, int]] = set()  # adopted, no call run here yet: not movable
+        self.busy_since = 0.0
+        self.busy_s = 0.0  # total time busy (replica-seconds)
 
     def free_slots(self) -> list[int]:
-        return [i for i, s in enumerate(self.seqs) if s is None]
+        return [i for i, s in enumerate(self.seqs) if s is None and i not in self.reserved]
 
     def context(self, k: int) -> float:
         return self.prompt_sum + k * (self.active * self.calls - self.admit_sum)
@@ -99,6 +114,8 @@ class SamplerCounters:
     samples_cut: int = 0  # unfinished over-provisioned samples dropped (Request.keep)
     tokens: int = 0  # tokens of finished sequences
     aborted_tokens: int = 0  # tokens decoded by sequences later aborted (wasted work)
+    migrations: int = 0  # requests moved between replicas
+    migrated_sequences: int = 0
 
 
 class SimSampler:
@@ -115,6 +132,7 @@ class SimSampler:
       emit: emit(group, t) when a group completes.
       on_busy: on_busy(busy, t) when the sampler as a whole turns busy or idle.
       timeline: where spans go.
+      migration: a long-tail migration policy (rl.elastic.migration); None: none.
     """
 
     def __init__(
@@ -130,6 +148,7 @@ class SimSampler:
         emit: Callable[[Group, float], None],
         on_busy: Callable[[bool, float], None],
         timeline: Timeline,
+        migration: MigrationPolicy | None = None,
     ):
         if routing not in ROUTINGS:
             raise ValueError(f"routing={routing!r}; expected one of {ROUTINGS}.")
@@ -146,6 +165,7 @@ class SimSampler:
         ]
         self._schedule, self._emit, self._on_busy = schedule, emit, on_busy
         self.timeline = timeline
+        self.migration = migration
         self.factor = 1.0
         self.version = 0  # the weights' version; a sequence is stamped with it at admission
         self.counters = SamplerCounters()
@@ -226,8 +246,16 @@ class SimSampler:
 
     # --------------------------------------------------------------------------- the replica
 
+    def replica_busy_s(self, now: float) -> list[float]:
+        """Each replica's busy time so far (replica-seconds; what migration frees)."""
+        return [r.busy_s + (now - r.busy_since if r.busy else 0.0) for r in self.replicas]
+
     def _set_busy(self, rep: _Replica, busy: bool, now: float) -> None:
         before = self.busy
+        if busy and not rep.busy:
+            rep.busy_since = now
+        elif rep.busy and not busy:
+            rep.busy_s += now - rep.busy_since
         rep.busy = busy
         if self.busy != before:
             self._on_busy(self.busy, now)
@@ -250,7 +278,11 @@ class SimSampler:
             self._go(rep, t[rep.index])
 
     def _step(self, rep: _Replica, now: float) -> None:
-        """A step at a call boundary: admit what fits (prefills), then plan the next calls."""
+        """A step at a call boundary: adopt what arrived, migrate out what the policy says,
+        admit what fits (prefills), then plan the next calls."""
+        self._import(rep, now)
+        if self.migration is not None and len(self.replicas) > 1:
+            self._migrate(rep, now)
         t = now
         while (request := rep.admission.next(len(rep.free_slots()))) is not None:
             t = self._admit(rep, request, t)
@@ -331,6 +363,7 @@ class SimSampler:
             return
         rep.calls += rep.chunk.calls
         rep.chunk = None
+        rep.fresh.clear()
         finished: list[_Seq] = []
         while rep.heap and rep.heap[0][0] <= rep.calls:
             _, sid, slot = heapq.heappop(rep.heap)
@@ -349,7 +382,7 @@ class SimSampler:
                 round=r.round,
                 uid=r.uid,
                 sample=seq.sample,
-                tokens=seq.length,
+                tokens=seq.length - seq.base,
             )
             self.counters.tokens += seq.length
             p = self._pending.get(r.key)
@@ -444,3 +477,106 @@ class SimSampler:
             sum(len(p.request.prompt) + n for n in p.lengths[: p.request.kept])
             for p in self._pending.values()
         )
+
+    # ----------------------------------------------------------------------------- migration
+
+    def _view(self, rep: _Replica) -> ReplicaView:
+        k = self.model.steps_per_call
+        runs: dict[tuple[int, int], list[_Seq]] = {}
+        for seq in rep.seqs:
+            if seq is not None:
+                runs.setdefault(seq.request.key, []).append(seq)
+        return ReplicaView(
+            slots=self.slots,
+            free=len(rep.free_slots()),
+            queued=len(rep.admission) > 0,
+            running=tuple(
+                RunningView(
+                    key=key,
+                    sequences=len(seqs),
+                    tokens_left=max(s.length - k * (rep.calls - s.admit_call) for s in seqs),
+                    movable=key not in rep.fresh,
+                )
+                for key, seqs in runs.items()
+            ),
+        )
+
+    def _migrate(self, rep: _Replica, now: float) -> None:
+        """Executes the policy's moves out of `rep` (at its call boundary)."""
+        assert self.migration is not None
+        views = [self._view(r) for r in self.replicas]
+        k = self.model.steps_per_call
+        for move in self.migration.moves(views):
+            if move.src != rep.index:
+                continue
+            dst = self.replicas[move.dst]
+            p = self._pending[move.key]
+            seqs = [s for s in rep.seqs if s is not None and s.request.key == move.key]
+            slots = dst.free_slots()[: len(seqs)]
+            dst.reserved.update(slots)
+            moved, kv_tokens = [], 0
+            for seq, slot in zip(seqs, slots, strict=True):
+                made = k * (rep.calls - seq.admit_call)
+                rep.remove(seq)
+                kv_tokens += len(seq.request.prompt) + made
+                r = seq.request
+                self.timeline.span(
+                    f"sampler/slot{rep.index * self.slots + seq.slot}",
+                    f"{r.uid}/{seq.sample}",
+                    seq.start,
+                    now,
+                    round=r.round,
+                    uid=r.uid,
+                    sample=seq.sample,
+                    tokens=made - seq.base,
+                    migrated=True,
+                )
+                moved.append((seq, slot, made))
+            t = now + self.model.migrate_s(kv_tokens)
+            self.timeline.span(
+                "sampler/migrate",
+                "migrate",
+                now,
+                t,
+                round=move.key[0],
+                uid=move.key[1],
+                sequences=len(seqs),
+                bytes=kv_tokens * self.model.kv_bytes_per_token,
+                src=rep.index,
+                dst=dst.index,
+            )
+            self.counters.migrations += 1
+            self.counters.migrated_sequences += len(seqs)
+            p.replica = dst.index
+            dst.incoming.append((t, p, moved))
+            self._schedule(t, lambda t, dst=dst: self._arrive(dst, t))
+
+    def _arrive(self, dst: _Replica, now: float) -> None:
+        """Migrated sequences reached `dst`: an idle one starts, a busy one takes them at its
+        next call boundary."""
+        if dst.chunk is None:
+            if not dst.busy:
+                self._step(dst, now)
+            return
+        self._cut(dst, now)
+
+    def _import(self, rep: _Replica, now: float) -> None:
+        """Adopts the migrated sequences that have arrived (at a call boundary)."""
+        k = self.model.steps_per_call
+        arrived = [x for x in rep.incoming if x[0] <= now]
+        rep.incoming = [x for x in rep.incoming if x[0] > now]
+        for _, p, moved in arrived:
+            rep.reserved.difference_update(slot for _, slot, _ in moved)
+            if self._pending.get(p.request.key) is not p:  # aborted on the way
+                continue
+            for old, slot, made in moved:
+                admit = rep.calls - made // k
+                finish = admit + -(-old.length // k)
+                seq = _Seq(old.request, old.sample, slot, old.length, admit, finish, now, made)
+                p.seqs[p.seqs.index(old)] = seq
+                rep.seqs[slot] = seq
+                heapq.heappush(rep.heap, (seq.finish_call, id(seq), slot))
+                rep.active += 1
+                rep.prompt_sum += len(seq.request.prompt)
+                rep.admit_sum += admit
+            rep.fresh.add(p.request.key)

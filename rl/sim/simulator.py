@@ -21,8 +21,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from rl.admission import AdmissionPolicy, make_policy
+from rl.elastic.migration import MigrationConfig, make_migration_policy
 from rl.formation import BatchFormer
-from rl.metrics import round_metrics, staleness_metrics
+from rl.metrics import migration_metrics, round_metrics, staleness_metrics
 from rl.rounds import RoundPlan, RoundPlanner
 from rl.schedules import (
     Action,
@@ -57,6 +58,7 @@ class SimConfig(ScheduleConfig):
     replicas: int = 1  # sampler data-parallel replicas (engines)
     slots: int = 256  # slots per replica
     routing: str = "shared"  # shared | round_robin (rl/sim/sampler.py)
+    migration: MigrationConfig = MigrationConfig()  # long-tail migration between replicas
 
     def __post_init__(self):
         super().__post_init__()
@@ -100,7 +102,7 @@ class SimResult:
     config: SimConfig
     rounds: list[dict[str, float | str]]
     timeline: Timeline
-    counters: dict[str, int]
+    counters: dict[str, Any]  # the sampler's counts, and replica_busy_s (replica-seconds busy)
     end_s: float  # virtual time when the last round's publish ended
 
 
@@ -155,6 +157,9 @@ class Simulator:
             emit=self._on_group,
             on_busy=self._on_sampler_busy,
             timeline=self.timeline,
+            migration=None
+            if cfg.migration.policy == "off"
+            else make_migration_policy(cfg.migration),
         )
         self.schedule: Any = None
         self.on_update: Callable[[Update], None] | None = None  # called as each update ends
@@ -232,6 +237,7 @@ class Simulator:
             if self.borrow is not None:
                 m.update(self.borrow.round_metrics(r))
             lags = self._lags.get(r, [])
+            m.update(migration_metrics(self.timeline, round=r, rollout_start=start))
             m.update(
                 kind=done.plan.kind,
                 version=float(done.version),
@@ -242,7 +248,8 @@ class Simulator:
                 lag_mean=sum(x["lag_mean"] for x in lags) / len(lags) if lags else float("nan"),
             )
             out.append(m)
-        c = dataclasses.asdict(self.sampler.counters)
+        c: dict[str, Any] = dataclasses.asdict(self.sampler.counters)
+        c["replica_busy_s"] = sum(self.sampler.replica_busy_s(self._end))
         return SimResult(self.cfg, out, self.timeline, c, self._end)
 
     # --------------------------------------------------------------------------- the schedule

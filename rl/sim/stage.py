@@ -6,6 +6,8 @@
     micro step    l0 + l1 * tokens                           one learner micro-batch
     update        u0                                         the optimizer apply
     publish       s0 + s1 * bytes                            weights learner -> sampler
+    migrate       m0 + m1 * kv_bytes_per_token * tokens      one request's running sequences
+                  (their KV: prompt + tokens so far each) replica -> replica (JigsawRL)
     reward        r0 per completion
 
 `contention` models sides that share hardware (2 CPU cores): while the sampler and the learner are
@@ -45,6 +47,9 @@ class StageModel:
     publish_fixed: float = 0.0
     publish_per_byte: float = 0.0
     param_bytes: int = 0  # what one publish moves
+    migrate_fixed: float = 0.0  # per migrated request (export, import, bookkeeping)
+    migrate_per_byte: float = 0.0  # 1 / the replica -> replica bandwidth (s/byte)
+    kv_bytes_per_token: int = 0  # KV cache bytes of one token of one sequence
     reward_s: float = 0.0  # per completion
     contention: float = 0.0  # slowdown of each side while both are busy (shared cores)
     source: str = ""  # where the numbers come from (a profile path, a preset name)
@@ -130,6 +135,10 @@ class StageModel:
         )
 
     # ---------------------------------------------------------------------------------- files
+
+    def migrate_s(self, kv_tokens: int) -> float:
+        """Moving one request whose running sequences hold `kv_tokens` KV tokens in all."""
+        return self.migrate_fixed + self.migrate_per_byte * self.kv_bytes_per_token * kv_tokens
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
