@@ -223,7 +223,6 @@ class Driver:
             longest=longest if n else cap,
             prompt_tokens=prompt if n else float(np.mean([len(r.prompt) for r in a.requests])),
             updates=self.cfg.updates_per_round,
-            group_size=self.cfg.group_size,
             overlap=self.cfg.mode != "sync",
         )
         self.num_slots = max(self.num_slots, self.sampler.num_slots)

@@ -186,7 +186,6 @@ class SamplerLender:
         longest: float,
         prompt_tokens: float,
         updates: int,
-        group_size: int,
         overlap: bool,
     ) -> None:
         """Decides for the round about to be submitted; on a move adds the extra replica."""
