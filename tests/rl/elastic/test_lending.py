@@ -2,6 +2,8 @@
 back before publishing, and the run equals one without borrowing (tokens bitwise, parameters within
 the reduction-order tolerance); the planner picks an open split that the runtime then builds."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -14,12 +16,14 @@ TOL = 1e-5  # float32; fsdp over 8 devices instead of 4 reorders the gradient re
 
 
 def tiny_config(borrowing="off", seed=0):
+    """sync, a learner of 4 fake devices and 2 sampler replicas of 2."""
     config = base.get_config("smoke")
     config.seed = seed
     config.sft.max_steps = 0
-    config.driver.mode, config.driver.batching = "cgp", "ordered"
+    config.driver.mode, config.driver.batching = "sync", "ordered"
     config.mesh.colocated = False
-    config.mesh.learner_devices, config.mesh.sampler_devices = 4, 4
+    config.mesh.learner_devices = 4
+    config.mesh.sampler_devices, config.mesh.sampler_replicas = 2, 2
     config.elastic.borrowing = borrowing
     config.elastic.stage_model = "preset:qwen3-1.7b:h100"
     config.elastic.switch_cost_s = 0.0  # any predicted gain moves (the prior, before a measure)
@@ -39,12 +43,21 @@ def run(config, rounds=2):
         runtime.close()
 
 
+@functools.cache
+def static_run(seed):
+    return run(tiny_config("off", seed))[:2]
+
+
+def tokens_of(results):
+    return [[(c.uid, c.sample, c.tokens) for g in r.groups for c in g.completions] for r in results]
+
+
+@pytest.mark.slow  # end-to-end: 2 runs of the threads runtime
 @pytest.mark.parametrize("seed", [0, 1])
 def test_borrowing_run_equals_static_and_switches_back_each_round(seed):
-    static, p_static, _, _ = run(tiny_config("off", seed))
+    static, p_static = static_run(seed)
     borrowed, p_borrowed, runtime, driver = run(tiny_config("learner", seed))
-    tokens = [[c.tokens for g in r.groups for c in g.completions] for r in static]
-    assert tokens == [[c.tokens for g in r.groups for c in g.completions] for r in borrowed]
+    assert tokens_of(borrowed) == tokens_of(static)
     diff = max(
         float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
         for a, b in zip(jax.tree.leaves(p_static), jax.tree.leaves(p_borrowed), strict=True)
@@ -71,6 +84,7 @@ def test_planner_picks_the_open_split_and_the_runtime_builds_it():
     config = tiny_config()
     config.mesh.split = "plan"
     config.mesh.learner_devices = config.mesh.sampler_devices = 0
+    config.mesh.sampler_replicas = 1  # open: the planner picks the replicas
     runtime = ThreadsRuntime(config, Setup.from_config(config), total_updates=2)
     try:
         plan = runtime.mesh_plan
@@ -85,21 +99,11 @@ def test_planner_picks_the_open_split_and_the_runtime_builds_it():
         runtime.close()
 
 
+@pytest.mark.slow  # end-to-end: 2 runs of the threads runtime
 def test_sampler_borrows_the_learners_devices_and_the_run_is_unchanged():
-    def config(borrowing):
-        c = tiny_config(borrowing)
-        c.driver.mode = "sync"
-        c.mesh.sampler_devices, c.mesh.sampler_replicas = 2, 2  # 2 replicas x 2 devices
-        return c
-
-    static, p_static, _, _ = run(config("off"))
-    lent, p_lent, runtime, driver = run(config("sampler"))
-    tokens = [
-        [(c.uid, c.sample, c.tokens) for g in r.groups for c in g.completions] for r in static
-    ]
-    assert tokens == [
-        [(c.uid, c.sample, c.tokens) for g in r.groups for c in g.completions] for r in lent
-    ]
+    static, p_static = static_run(0)
+    lent, p_lent, runtime, driver = run(tiny_config("sampler"))
+    assert tokens_of(lent) == tokens_of(static)
     for a, b in zip(jax.tree.leaves(p_static), jax.tree.leaves(p_lent), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the learner never moved
     for r in lent:
