@@ -318,6 +318,12 @@ def check_config(config: Any) -> None:
                     "True; expected disjoint learner and sampler devices (colocated sides already "
                     "share every device)."
                 )
+            if config.get("runtime", "threads") != "threads":
+                p.add(
+                    f"config.elastic.borrowing={elastic.borrowing!r} with config.runtime="
+                    f"{config.get('runtime')!r}; expected the threads runtime (the Ray workers do "
+                    "not move devices)."
+                )
             mode = config.get("driver", {}).get("mode")
             if mode == "async":
                 p.add(
