@@ -141,7 +141,6 @@ class Driver:
         self.cfg = cfg
         self.borrower, self.lender = borrower, lender
         self._deferred: list[Action] = []  # learner work held while its devices are lent
-        self._lengths = (0.0, 0.0, 0.0, 0)  # responses so far: mean, max, mean prompt, count
         self.learner = learner
         self.weight_sync = weight_sync
         self.planner = RoundPlanner(
@@ -213,15 +212,11 @@ class Driver:
     def _maybe_lend(self, a: Submit) -> None:
         """Round modes: the learner waits for this round's groups; the lender may add a replica."""
         assert self.lender is not None
-        mean, longest, prompt, n = self._lengths
-        cap = self.cfg.sampling.max_new_tokens
         self.lender.maybe_lend(
             self.sampler,
             a.round,
-            sequences=sum(r.group_size for r in a.requests),
-            response_tokens=mean if n else cap / 2,  # before any response: half the cap
-            longest=longest if n else cap,
-            prompt_tokens=prompt if n else float(np.mean([len(r.prompt) for r in a.requests])),
+            a.requests,
+            max_new_tokens=self.cfg.sampling.max_new_tokens,
             updates=self.cfg.updates_per_round,
             overlap=self.cfg.mode != "sync",
         )
@@ -374,16 +369,7 @@ class Driver:
         if self.lender is not None:
             metrics.update(self.lender.pop_metrics(round))
             self.num_slots = max(self.num_slots, self.sampler.num_slots)
-        mean, longest, prompt, n = self._lengths  # the lender's estimate of the next rounds
-        rows = [(len(c.prompt), len(c.tokens)) for g in trained for c in g.completions]
-        if rows:
-            k = n + len(rows)
-            self._lengths = (
-                (mean * n + sum(r for _, r in rows)) / k,
-                max(longest, max(r for _, r in rows)),
-                (prompt * n + sum(p for p, _ in rows)) / k,
-                k,
-            )
+            self.lender.observe(trained)  # its estimate of the next rounds' lengths
         self._added.pop(round, None)
         del self._starts[round]
         return RoundResult(

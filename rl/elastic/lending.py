@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from rl.elastic.borrowing import BorrowPolicy, PoolState
 from rl.timeline import Timeline
+from rl.types import Group, Request
 
 if TYPE_CHECKING:
     from learner.learner import Learner
@@ -166,6 +167,7 @@ class SamplerLender:
         self.clock: Callable[[], float] = time.monotonic
         self.timeline = Timeline()
         self._engines: list[Any] = []
+        self._lengths = (0.0, 0.0, 0.0, 0)  # responses trained: mean, max, mean prompt, count
         self._lent: tuple[int, list[int], float, float] | None = None  # round, replicas, since, s
         self._metrics: dict[int, dict[str, float]] = {}
 
@@ -180,17 +182,24 @@ class SamplerLender:
         self,
         sampler: Any,
         round: int,
+        requests: Sequence[Request],
         *,
-        sequences: int,
-        response_tokens: float,
-        longest: float,
-        prompt_tokens: float,
+        max_new_tokens: int,
         updates: int,
         overlap: bool,
     ) -> None:
-        """Decides for the round about to be submitted; on a move adds the extra replica."""
+        """Decides for the round about to be submitted; on a move adds the extra replicas.
+
+        The lengths are those of the groups trained so far (`observe`); before any, half of
+        `max_new_tokens` per response and the whole cap as the tail.
+        """
+        sequences = sum(r.group_size for r in requests)
         if self._lent is not None or not sequences:
             return
+        mean, longest, prompt, n = self._lengths
+        response_tokens = mean if n else max_new_tokens / 2
+        longest = longest if n else max_new_tokens
+        prompt_tokens = prompt if n else sum(len(r.prompt) for r in requests) / len(requests)
         state = PoolState(
             **self.shape,
             sequences=sequences,
@@ -226,6 +235,20 @@ class SamplerLender:
         measured = add_s + (t1 - t0)
         self.policy.record_switch("sampler", measured)
         self._metrics.setdefault(round, {})["borrow_sampler_measured_s"] = measured
+
+    def observe(self, groups: Sequence[Group]) -> None:
+        """Trained groups: their lengths update the estimate of the next rounds' work."""
+        rows = [(len(c.prompt), len(c.tokens)) for g in groups for c in g.completions]
+        if not rows:
+            return
+        mean, longest, prompt, n = self._lengths
+        k = n + len(rows)
+        self._lengths = (
+            (mean * n + sum(r for _, r in rows)) / k,
+            max(longest, max(r for _, r in rows)),
+            (prompt * n + sum(p for p, _ in rows)) / k,
+            k,
+        )
 
     def pop_metrics(self, round: int) -> dict[str, float]:
         return self._metrics.pop(round, {})
