@@ -50,6 +50,29 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.mesh.sampler_replicas = 1
     config.mesh.sampler_routing = "round_robin"  # request -> replica: round_robin | least_loaded
     config.mesh.colocated = False  # learner and sampler share devices (one GPU, Colab, CPU)
+    # fixed: the device counts above; plan: open, rl/plan.py picks learner_devices and
+    # sampler_devices (leave both 0) from config.elastic.stage_model (README "Elastic devices")
+    config.mesh.split = "fixed"
+
+    # Elastic devices (rl/elastic; README "Elastic devices"). BiDiRL borrowing: the idle pool lends
+    # its devices to the bottleneck when the stage-time models predict a gain above the switch cost.
+    config.elastic = ml_collections.ConfigDict()
+    # learner: the learner trains on sampler devices too once the rollout has drained;
+    # sampler: extra engine replicas (mesh.sampler_devices each) on the learner's devices while the
+    # learner waits for a round's groups (threads runtime); both: either, as predicted
+    config.elastic.borrowing = "off"  # off | learner | sampler | both
+    config.elastic.switch_cost_s = 1.0  # prior cost of one switch (there and back); then measured
+    config.elastic.margin = 1.0  # borrow only when predicted gain > margin x switch cost
+    # stage-time models to predict with: a launch.profile JSON, or "preset:<model>:<gpu>" (e.g.
+    # "preset:qwen3-1.7b:h100"); needed by borrowing and mesh.split="plan"
+    config.elastic.stage_model = ""
+    config.elastic.median_tokens = 0.0  # planner workload: median response length; 0: cap / 4
+    # Long-tail migration (JigsawRL, rl/elastic/migration.py): at decode-step boundaries the
+    # last running requests move, KV cache included, onto fewer sampler replicas (threads runtime
+    # with mesh.sampler_replicas > 1; tokens unchanged)
+    config.elastic.migration = "off"  # off | tail | always (every step: the exactness test's mode)
+    config.elastic.max_running_fraction = 0.25  # tail: migrate once running <= this * all slots
+    config.elastic.min_tokens_left = 0  # tail: requests with fewer tokens to go stay put
 
     config.learner = ml_collections.ConfigDict()
     config.learner.policy_loss = "ppo_clip"  # ppo_clip | gspo | tis_reinforce | decoupled_ppo
@@ -232,13 +255,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # long caches); 0: the whole cache (faster on CPU; sampler/engine.py).
     config.engine.attention_block = 0
     config.engine.legacy_decode = False  # True: the pre-issue-19 decode path (for comparisons)
-    # Long-tail migration (JigsawRL, rl/elastic/migration.py): at decode-step boundaries the
-    # last running requests move, KV cache included, onto fewer sampler replicas (threads runtime
-    # with mesh.sampler_replicas > 1; tokens unchanged)
-    config.elastic = ml_collections.ConfigDict()
-    config.elastic.migration = "off"  # off | tail | always (every step: the exactness test's mode)
-    config.elastic.max_running_fraction = 0.25  # tail: migrate once running <= this * all slots
-    config.elastic.min_tokens_left = 0  # tail: requests with fewer tokens to go stay put
     config.sampler_dtype = (
         "bfloat16"  # dtype of the weights published to the sampler; "": as trained
     )

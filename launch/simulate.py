@@ -4,6 +4,8 @@ validation of the simulator against a real run.
     python -m launch.simulate --json /tmp/sim.json [--gpu h100 --sampler_gpus 4 --learner_gpus 4]
     python -m launch.simulate --profile /tmp/profile.json --validate /tmp/bench_pipeline.json
     python -m launch.simulate --plan_budgets 8,16,32
+    python -m launch.simulate --borrowing off,both,off+migration,both+migration \
+        --sampler_gpus 8 --learner_gpus 24 --setups 256
     python -m launch.simulate --migration tail --modes sync,cgp+frontier+fifo,async+frontier+s1
     python -m launch.simulate --workload rollpacker --modes sync,sync+tail,cgp+frontier+fifo,\
         cgp+frontier+tail --setups 64,128 --balance_wait 0.7
@@ -40,6 +42,17 @@ presets): throughput (groups/s) and the sampler replica-seconds busy, each vs th
 
 --plan_budgets runs rl/plan.py on each budget: the planner's split beside every split's simulated
 time per round.
+
+--borrowing compares BiDiRL's bidirectional borrowing (rl/elastic/borrowing.py, carried out by
+rl/sim/borrow.py) with the static split: for each setup, sync and cgp+frontier+fifo (--borrow_modes)
+with each setting (off = static split; learner: the learner trains on the sampler's devices once the
+rollout drains; sampler: the learner's devices decode as extra replicas while the learner waits;
+both; each also as "<setting>+migration" with JigsawRL's long-tail migration, policy --migration or
+tail, so "off+migration" is migration alone), the throughput (groups/s) and its ratio to the
+static split, the moves made, against BiDiRL's up-to-1.94x (and JigsawRL's up-to-1.85x); with --balance_wait > 0 again with the learner scaled so that sync waits that share
+of its round ("borrowing_balanced"). The switch cost is --switch_cost_s (BiDiRL measures seconds; weighed by the policy and
+charged by the simulator); the sampler side predicts from the workload's true lengths (an oracle the
+runtime lacks).
 """
 
 from __future__ import annotations
@@ -53,7 +66,14 @@ from absl import app, flags
 from rl.elastic.migration import MIGRATION_POLICIES, MigrationConfig
 from rl.plan import Split, compare, format_table
 from rl.rounds import TailConfig
-from rl.sim.compare import balance_learner, compare_migration, run_modes, sim_config, validate
+from rl.sim.compare import (
+    balance_learner,
+    compare_borrowing,
+    compare_migration,
+    run_modes,
+    sim_config,
+    validate,
+)
 from rl.sim.presets import gpu_preset
 from rl.sim.simulator import SimResult
 from rl.sim.stage import StageModel
@@ -111,6 +131,13 @@ _BALANCE = flags.DEFINE_float(
 )
 _VALIDATE = flags.DEFINE_string("validate", "", "A launch.bench_pipeline JSON to validate against.")
 _PLAN = flags.DEFINE_list("plan_budgets", [], "Device budgets for the split planner.")
+_BORROWING = flags.DEFINE_list(
+    "borrowing", [], "Borrowing settings to compare (off,learner,sampler,both); empty: skip."
+)
+_BORROW_MODES = flags.DEFINE_list(
+    "borrow_modes", ["sync", "cgp+frontier+fifo"], "Modes of the borrowing comparison."
+)
+_SWITCH = flags.DEFINE_float("switch_cost_s", 5.0, "Borrowing: the switch cost (there and back).")
 _MIGRATION = flags.DEFINE_enum(
     "migration", "off", MIGRATION_POLICIES, "Add the static-split vs migration block (tail)."
 )
@@ -337,6 +364,64 @@ def planning(out: dict[str, Any]) -> None:
         )
 
 
+def borrowing(model: StageModel, slots: int, out: dict[str, Any]) -> None:
+    workload = workload_config()
+    replicas = _SAMPLER_GPUS.value // _SAMPLER_TP.value
+    print(
+        f"borrowing vs static split: {_SAMPLER_GPUS.value} sampler GPUs ({replicas}x tp"
+        f"{_SAMPLER_TP.value}, {slots} slots) / {_LEARNER_GPUS.value} learner GPUs, switch cost "
+        f"{_SWITCH.value:g} s; BiDiRL reports up to 1.94x, JigsawRL up to 1.85x"
+    )
+    blocks = [("borrowing", 0.0)] + (
+        [("borrowing_balanced", _BALANCE.value)] * bool(_BALANCE.value)
+    )
+    for label, balance in blocks:
+        out[label] = {}
+        for r in map(int, _SETUPS.value):
+            fields = dict(
+                groups_per_round=r,
+                groups_per_update=_PER_UPDATE.value,
+                group_size=_GROUP_SIZE.value,
+                max_new_tokens=max_new_tokens(),
+                replicas=replicas,
+                slots=slots,
+            )
+            mdl, scale = model, 1.0
+            if balance:
+                mdl, scale = balance_learner(
+                    model, workload, target_wait=balance, rounds=_ROUNDS.value, **fields
+                )
+            rows = compare_borrowing(
+                _BORROW_MODES.value,
+                mdl,
+                workload,
+                rounds=_ROUNDS.value,
+                learner_devices=_LEARNER_GPUS.value,
+                replica_devices=_SAMPLER_TP.value,
+                borrowings=_BORROWING.value,
+                switch_cost_s=_SWITCH.value,
+                migration=MigrationConfig(
+                    policy=_MIGRATION.value if _MIGRATION.value != "off" else "tail",
+                    max_running_fraction=_MIG_FRACTION.value,
+                    min_tokens_left=_MIG_MIN_LEFT.value,
+                ),
+                **fields,
+            )
+            out[label][f"R{r}"] = rows
+            what = f", learner x{scale:.1f} for sync wait {balance:.0%}" if balance else ""
+            print(f"  R={r}{what}:")
+            print(
+                f"  {'mode':<26}{'borrowing':<16}{'groups/s':>9}{'vs static':>10}{'moves L/S':>10}"
+            )
+            for mode, by in rows.items():
+                for b, x in by.items():
+                    print(
+                        f"  {mode:<26}{b:<16}{x['groups_per_s']:>9.3f}"
+                        f"{x['throughput_vs_static']:>9.2f}x"
+                        f"{x['moves_learner']:>6.0f}/{x['moves_sampler']:<4.0f}"
+                    )
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -346,12 +431,14 @@ def main(argv: list[str]) -> None:
     out: dict[str, Any] = {}
     if _VALIDATE.value:
         validation(model, out)
-    else:
+    elif not _BORROWING.value or flags.FLAGS["modes"].present:  # --borrowing alone: only it
         comparison(model, slots, out)
     if _MIGRATION.value != "off":
         migration_block(model, slots, out)
     if _PLAN.value:
         planning(out)
+    if _BORROWING.value:
+        borrowing(model, slots, out)
     if _JSON.value:
         with open(_JSON.value, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=2, default=str)

@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from learner.batching import Batch, make_batch
 from learner.config import LearnerConfig
 from learner.distributed import put_global
-from learner.state import create_train_state, make_optimizer, make_schedule
+from learner.state import create_train_state, make_optimizer, make_schedule, state_shardings
 from learner.step import (
     MAX_KEYS,
     Accum,
@@ -46,6 +46,32 @@ from rl.advantages import get_advantage_estimator
 from rl.compiles import CompileCounter
 from rl.models.sharding import Rules, axis_rules, current_rules, logical_to_spec
 from rl.types import Group
+
+
+def _check_rows(cfg: LearnerConfig, mesh: Mesh) -> int:
+    """The mesh's batch shards (fsdp x data), which must divide a micro-batch's rows."""
+    shards = math.prod(mesh.shape[a] for a in ("fsdp", "data") if a in mesh.axis_names)
+    if cfg.micro_batch_rows % shards:
+        raise ValueError(
+            f"learner.micro_batch_rows ({cfg.micro_batch_rows}) must be divisible by the learner "
+            f"mesh's batch shards ({shards}: fsdp)."
+        )
+    return shards
+
+
+@dataclasses.dataclass
+class _Steps:
+    """The step functions of one mesh: the learner's own, or extended over borrowed devices."""
+
+    mesh: Mesh
+    shardings: Any  # TrainState of NamedShardings
+    acc_shardings: Accum
+    batch_shards: int
+    zero: Any
+    accumulate: Any
+    apply: Any
+    apply_keep_params: Any
+    copy: Any
 
 
 class Learner:
@@ -66,68 +92,22 @@ class Learner:
                 "sampler's log-probs; the proximal policy is the learner's own)."
             )
         self.cfg = cfg
-        self.mesh = mesh
         self.rules = current_rules() if rules is None else rules
-        batch_shards = math.prod(mesh.shape[a] for a in ("fsdp", "data") if a in mesh.axis_names)
-        self._batch_shards = batch_shards
-        if cfg.micro_batch_rows % batch_shards:
-            raise ValueError(
-                f"learner.micro_batch_rows ({cfg.micro_batch_rows}) must be divisible by the learner "
-                f"mesh's batch shards ({batch_shards}: fsdp)."
-            )
+        _check_rows(cfg, mesh)
         self.graphdef, params = nnx.split(model)
         self.tx = make_optimizer(cfg.optimizer)
         self.schedule = make_schedule(cfg.optimizer)
-        with self._on_mesh():
-            self.state, self.shardings = create_train_state(
-                params, self.tx, mesh=mesh, rules=self.rules
-            )
+        with jax.set_mesh(mesh), axis_rules(self.rules):
+            self.state, shardings = create_train_state(params, self.tx, mesh=mesh, rules=self.rules)
         self.ref_params = None
         if cfg.loss.kl_coef > 0:  # frozen reference: the initial policy, never donated
             self.ref_params = jax.jit(
-                lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.shardings.params
+                lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings.params
             )(self.state.params)
-        rep = NamedSharding(mesh, PartitionSpec())
-        keys = sum_keys(cfg)  # every metric the policy loss returns reaches update()'s metrics
-        self._acc_shardings = Accum(
-            grads=self.shardings.params,
-            numerator=rep,
-            denominator=rep,
-            sums=dict.fromkeys(keys, rep),
-            maxes=dict.fromkeys(MAX_KEYS, rep),
-        )
-        kw = dict(graphdef=self.graphdef, cfg=cfg)
         self._compiles = CompileCounter()
-        jit = self._compiles.jit
-        self._zero = jit(
-            "zero", functools.partial(zero_accum, keys=keys), out_shardings=self._acc_shardings
-        )
-        self._accumulate = jit(
-            "accumulate",
-            functools.partial(accumulate, **kw),
-            donate_argnums=(0,),
-            out_shardings=self._acc_shardings,
-        )
-        self._apply = jit(
-            "apply",
-            functools.partial(apply, tx=self.tx, schedule=self.schedule),
-            donate_argnums=(0,),
-            out_shardings=(self.shardings, rep),
-        )
-        # The same update, donating everything but the parameters: used once after `share_params`
-        # handed the current parameter buffers to a colocated sampler that still reads them.
-        self._apply_keep_params = jit(
-            "apply_keep_params",
-            lambda params, rest, acc: apply(
-                dataclasses.replace(rest, params=params), acc, tx=self.tx, schedule=self.schedule
-            ),
-            donate_argnums=(1,),
-            out_shardings=(self.shardings, rep),
-        )
+        self._home = self._steps = self._compile_steps(mesh, shardings)
+        self._borrowed: _Steps | None = None  # the extended mesh's steps, kept across switches
         self._params_shared = False
-        self._copy = jit(
-            "copy", lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.shardings.params
-        )
         self._acc: Accum | None = None
         self._pending: list[tuple[Group, tuple[float, ...]]] = []
         self._pending_rows = 0
@@ -136,6 +116,68 @@ class Learner:
         self.groups_in_update = 0
         self._tokens_in_update = 0  # loss tokens accumulated since the last update (host count)
         self._filtered_in_update = 0  # overlong filter: truncated sequences masked out
+
+    @property
+    def mesh(self) -> Mesh:
+        """The mesh the TrainState is on now (the extended one while devices are borrowed)."""
+        return self._steps.mesh
+
+    @property
+    def shardings(self) -> Any:
+        """The TrainState's shardings on `mesh`."""
+        return self._steps.shardings
+
+    def _compile_steps(self, mesh: Mesh, shardings: Any, tag: str = "") -> _Steps:
+        """The jitted step functions of one mesh (their outputs placed by `shardings`)."""
+        cfg, rep = self.cfg, NamedSharding(mesh, PartitionSpec())
+        keys = sum_keys(cfg)  # every metric the policy loss returns reaches update()'s metrics
+        acc_shardings = Accum(
+            grads=shardings.params,
+            numerator=rep,
+            denominator=rep,
+            sums=dict.fromkeys(keys, rep),
+            maxes=dict.fromkeys(MAX_KEYS, rep),
+        )
+        kw = dict(graphdef=self.graphdef, cfg=cfg)
+        jit = self._compiles.jit
+        return _Steps(
+            mesh=mesh,
+            shardings=shardings,
+            acc_shardings=acc_shardings,
+            batch_shards=_check_rows(cfg, mesh),
+            zero=jit(
+                "zero" + tag, functools.partial(zero_accum, keys=keys), out_shardings=acc_shardings
+            ),
+            accumulate=jit(
+                "accumulate" + tag,
+                functools.partial(accumulate, **kw),
+                donate_argnums=(0,),
+                out_shardings=acc_shardings,
+            ),
+            apply=jit(
+                "apply" + tag,
+                functools.partial(apply, tx=self.tx, schedule=self.schedule),
+                donate_argnums=(0,),
+                out_shardings=(shardings, rep),
+            ),
+            # The same update, donating everything but the parameters: used once after
+            # `share_params` handed the current parameter buffers to a colocated sampler that
+            # still reads them.
+            apply_keep_params=jit(
+                "apply_keep_params" + tag,
+                lambda params, rest, acc: apply(
+                    dataclasses.replace(rest, params=params),
+                    acc,
+                    tx=self.tx,
+                    schedule=self.schedule,
+                ),
+                donate_argnums=(1,),
+                out_shardings=(shardings, rep),
+            ),
+            copy=jit(
+                "copy" + tag, lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings.params
+            ),
+        )
 
     @contextlib.contextmanager
     def _on_mesh(self) -> Iterator[None]:
@@ -166,10 +208,10 @@ class Learner:
         """Replaces the parameters (e.g. after an SFT warm start); the KL reference follows them."""
         if self._pending or self._acc is not None:
             raise RuntimeError("set_params called with groups accumulated but not applied.")
-        params = self._copy(params)
+        params = self._steps.copy(params)
         self.state = dataclasses.replace(self.state, params=params)
         if self.ref_params is not None:
-            self.ref_params = self._copy(params)
+            self.ref_params = self._steps.copy(params)
 
     def begin_round(self, updates: int) -> None:
         """Starts a round of `updates` optimizer updates from the current (= published) params.
@@ -182,7 +224,7 @@ class Learner:
         self.updates_in_round = 0
         self._behavior = None
         if updates > 1 and self.cfg.old_logprobs == "snapshot":
-            self._behavior = self._copy(self.state.params)
+            self._behavior = self._steps.copy(self.state.params)
 
     # ----------------------------------------------------------------------------------- groups
 
@@ -219,7 +261,7 @@ class Learner:
             rows=self.cfg.micro_batch_rows,
             min_length_bucket=self.cfg.min_length_bucket,
             pack=self.cfg.packing,
-            row_multiple=self._batch_shards,
+            row_multiple=self._steps.batch_shards,
             max_pack_length=self.cfg.pack_max_length,
         )
         if self.cfg.overlong_filter:  # DAPO: truncated responses get no loss (row i: completion i)
@@ -252,8 +294,8 @@ class Learner:
         batch = jax.tree.map(put_global, batch, self._batch_shardings(batch))
         with self._on_mesh():
             if self._acc is None:
-                self._acc = self._zero(self.state.params)
-            self._acc = self._accumulate(
+                self._acc = self._steps.zero(self.state.params)
+            self._acc = self._steps.accumulate(
                 self._acc,
                 self.state.params,
                 batch,
@@ -280,7 +322,7 @@ class Learner:
         filtered, self._filtered_in_update = self._filtered_in_update, 0
         tokens, self._tokens_in_update = self._tokens_in_update, 0
         if tokens == 0 and filtered:  # every response truncated and filtered: no gradient, no step
-            shapes = jax.eval_shape(self._apply, self.state, self._acc)[1]
+            shapes = jax.eval_shape(self._home.apply, self.state, self._acc)[1]  # metric names
             self._acc = None
             metrics = dict.fromkeys(shapes, 0.0)
             metrics.update(lr=float(self.schedule(step)), nonfinite_leaf=-1.0)
@@ -288,12 +330,12 @@ class Learner:
             with self._on_mesh():
                 if self._params_shared:  # the sampler reads these params: no donation
                     rest = dataclasses.replace(self.state, params=None)
-                    self.state, metrics = self._apply_keep_params(
+                    self.state, metrics = self._steps.apply_keep_params(
                         self.state.params, rest, self._acc
                     )
                     self._params_shared = False
                 else:
-                    self.state, metrics = self._apply(self.state, self._acc)
+                    self.state, metrics = self._steps.apply(self.state, self._acc)
             self._acc = None
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             if metrics["tokens"] == 0:
@@ -317,3 +359,74 @@ class Learner:
         self.groups_in_update = 0
         self.updates_in_round += 1
         return metrics
+
+    # --------------------------------------------------------------------------- borrowing
+
+    @property
+    def borrowing(self) -> bool:
+        """True while the TrainState is on the mesh extended over borrowed devices."""
+        return self._steps is not self._home
+
+    def prepare_borrow(self, devices: Sequence[Any]) -> None:
+        """Compiles the optimizer apply ahead (jit .lower().compile()) for the data-parallel mesh
+        over the learner's devices then `devices` (fsdp over all of them, tp kept); micro-steps
+        compile per batch shape on first use, as on the learner's own mesh. Called by
+        `borrow` if not before; the compiled steps are kept for later switches to the same devices.
+        """
+        home = self._home.mesh
+        devices = list(devices)
+        own = list(home.devices.flat)
+        if set(map(id, devices)) & set(map(id, own)) or not devices:
+            raise ValueError(
+                f"borrow: expected devices disjoint from the learner's {own}; received {devices}."
+            )
+        if self._borrowed is not None and list(self._borrowed.mesh.devices.flat) == own + devices:
+            return
+        tp = home.shape["tp"]
+        if (len(own) + len(devices)) % tp:
+            raise ValueError(
+                f"borrow: {len(own)} + {len(devices)} devices do not divide into tp={tp} groups."
+            )
+        mesh = Mesh(np.array(own + devices).reshape(-1, tp), ("fsdp", "tp"))
+        with jax.set_mesh(mesh), axis_rules(self.rules):
+            shardings = state_shardings(
+                jax.eval_shape(lambda p: p, self.state.params), self.tx, mesh, self.rules
+            )
+            steps = self._compile_steps(mesh, shardings, tag="@borrowed")
+
+            def abstract(tree: Any, shard: Any) -> Any:
+                return jax.tree.map(
+                    lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shard
+                )
+
+            params = abstract(self.state.params, shardings.params)
+            acc = abstract(jax.eval_shape(steps.zero, params), steps.acc_shardings)
+            steps.zero = steps.zero.lower(params).compile()
+            steps.apply = steps.apply.lower(abstract(self.state, shardings), acc).compile()
+        self._borrowed = steps
+
+    def borrow(self, devices: Sequence[Any]) -> None:
+        """Reshards the TrainState (and the accumulator, behaviour and reference params) onto the
+        mesh extended over `devices`; later add_groups / update run there until `give_back`."""
+        if self.borrowing:
+            raise RuntimeError("borrow called while already borrowing; call give_back first.")
+        self.prepare_borrow(devices)
+        assert self._borrowed is not None
+        self._move(self._borrowed)
+
+    def give_back(self) -> None:
+        """Reshards everything back onto the learner's own mesh (before weights are published)."""
+        if not self.borrowing:
+            raise RuntimeError("give_back called while not borrowing.")
+        self._move(self._home)
+
+    def _move(self, to: _Steps) -> None:
+        self.state = jax.device_put(self.state, to.shardings, donate=True)
+        if self._acc is not None:
+            self._acc = jax.device_put(self._acc, to.acc_shardings, donate=True)
+        if self._behavior is not None:
+            self._behavior = jax.device_put(self._behavior, to.shardings.params, donate=True)
+        if self.ref_params is not None:
+            self.ref_params = jax.device_put(self.ref_params, to.shardings.params, donate=True)
+        jax.block_until_ready((self.state, self._acc, self._behavior, self.ref_params))
+        self._steps = to

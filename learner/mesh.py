@@ -10,6 +10,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+SPLITS = ("fixed", "plan")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
@@ -22,9 +24,13 @@ class MeshConfig:
     sampler_replicas: int = 1  # sampler replicas (an Engine + SamplerLoop each), disjoint devices
     sampler_routing: str = "round_robin"  # request -> replica: round_robin | least_loaded
     colocated: bool = False  # both sides on the same devices, time-sliced (one GPU, Colab, CPU)
+    split: str = "fixed"  # fixed: the counts above; plan: rl.elastic.planning.plan_mesh picks them
 
     def __post_init__(self):
         from rl.runtime.routing import ROUTINGS
+
+        if self.split not in SPLITS:
+            raise ValueError(f"mesh.split={self.split!r}; expected one of {SPLITS}.")
 
         if self.sampler_routing not in ROUTINGS:
             raise ValueError(
@@ -49,6 +55,11 @@ def make_meshes(cfg: MeshConfig, devices: Sequence[Any] | None = None) -> tuple[
     The sampler mesh holds the devices of all `cfg.sampler_replicas` replicas, replica after
     replica along its data axis; `replica_meshes` splits it.
     """
+    if cfg.split != "fixed":
+        raise ValueError(
+            f"make_meshes needs mesh.split='fixed'; received {cfg.split!r} (an open split: "
+            "rl.elastic.planning.plan_mesh turns it into the fixed one first)."
+        )
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
     per = cfg.sampler_devices * cfg.sampler_replicas  # 0: not set

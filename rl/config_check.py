@@ -298,12 +298,53 @@ def check_config(config: Any) -> None:
                 f"learner) with config.runtime={runtime!r}; expected 1: the threads runtime runs "
                 "the learner and the sampler in one process."
             )
+    elastic = None
     if clean("elastic") and "elastic" in config:
+        from rl.elastic.borrowing import BorrowConfig
         from rl.runtime.compose import migration_config_from
 
         p.build("elastic", lambda: migration_config_from(config))
+        elastic = p.build("elastic", lambda: BorrowConfig.from_section(config.elastic))
+        if elastic is not None and elastic.borrowing != "off" and not elastic.stage_model:
+            p.add(
+                f"config.elastic.borrowing={elastic.borrowing!r} with no config.elastic."
+                "stage_model; expected a launch.profile JSON or 'preset:<model>:<gpu>' to predict "
+                "gains with."
+            )
+        if elastic is not None and elastic.borrowing != "off":
+            if config.get("mesh", {}).get("colocated"):
+                p.add(
+                    f"config.elastic.borrowing={elastic.borrowing!r} with config.mesh.colocated="
+                    "True; expected disjoint learner and sampler devices (colocated sides already "
+                    "share every device)."
+                )
+            if config.get("runtime", "threads") != "threads":
+                p.add(
+                    f"config.elastic.borrowing={elastic.borrowing!r} with config.runtime="
+                    f"{config.get('runtime')!r}; expected the threads runtime (the Ray workers do "
+                    "not move devices)."
+                )
+            mode = config.get("driver", {}).get("mode")
+            if mode == "async":
+                p.add(
+                    f"config.elastic.borrowing={elastic.borrowing!r} with config.driver.mode="
+                    "'async'; expected a round mode (sync or cgp): async publishes after every "
+                    "update, so devices would move back and forth each update."
+                )
     if clean("mesh"):
         mesh = p.build("mesh", lambda: MeshConfig(**config.mesh))
+        if mesh is not None and mesh.split == "plan":
+            if not config.get("elastic", {}).get("stage_model"):
+                p.add(
+                    "config.mesh.split='plan' with no config.elastic.stage_model; expected a "
+                    "launch.profile JSON or 'preset:<model>:<gpu>' for the planner."
+                )
+            if config.get("runtime", "threads") != "threads":
+                p.add(
+                    "config.mesh.split='plan' with config.runtime='ray'; expected the threads "
+                    "runtime (Ray workers size their meshes from mesh.*_devices)."
+                )
+            mesh = None  # the planner picks the counts: the fixed checks below do not apply
         meshes = p.build("mesh", lambda: make_meshes(mesh)) if mesh is not None else None
 
     # Rules between sections.

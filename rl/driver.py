@@ -48,6 +48,7 @@ from rl.types import Group, Prompt, Request, SamplingParams
 
 if TYPE_CHECKING:
     from learner.learner import Learner
+    from rl.elastic.lending import LearnerBorrower, SamplerLender
     from rl.runtime.protocols import Queue, Sampler, WeightSync
 
 
@@ -129,8 +130,17 @@ class Driver:
         version: int = 0,
         rounds: int | None = None,
         barrier_every: int = 0,
+        borrower: LearnerBorrower | None = None,
+        lender: SamplerLender | None = None,
     ):
+        if (borrower is not None or lender is not None) and cfg.mode == "async":
+            raise ValueError(
+                "Borrowing needs a round mode (sync or cgp); received mode='async' (it publishes "
+                "after every update, so devices would move back and forth each update)."
+            )
         self.cfg = cfg
+        self.borrower, self.lender = borrower, lender
+        self._deferred: list[Action] = []  # learner work held while its devices are lent
         self.learner = learner
         self.weight_sync = weight_sync
         self.planner = RoundPlanner(
@@ -149,6 +159,9 @@ class Driver:
         )
         self.timeline = Timeline() if timeline is None else timeline
         self.clock = clock
+        for elastic in (borrower, lender):
+            if elastic is not None:
+                elastic.bind(clock=clock, timeline=self.timeline)
         self.on_group: Callable[[Group], None] | None = (
             None  # called as each complete group arrives
         )
@@ -162,6 +175,9 @@ class Driver:
         self._stats0: dict[int, Any] = {}
         self._updates: dict[int, list[dict[str, float]]] = collections.defaultdict(list)
         self._done: dict[int, RoundDone] = {}
+        self._submitted = 0  # requests submitted to the sampler (drained: all emitted/aborted/cut)
+        self._updates_left = 0  # of the updates the last Begin announced
+        self._added: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0])  # groups, tok
 
     @property
     def version(self) -> int:
@@ -188,7 +204,42 @@ class Driver:
     def _requests(self, plan: RoundPlan) -> list[Request]:
         return plan.requests(group_size=self.cfg.group_size, params=self.cfg.sampling)
 
+    def _drained(self) -> bool:
+        """Every submitted request was emitted, aborted or cut: the sampler's devices are idle."""
+        st = self.sampler.stats
+        return st.groups_emitted + st.groups_aborted + st.groups_cut >= self._submitted
+
+    def _maybe_lend(self, a: Submit) -> None:
+        """Round modes: the learner waits for this round's groups; the lender may add a replica."""
+        assert self.lender is not None
+        self.lender.maybe_lend(
+            self.sampler,
+            a.round,
+            a.requests,
+            max_new_tokens=self.cfg.sampling.max_new_tokens,
+            updates=self.cfg.updates_per_round,
+            overlap=self.cfg.mode != "sync",
+        )
+        self.num_slots = max(self.num_slots, self.sampler.num_slots)
+
+    def _maybe_borrow(self, round: int) -> None:
+        if self.borrower is None:
+            return
+        groups, tokens = self._added[round]
+        self.borrower.before_learner_work(
+            round,
+            drained=self._drained(),
+            updates_left=self._updates_left,
+            groups_per_update=self.cfg.groups_per_update,
+            group_size=self.cfg.group_size,
+            tokens_per_group=tokens / groups if groups else 0.0,
+        )
+
     def _add(self, groups: tuple[Group, ...], round: int) -> None:
+        added = self._added[round]  # counted first: the borrowing estimate sees these groups
+        added[0] += len(groups)
+        added[1] += sum(len(c.prompt) + len(c.tokens) for g in groups for c in g.completions)
+        self._maybe_borrow(round)
         t0 = self.clock()
         self.learner.add_groups(groups)
         tokens = sum(len(c.tokens) for g in groups for c in g.completions)
@@ -203,6 +254,7 @@ class Driver:
         )
 
     def _update(self, up: Update) -> None:
+        self._maybe_borrow(up.round)
         t0 = self.clock()
         step = self.learner.step
         m = self.learner.update()
@@ -212,6 +264,7 @@ class Driver:
             "learner", "update", t0, self.clock(), round=up.round, tokens=tokens, step=step
         )
         self._updates[up.round].append(m)
+        self._updates_left -= 1
         if self.on_update is not None:
             self.on_update(up)
 
@@ -221,12 +274,19 @@ class Driver:
         while todo:
             a = todo.popleft()
             follow: list[Action] = []
+            if self.lender is not None and self.lender.lent and not isinstance(a, Submit):
+                self._deferred.append(a)  # the learner's devices decode: its work waits
+                continue
             if isinstance(a, Submit):
+                if self.lender is not None:
+                    self._maybe_lend(a)
                 if a.round not in self._starts:
                     self._starts[a.round] = self.clock()
                     self._stats0[a.round] = dataclasses.replace(self.sampler.stats)
+                self._submitted += len(a.requests)
                 self.sampler.submit(a.requests, cut=a.cut)
             elif isinstance(a, Begin):
+                self._updates_left = a.updates
                 self.learner.begin_round(updates=a.updates)
             elif isinstance(a, Add):
                 self._add(a.groups, a.round)
@@ -234,6 +294,8 @@ class Driver:
                 self._update(a)
                 follow = self.schedule.on_update_done()
             elif isinstance(a, Publish):
+                if self.borrower is not None:
+                    self.borrower.before_publish(a.round)
                 self.sampler.set_params(self._publish(a.version, a.round), a.version)
                 follow = self.schedule.on_published()
             elif isinstance(a, RoundDone):
@@ -260,6 +322,11 @@ class Driver:
                 f"Round {round}: the prompt source is exhausted and the long-prompt queue is empty."
             ) from None
         while round not in self._done:
+            if self.lender is not None and self.lender.lent and self._drained():
+                self.lender.give_back(self.sampler)  # the learner's devices return
+                deferred, self._deferred = self._deferred, []
+                self._run(deferred)
+                continue
             self._run(self.schedule.on_group(self._next_group()))
         done = self._done.pop(round)
         stats = self.sampler.stats  # first: a remote sampler's timeline events come with it
@@ -297,6 +364,13 @@ class Driver:
                 np.sum(tokens * [m["lag_mean"] for m in updates]) / tokens.sum()
             )
             metrics["lag_max"] = float(np.max([m["lag_max"] for m in updates]))
+        if self.borrower is not None:
+            metrics.update(self.borrower.pop_metrics(round))
+        if self.lender is not None:
+            metrics.update(self.lender.pop_metrics(round))
+            self.num_slots = max(self.num_slots, self.sampler.num_slots)
+            self.lender.observe(trained)  # its estimate of the next rounds' lengths
+        self._added.pop(round, None)
         del self._starts[round]
         return RoundResult(
             round=round,

@@ -147,6 +147,8 @@ def _train(
     stdout: bool,
 ) -> dict[str, Any]:
     learner, sync = runtime.learner, runtime.weight_sync
+    if getattr(runtime, "mesh_plan", None) is not None and stdout:  # config.mesh.split="plan"
+        print(runtime.mesh_plan)
     prompts = setup.prompts(data.train, seed=config.seed)
     reward_seen: dict[str, int] = {}
     os.makedirs(config.workdir, exist_ok=True)

@@ -4,4 +4,8 @@
   replicas at a decode-step boundary, says which running requests move to which replica so the
   round's tail runs on fewer replicas (the threaded replica sampler, rl.runtime.replicas, and the
   simulator, rl.sim.sampler, both execute its moves).
+- `borrowing`: BiDiRL bidirectional borrowing, a pure policy that lends the idle pool's devices to
+  the bottleneck when the stage-time models predict a gain above the measured switch cost (the
+  driver with learner.Learner.borrow, rl.elastic.lending, and the simulator, rl.sim.borrow).
+- `planning`: the planner in the run (config.mesh.split = "plan"): rl/plan.py's static split.
 """

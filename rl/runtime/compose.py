@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from learner.learner import Learner
     from learner.sft import SftTrainer
     from rl.driver import Driver, DriverConfig
+    from rl.elastic.lending import LearnerBorrower, SamplerLender
     from sampler.engine import Engine
 
 
@@ -196,6 +197,77 @@ def export_policy(config: Any, setup: Setup, learner: Learner, path: str) -> Non
     )
 
 
+def build_borrower(config: Any, learner: Learner, sampler_mesh: Mesh) -> LearnerBorrower | None:
+    """The learner's borrower of the sampler's devices (config.elastic), its steps compiled ahead;
+    None when borrowing is off."""
+    from rl.elastic.borrowing import BorrowConfig, BorrowPolicy
+    from rl.elastic.lending import LearnerBorrower
+    from rl.elastic.planning import split_models
+    from rl.plan import Split
+
+    cfg = BorrowConfig.from_section(config.elastic)
+    if not cfg.allows("learner"):
+        return None
+    learner_n = len(learner.mesh.devices.flat)
+    replicas = config.mesh.sampler_replicas
+    per_replica = len(sampler_mesh.devices.flat) // replicas
+    split = Split(sampler_gpus=per_replica * replicas, tp=per_replica, learner_gpus=learner_n)
+    preset = split_models(cfg.stage_model, slots=config.engine.max_slots)(split)
+    borrower = LearnerBorrower(
+        BorrowPolicy(cfg, preset.model, model_learner_devices=learner_n),
+        learner,
+        list(sampler_mesh.devices.flat),
+        sampler_replicas=replicas,
+        replica_devices=per_replica,
+        slots=config.engine.max_slots,  # each replica's Engine
+        micro_batch_rows=config.learner.micro_batch_rows,
+    )
+    borrower.prepare()
+    return borrower
+
+
+def build_lender(config: Any, setup: Setup, model: Any, learner: Learner) -> SamplerLender | None:
+    """The sampler's lender of the learner's devices (config.elastic): engine replicas of
+    mesh.sampler_devices devices each on the learner's devices; None when that direction is off."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from rl.elastic.borrowing import BorrowConfig, BorrowPolicy
+    from rl.elastic.lending import SamplerLender
+    from rl.elastic.planning import split_models
+    from rl.plan import Split
+
+    cfg = BorrowConfig.from_section(config.elastic)
+    if not cfg.allows("sampler"):
+        return None
+    own = list(learner.mesh.devices.flat)
+    per, tp, replicas = (
+        config.mesh.sampler_devices,
+        config.mesh.sampler_tp,
+        config.mesh.sampler_replicas,
+    )
+    per = per or 1
+    split = Split(sampler_gpus=per * replicas, tp=per, learner_gpus=len(own))
+    preset = split_models(cfg.stage_model, slots=config.engine.max_slots)(split)
+
+    def make_engines() -> list[Any]:
+        groups = [own[i : i + per] for i in range(0, len(own) - per + 1, per)]
+        return [
+            build_engine(config, setup, Mesh(np.array(g).reshape(-1, tp), ("data", "tp")), model)
+            for g in groups
+        ]
+
+    return SamplerLender(
+        BorrowPolicy(cfg, preset.model, model_learner_devices=len(own)),
+        make_engines,
+        learner_devices=len(own),
+        replica_devices=per,
+        sampler_replicas=replicas,
+        slots=config.engine.max_slots,
+        micro_batch_rows=config.learner.micro_batch_rows,
+    )
+
+
 def migration_config_from(config: Any) -> Any:
     """config.elastic as a typed rl.elastic.migration.MigrationConfig (validated)."""
     from rl.elastic.migration import MigrationConfig
@@ -213,11 +285,15 @@ class ThreadsRuntime:
     colocated), config.mesh.sampler_replicas of them, each an Engine on its own devices.
 
     Attributes:
+      mesh_plan: the planner's choice (rl.elastic.planning.MeshPlan) when config.mesh.split is
+        "plan", else None.
       learner: the Learner.
       weight_sync: a DevicePutSync learner mesh -> sampler mesh (all replicas' devices; each
         replica places the published weights on its own).
       engines: the sampler replicas' Engines.
       engine: the first of them (evaluation uses it).
+      borrow: the learner's borrower of the sampler's devices (config.elastic.borrowing), or None.
+      lend: the sampler's lender of the learner's devices (config.elastic.borrowing), or None.
       reward, eval_reward: rollouts and evaluation get their own runners, so each counts its own
         errors and timeouts.
     """
@@ -228,8 +304,15 @@ class ThreadsRuntime:
         from rl.elastic.migration import make_migration_policy
 
         self.config, self.setup = config, setup
-        mesh_cfg = MeshConfig(**config.mesh)
+        mesh_cfg, self.mesh_plan = MeshConfig(**config.mesh), None
+        if mesh_cfg.split == "plan":  # an open split: the planner picks it (rl/elastic/planning)
+            import jax
+
+            from rl.elastic.planning import plan_mesh
+
+            mesh_cfg, self.mesh_plan = plan_mesh(config, len(jax.devices()))
         learner_mesh, sampler_mesh = make_meshes(mesh_cfg)
+        self.sampler_devices = list(sampler_mesh.devices.flat)
         self.migration = make_migration_policy(migration_config_from(config))
         model = build_checked_model(config, setup, learner_mesh)
         self.learner = build_learner(
@@ -250,6 +333,8 @@ class ThreadsRuntime:
         )
         self.reward, self.eval_reward = build_reward(config, setup), build_reward(config, setup)
         self._ckpt = None
+        self.borrow = build_borrower(config, self.learner, sampler_mesh)
+        self.lend = build_lender(config, setup, model, self.learner)
 
     def driver(self, cfg: DriverConfig, *, reward_fn: Any = None, **kwargs: Any) -> Driver:
         """A Driver over a sampler thread (rl.runtime.threads); kwargs go to the Driver.
@@ -260,6 +345,10 @@ class ThreadsRuntime:
         """
         from rl.runtime.threads import threaded_driver
 
+        if self.borrow is not None:
+            kwargs.setdefault("borrower", self.borrow)
+        if self.lend is not None:
+            kwargs.setdefault("lender", self.lend)
         return threaded_driver(
             cfg,
             engine=self.engines,
@@ -277,6 +366,7 @@ class ThreadsRuntime:
 
     def evaluate(self, published: Any, records: Any, *, k: int = 1) -> dict[str, float]:
         """Held-out accuracy (and pass@k, k > 1) of published params (WeightSync output)."""
+        published = self.engine.place_params(published)  # all replicas' devices -> replica 0's
         return evaluate_heldout(
             self.config,
             self.setup,

@@ -181,6 +181,72 @@ def validate(
     return out
 
 
+def compare_borrowing(
+    modes: Sequence[str],
+    model: StageModel,
+    workload: WorkloadConfig,
+    *,
+    rounds: int,
+    learner_devices: int,
+    replica_devices: int = 1,
+    borrowings: Sequence[str] = ("off", "learner", "sampler", "both"),
+    switch_cost_s: float = 5.0,
+    margin: float = 1.0,
+    migration: Any = None,
+    **fields: Any,
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Each mode with each borrowing setting (rl.elastic.borrowing, rl/sim/borrow.py) on the same
+    workload: summarize's figures, the moves made and the throughput vs the static split ("off").
+
+    Args:
+      modes: round modes (sync, cgp+...); `async` does not borrow.
+      model: the stage-time model (its learner terms for `learner_devices`).
+      workload: response and prompt lengths.
+      rounds: rounds per run.
+      learner_devices, replica_devices: the split's learner devices and sampler tp.
+      borrowings: the settings to compare (off | learner | sampler | both, each optionally
+        "+migration": with long-tail migration too); the first is the baseline.
+      switch_cost_s: the switch cost (there and back) the policy weighs and the simulator charges.
+      margin: move only when gain > margin x switch cost.
+      migration: the MigrationConfig of the "+migration" settings.
+      **fields: SimConfig fields (R, U, G, replicas, slots, ...).
+    """
+    from rl.elastic.borrowing import BorrowConfig, BorrowPolicy
+    from rl.sim.borrow import SimBorrower
+
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for mode in modes:
+        out[mode] = {}
+        for name in borrowings:
+            b, _, mig = name.partition("+")
+            if mig not in ("", "migration") or (mig and migration is None):
+                raise ValueError(
+                    f"Borrowing setting {name!r}; expected off|learner|sampler|both, optionally "
+                    "with '+migration' (and a MigrationConfig)."
+                )
+            extra = {"migration": migration} if mig else {}
+            borrow = None
+            if b != "off":
+                bcfg = BorrowConfig(borrowing=b, switch_cost_s=switch_cost_s, margin=margin)
+                policy = BorrowPolicy(bcfg, model, model_learner_devices=learner_devices)
+                borrow = SimBorrower(
+                    policy, learner_devices=learner_devices, replica_devices=replica_devices
+                )
+            cfg = sim_config(mode, **extra, **dict(fields))
+            sim = Simulator(cfg, model, Workload(workload), borrow=borrow)
+            result = sim.run(rounds)
+            sim_rounds = result.rounds
+            row = summarize(result)
+            row["moves_learner"] = float(borrow.moves["learner"]) if borrow else 0.0
+            row["moves_sampler"] = float(borrow.moves["sampler"]) if borrow else 0.0
+            row["migrations"] = float(sum(float(r.get("migrations", 0)) for r in sim_rounds))
+            out[mode][name] = row
+        base = out[mode][borrowings[0]]["groups_per_s"]
+        for row in out[mode].values():
+            row["throughput_vs_static"] = row["groups_per_s"] / base
+    return out
+
+
 def compare_migration(
     modes: Sequence[str],
     model: StageModel,

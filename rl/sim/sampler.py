@@ -173,6 +173,7 @@ class SimSampler(SimMigration):
         self._pending: dict[tuple[int, int], _Pending] = {}  # waiting or running requests
         self._cuts = RoundCuts()  # which complete groups of a cut round are emitted
         self._deal = 0
+        self.peak_replicas = replicas  # the most replicas at once (borrowed ones included)
 
     @property
     def num_slots(self) -> int:
@@ -431,3 +432,49 @@ class SimSampler(SimMigration):
             self._emit(g, now)  # may abort (a full round) or change the contention factor
         if rep.chunk is None:
             self._step(rep, now)
+
+    # ------------------------------------------------------------------- elastic (rl/elastic)
+
+    @property
+    def outstanding(self) -> int:
+        """Requests submitted and not yet emitted, aborted or cut."""
+        return len(self._pending)
+
+    def remaining(self) -> tuple[int, int, int, float]:
+        """(sequences, tokens, longest, mean context) still to decode, from the known lengths."""
+        k, seqs, tokens, longest, context = self.model.steps_per_call, 0, 0, 0, 0.0
+        for p in self._pending.values():
+            running = {s.sample: s for s in p.seqs}
+            for i, n in enumerate(p.lengths[: p.request.kept]):
+                if i in p.done:
+                    continue
+                s = running.get(i)
+                made = 0 if s is None else k * (self.replicas[p.replica].calls - s.admit_call)
+                left = max(n - made, 0)
+                seqs, tokens, longest = seqs + 1, tokens + left, max(longest, left)
+                context += len(p.request.prompt) + made
+        return seqs, tokens, longest, context / seqs if seqs else 0.0
+
+    def add_replicas(self, count: int, now: float) -> None:
+        """`count` more replicas (borrowed devices) pulling from the shared admission policy."""
+        if self.routing != "shared":
+            raise ValueError(f"add_replicas needs routing 'shared'; received {self.routing!r}.")
+        admission = self.replicas[0].admission
+        n = len(self.replicas)
+        self.replicas += [_Replica(n + i, self.slots, admission) for i in range(count)]
+        self.peak_replicas = max(self.peak_replicas, len(self.replicas))
+        self._admit_idle(now)
+
+    def remove_replicas(self, count: int) -> None:
+        """Removes the last `count` replicas, which must be idle (the borrowed devices return)."""
+        gone = self.replicas[len(self.replicas) - count :]
+        if count >= len(self.replicas) or any(r.active or r.busy for r in gone):
+            raise RuntimeError(f"remove_replicas({count}): those replicas are not idle.")
+        del self.replicas[len(self.replicas) - count :]
+
+    def remaining_learner_tokens(self) -> int:
+        """Prompt + response tokens the learner will train for the requests not yet emitted."""
+        return sum(
+            sum(len(p.request.prompt) + n for n in p.lengths[: p.request.kept])
+            for p in self._pending.values()
+        )

@@ -18,7 +18,7 @@ import dataclasses
 import heapq
 import itertools
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from rl.admission import AdmissionPolicy, make_policy
 from rl.elastic.migration import MigrationConfig, make_migration_policy
@@ -41,6 +41,9 @@ from rl.sim.stage import StageModel
 from rl.sim.workload import Workload
 from rl.timeline import Timeline
 from rl.types import Group, Request, SamplingParams
+
+if TYPE_CHECKING:
+    from rl.sim.borrow import SimBorrower
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -86,6 +89,7 @@ class _Op:
     work: float  # seconds at full speed
     args: dict[str, Any]
     on_end: Callable[[float], None] | None = None
+    scalable: float = 0.0  # of `work`: the per-token part (a borrowed mesh shortens it)
 
 
 @dataclasses.dataclass
@@ -102,6 +106,10 @@ class SimResult:
     end_s: float  # virtual time when the last round's publish ended
 
 
+def _tokens(group: Group) -> int:
+    return sum(len(c.prompt) + len(c.tokens) for c in group.completions)
+
+
 class Simulator:
     """Runs rounds of a SimConfig against a StageModel and a Workload; see the module docstring.
 
@@ -113,6 +121,7 @@ class Simulator:
       make_batches: builds a batch former (name, U, groups) (default rl.formation's registry).
       planner: the round planner (default rl.rounds.RoundPlanner over the workload's prompts).
       timeline: where spans go (a fresh Timeline by default).
+      borrow: carries out a device-borrowing policy (rl/sim/borrow.py); None: a static split.
     """
 
     def __init__(
@@ -125,6 +134,7 @@ class Simulator:
         make_batches: Callable[[str, int, int | None], BatchFormer] | None = None,
         planner: RoundPlanner | None = None,
         timeline: Timeline | None = None,
+        borrow: SimBorrower | None = None,
     ):
         self.cfg, self.model, self.workload = cfg, model, workload
         self.make_batches = make_batches
@@ -168,6 +178,15 @@ class Simulator:
         self._steps = 0
         self._stop_after = 0
         self._end = 0.0
+        # Borrowing (rl/sim/borrow.py): the learner's per-token speed-up, its work held while its
+        # devices are lent, the round's emitted tokens not yet costed, the updates Begin announced.
+        self.learner_scale, self.learner_blocked, self.updates_planned = 1.0, False, 0
+        self._scalable = 0.0
+        self._emitted_tokens: dict[int, int] = {}
+        self._costed_tokens: dict[int, int] = {}
+        self.borrow = borrow
+        if borrow is not None:
+            borrow.attach(self)
 
     def _requests(self, plan: RoundPlan) -> list[Request]:
         return plan.requests(
@@ -209,9 +228,14 @@ class Simulator:
             done, start = self._done[r], self._starts[r]
             m: dict[str, float | str] = dict(
                 round_metrics(
-                    self.timeline, round=r, rollout_start=start, num_slots=self.sampler.num_slots
+                    self.timeline,
+                    round=r,
+                    rollout_start=start,
+                    num_slots=self.sampler.slots * self.sampler.peak_replicas,
                 )
             )
+            if self.borrow is not None:
+                m.update(self.borrow.round_metrics(r))
             lags = self._lags.get(r, [])
             m.update(migration_metrics(self.timeline, round=r, rollout_start=start))
             m.update(
@@ -248,12 +272,14 @@ class Simulator:
                 self._starts.setdefault(a.round, now)
                 self.sampler.submit(a.requests, now, cut=a.cut)
             elif isinstance(a, Begin):
-                pass  # the learner's behaviour snapshot costs nothing here
+                self.updates_planned = a.updates  # the behaviour snapshot costs nothing here
             elif isinstance(a, Add):
                 self._add(list(a.groups), now, a.round)
             elif isinstance(a, Update):
                 self._update(a, now)
             elif isinstance(a, Publish):
+                if self.borrow is not None:
+                    self.borrow.before_publish(now)
                 self._queue_op(
                     _Op(
                         "publish",
@@ -271,6 +297,8 @@ class Simulator:
 
     def _on_group(self, group: Group, now: float) -> None:
         """A complete group (the sampler applied the round's cut)."""
+        r = group.request.round
+        self._emitted_tokens[r] = self._emitted_tokens.get(r, 0) + _tokens(group)
         self._do(self.schedule.on_group(group), now)
 
     def _published(self, now: float) -> None:
@@ -292,15 +320,28 @@ class Simulator:
         if not self._pending_seqs:
             return 0.0
         seqs, self._pending_seqs = self._pending_seqs, []
-        return self.model.micro_step_s(self.model.batch_tokens(seqs))
+        scalable = self.model.learner_per_token * self.model.batch_tokens(seqs) * self.learner_scale
+        self._scalable += scalable
+        return self.model.learner_fixed + scalable
+
+    def _take_scalable(self) -> float:
+        out, self._scalable = self._scalable, 0.0
+        return out
+
+    def round_tokens_unadded(self, r: int) -> int:
+        """Tokens of round r's emitted groups not yet in a learner operation."""
+        return self._emitted_tokens.get(r, 0) - self._costed_tokens.get(r, 0)
 
     def _add(self, groups: list[Group], now: float, round: int) -> None:
         work = 0.0
+        self._costed_tokens[round] = self._costed_tokens.get(round, 0) + sum(map(_tokens, groups))
         for g in groups:
             self._pending_seqs += [(len(g.request.prompt), len(c.tokens)) for c in g.completions]
             if len(self._pending_seqs) >= max(self.model.micro_batch_rows, 1):
                 work += self._flush_s()
-        self._queue_op(_Op("micro_step", work, self._args(groups, round)), now)
+        self._queue_op(
+            _Op("micro_step", work, self._args(groups, round), scalable=self._take_scalable()), now
+        )
 
     def _update(self, up: Update, now: float) -> None:
         def done(t: float) -> None:
@@ -310,7 +351,8 @@ class Simulator:
             self._do(self.schedule.on_update_done(), t)
 
         work = self._flush_s() + self.model.update_s
-        self._queue_op(_Op("update", work, self._args(up.batch, up.round), done), now)
+        op = _Op("update", work, self._args(up.batch, up.round), done, self._take_scalable())
+        self._queue_op(op, now)
 
     @staticmethod
     def _args(groups: Any, round: int) -> dict[str, Any]:
@@ -318,10 +360,14 @@ class Simulator:
 
     def _queue_op(self, op: _Op, now: float) -> None:
         self._ops.append(op)
-        if self._op is None:
+        if self._op is None and not self.learner_blocked:
             self._next_op(now)
 
     def _next_op(self, now: float) -> None:
+        if self.borrow is not None:
+            self.borrow.check(now)  # may put a switch first, or lend the learner's devices
+            if self.learner_blocked:
+                return
         was_idle = self._op is None
         self._op = self._ops.pop(0)
         self._op_start = self._op_last = now
@@ -336,6 +382,8 @@ class Simulator:
         self._at(self._op_last + op.work / self._rate, lambda t: self._op_end(epoch, t))
 
     def _on_sampler_busy(self, busy: bool, now: float) -> None:
+        if self.borrow is not None:
+            self.borrow.check(now)
         rate = 1.0 / (1.0 + self.model.contention) if busy else 1.0
         if rate == self._rate:
             return
@@ -362,7 +410,10 @@ class Simulator:
             op.on_end(now)  # may queue ops (and start one)
         if self._op is not None:
             return
-        if self._ops:
+        if self._ops and not self.learner_blocked:
             self._next_op(now)
-        elif self.model.contention:
-            self.sampler.set_factor(1.0, now)
+        else:
+            if self.model.contention:
+                self.sampler.set_factor(1.0, now)
+            if self.borrow is not None:
+                self.borrow.check(now)

@@ -76,6 +76,7 @@ def test_tie_embeddings_overrides_the_preset():
 def _typed_sections():
     from learner.config import LearnerConfig, OptimizerConfig
     from rl.driver import DriverConfig
+    from rl.elastic.borrowing import BorrowConfig
     from rl.loss_config import BUILTIN_OPTIONS, LossConfig
     from rl.rounds import TailConfig
     from rl.types import SamplingParams
@@ -87,6 +88,8 @@ def _typed_sections():
         ("sampling", SamplingParams, {"stop_token_ids"}),  # the tokenizer's eos
         ("engine", EngineConfig, {"seed"}),  # config.seed
         ("mesh", MeshConfig, set()),
+        # migration's fields: rl.elastic.migration.MigrationConfig (rl.runtime.compose)
+        ("elastic", BorrowConfig, {"migration", "max_running_fraction", "min_tokens_left"}),
         # temperature: config.sampling.temperature; loss: the losses' own configs (checked by
         # the loss registry); distributed: learner/distributed.py (0 / -1 there mean "from $JAX_*")
         ("learner", LearnerConfig, {"optimizer", "loss", "temperature", "distributed"}),

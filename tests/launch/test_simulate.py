@@ -93,3 +93,24 @@ def test_validate_against_a_run_of_the_simulator_itself_has_no_error():
     assert out["sync"]["error_rollout_to_train_end_s"] == pytest.approx(0.0, abs=1e-12)
     assert out["cgp+frontier+fifo"]["error_first_dispatch_s"] == pytest.approx(0.0, abs=1e-12)
     assert out["cgp+frontier+fifo/no_contention"]["error_rollout_to_train_end_s"] < 0
+
+
+def test_simulate_borrowing_alone_writes_the_comparison(tmp_path):
+    out = tmp_path / "sim.json"
+    cmd = [sys.executable, "-m", "launch.simulate", f"--json={out}", "--setups=8", "--rounds=2"]
+    cmd += [
+        "--max_new_tokens=512",
+        "--median_tokens=100",
+        "--borrowing=off,both",
+        "--balance_wait=0",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert "setups" not in result  # --borrowing alone skips the mode comparison
+    rows = result["borrowing"]["R8"]
+    assert set(rows) == {"sync", "cgp+frontier+fifo"}
+    for by in rows.values():
+        assert list(by) == ["off", "both"] and by["off"]["throughput_vs_static"] == 1.0
+        assert by["both"]["groups_per_s"] > 0 and by["off"]["moves_learner"] == 0
+    assert "BiDiRL reports up to 1.94x" in proc.stdout

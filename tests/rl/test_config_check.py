@@ -242,3 +242,31 @@ def test_replica_and_migration_fields_are_checked():
     config.driver.tail.enabled = False
     config.elastic.migration = "tail"
     check_config(config)  # two replicas of one device each (colocated smoke) migrate: fine
+
+
+def test_elastic_borrowing_and_the_open_split_are_checked():
+    config = smoke.get_config()  # colocated, no stage model
+    config.elastic.borrowing = "learner"
+    config.driver.mode = "async"
+    config.mesh.split = "plan"
+    config.runtime = "ray"
+    with pytest.raises(ConfigError) as e:
+        check_config(config)
+    text = "\n".join(e.value.problems)
+    for expected in (
+        "config.elastic.borrowing='learner' with config.runtime='ray'",
+        "config.mesh.split='plan' with config.runtime='ray'",
+        "config.elastic.borrowing='learner' with no config.elastic.stage_model",
+        "config.elastic.borrowing='learner' with config.mesh.colocated=True",
+        "config.elastic.borrowing='learner' with config.driver.mode='async'",
+        "config.mesh.split='plan' with no config.elastic.stage_model",
+    ):
+        assert expected in text, text
+    config = smoke.get_config()
+    config.elastic.borrowing = "sometimes"
+    config.mesh.split = "open"
+    with pytest.raises(ConfigError) as e:
+        check_config(config)
+    text = "\n".join(e.value.problems)
+    assert "config.elastic.borrowing='sometimes'; expected one of ('off'" in text
+    assert "mesh.split='open'; expected one of ('fixed', 'plan')" in text

@@ -1,0 +1,254 @@
+"""The runtime side of borrowing: the learner borrows the drained sampler's devices.
+
+The driver (rl/driver.py) calls `before_learner_work` before each Add or Update of a round mode and
+`before_publish` before each Publish. Once per round, when the sampler has drained (every request
+of the round emitted, aborted or cut) and updates remain, the BorrowPolicy decides; on a move the
+learner reshards onto its mesh extended over the sampler's devices (learner.Learner.borrow) and
+gives them back before the weights are published. The switch (there and back) is timed, fed to the
+policy's running estimate, drawn on the learner lane ("borrow", "give_back") and reported with the
+decision in the round's metrics (borrow_learner, _gain_s, _switch_cost_s, _measured_s).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from rl.elastic.borrowing import BorrowPolicy, PoolState
+from rl.timeline import Timeline
+from rl.types import Group, Request
+
+if TYPE_CHECKING:
+    from learner.learner import Learner
+
+
+class LearnerBorrower:
+    """Moves the learner onto borrowed sampler devices when the policy says so.
+
+    Args:
+      policy: the borrowing policy (its config allows the "learner" direction).
+      learner: the Learner (owns the TrainState).
+      devices: the sampler's devices, lent while the rollout is drained.
+      sampler_replicas, replica_devices, slots: the sampler's shape (for the policy's state).
+      micro_batch_rows: the learner's rows per micro-batch.
+
+    The driver binds its clock and timeline (`bind`).
+    """
+
+    def __init__(
+        self,
+        policy: BorrowPolicy,
+        learner: Learner,
+        devices: Sequence[Any],
+        *,
+        sampler_replicas: int,
+        replica_devices: int,
+        slots: int,
+        micro_batch_rows: int,
+    ):
+        if not policy.cfg.allows("learner"):
+            raise ValueError(
+                f"LearnerBorrower needs elastic.borrowing 'learner' or 'both'; received "
+                f"{policy.cfg.borrowing!r}."
+            )
+        self.policy, self.learner, self.devices = policy, learner, list(devices)
+        self.shape = dict(
+            sampler_replicas=sampler_replicas, replica_devices=replica_devices, slots=slots
+        )
+        self.rows = micro_batch_rows
+        self.clock: Callable[[], float] = time.monotonic
+        self.timeline = Timeline()
+        self._decided: set[int] = set()
+        self._borrow_s = 0.0
+        self._metrics: dict[int, dict[str, float]] = {}
+
+    def bind(self, *, clock: Callable[[], float], timeline: Timeline) -> None:
+        """Times switches with the driver's clock and draws them on its timeline."""
+        self.clock, self.timeline = clock, timeline
+
+    def prepare(self) -> None:
+        """Compiles the extended mesh's steps now, so that no switch pays for compiling."""
+        self.learner.prepare_borrow(self.devices)
+
+    def before_learner_work(
+        self,
+        round: int,
+        *,
+        drained: bool,
+        updates_left: int,
+        groups_per_update: int,
+        group_size: int,
+        tokens_per_group: float,
+    ) -> None:
+        """Decides once per round, when the sampler has drained; borrows on a move."""
+        if round in self._decided or not drained or not updates_left or self.learner.borrowing:
+            return
+        self._decided.add(round)
+        groups = updates_left * groups_per_update
+        state = PoolState(
+            learner_devices=len(self.learner.mesh.devices.flat),
+            **self.shape,
+            updates_left=updates_left,
+            micro_batches_left=math.ceil(groups * group_size / self.rows),
+            learner_tokens_left=groups * tokens_per_group,
+        )
+        d = self.policy.decide(state)
+        self._metrics[round] = d.metrics() | {"borrow_learner_measured_s": math.nan}
+        if d.move:
+            t0 = self.clock()
+            self.learner.borrow(self.devices)
+            t1 = self.clock()
+            self._borrow_s = t1 - t0
+            self.timeline.span("learner", "borrow", t0, t1, round=round, devices=len(self.devices))
+
+    def before_publish(self, round: int) -> None:
+        """Gives the borrowed devices back (weights are published from the learner's own mesh)."""
+        if not self.learner.borrowing:
+            return
+        t0 = self.clock()
+        self.learner.give_back()
+        t1 = self.clock()
+        self.timeline.span("learner", "give_back", t0, t1, round=round)
+        measured = self._borrow_s + (t1 - t0)
+        self.policy.record_switch("learner", measured)
+        self._metrics.setdefault(round, {})["borrow_learner_measured_s"] = measured
+
+    def pop_metrics(self, round: int) -> dict[str, float]:
+        """The round's decision metrics (empty if no decision was taken in it)."""
+        self._decided.discard(round)
+        return self._metrics.pop(round, {})
+
+
+class SamplerLender:
+    """Lends the learner's devices to the sampler as an extra engine replica while it waits.
+
+    At a round's submission (round modes), while the learner waits for its first groups, the
+    policy decides from an estimate of the round's work (`sequences` x the mean response length of
+    the rounds so far; the longest response so far as the tail). On a move the extra Engines (one
+    per `replica_devices` of the learner's devices, as the policy counts them; built once by
+    `make_engines`) join the ReplicaSampler with the published weights (`add_replica`) before the
+    round's requests are routed; the driver holds the learner's work until the sampler has drained,
+    then they leave (`remove_replica`, idle: nothing is re-sampled) and the learner resumes. The switch (add + remove) is timed into the policy's
+    estimate, drawn on the "elastic" lane ("lend") and reported in the round's metrics
+    (borrow_sampler, _gain_s, _switch_cost_s, _measured_s).
+
+    Args:
+      policy: the borrowing policy (its config allows the "sampler" direction).
+      make_engines: builds the Engines on the learner's devices (called at the first move).
+      learner_devices, replica_devices, sampler_replicas, slots, micro_batch_rows: the split.
+    """
+
+    def __init__(
+        self,
+        policy: BorrowPolicy,
+        make_engines: Callable[[], list[Any]],
+        *,
+        learner_devices: int,
+        replica_devices: int,
+        sampler_replicas: int,
+        slots: int,
+        micro_batch_rows: int,
+    ):
+        if not policy.cfg.allows("sampler"):
+            raise ValueError(
+                f"SamplerLender needs elastic.borrowing 'sampler' or 'both'; received "
+                f"{policy.cfg.borrowing!r}."
+            )
+        self.policy, self.make_engines = policy, make_engines
+        self.shape = dict(
+            learner_devices=learner_devices,
+            sampler_replicas=sampler_replicas,
+            replica_devices=replica_devices,
+            slots=slots,
+        )
+        self.rows = micro_batch_rows
+        self.clock: Callable[[], float] = time.monotonic
+        self.timeline = Timeline()
+        self._engines: list[Any] = []
+        self._lengths = (0.0, 0.0, 0.0, 0)  # responses trained: mean, max, mean prompt, count
+        self._lent: tuple[int, list[int], float, float] | None = None  # round, replicas, since, s
+        self._metrics: dict[int, dict[str, float]] = {}
+
+    def bind(self, *, clock: Callable[[], float], timeline: Timeline) -> None:
+        self.clock, self.timeline = clock, timeline
+
+    @property
+    def lent(self) -> bool:
+        return self._lent is not None
+
+    def maybe_lend(
+        self,
+        sampler: Any,
+        round: int,
+        requests: Sequence[Request],
+        *,
+        max_new_tokens: int,
+        updates: int,
+        overlap: bool,
+    ) -> None:
+        """Decides for the round about to be submitted; on a move adds the extra replicas.
+
+        The lengths are those of the groups trained so far (`observe`); before any, half of
+        `max_new_tokens` per response and the whole cap as the tail.
+        """
+        sequences = sum(r.group_size for r in requests)
+        if self._lent is not None or not sequences:
+            return
+        mean, longest, prompt, n = self._lengths
+        response_tokens = mean if n else max_new_tokens / 2
+        longest = longest if n else max_new_tokens
+        prompt_tokens = prompt if n else sum(len(r.prompt) for r in requests) / len(requests)
+        state = PoolState(
+            **self.shape,
+            sequences=sequences,
+            tokens_left=sequences * response_tokens,
+            longest_left=longest,
+            context=prompt_tokens + response_tokens / 2,
+            updates_left=updates,
+            micro_batches_left=math.ceil(sequences / self.rows),
+            learner_tokens_left=sequences * (prompt_tokens + response_tokens),
+            learner_waiting=True,
+            overlap=overlap,
+        )
+        d = self.policy.decide(state)
+        self._metrics[round] = d.metrics() | {"borrow_sampler_measured_s": math.nan}
+        if d.direction != "sampler" or not d.move:
+            return
+        t0 = self.clock()
+        if not self._engines:
+            self._engines = self.make_engines()
+        added = [sampler.add_replica(e) for e in self._engines]
+        self._lent = (round, added, t0, self.clock() - t0)
+
+    def give_back(self, sampler: Any) -> None:
+        """Removes the extra replica (the sampler has drained); the learner's devices return."""
+        assert self._lent is not None
+        round, added, since, add_s = self._lent
+        self._lent = None
+        t0 = self.clock()
+        for i in added:
+            sampler.remove_replica(i)
+        t1 = self.clock()
+        self.timeline.span("elastic", "lend", since, t1, round=round, replicas=len(added))
+        measured = add_s + (t1 - t0)
+        self.policy.record_switch("sampler", measured)
+        self._metrics.setdefault(round, {})["borrow_sampler_measured_s"] = measured
+
+    def observe(self, groups: Sequence[Group]) -> None:
+        """Trained groups: their lengths update the estimate of the next rounds' work."""
+        rows = [(len(c.prompt), len(c.tokens)) for g in groups for c in g.completions]
+        if not rows:
+            return
+        mean, longest, prompt, n = self._lengths
+        k = n + len(rows)
+        self._lengths = (
+            (mean * n + sum(r for _, r in rows)) / k,
+            max(longest, max(r for _, r in rows)),
+            (prompt * n + sum(p for p, _ in rows)) / k,
+            k,
+        )
+
+    def pop_metrics(self, round: int) -> dict[str, float]:
+        return self._metrics.pop(round, {})

@@ -1,0 +1,197 @@
+"""Borrowing in the simulator: rl.elastic.borrowing's policy, its moves carried out on the clock.
+
+The Simulator calls `check(now)` whenever the learner is between operations or the sampler turns
+busy or idle, and `before_publish(now)` before a Publish; in round modes (sync, cgp), once per
+round and direction, the policy decides from the simulator's state (PoolState: the sequences left
+and their tokens from the workload's known lengths, so the sampler side is an oracle estimate where
+the runtime has to guess; the learner's queued work and the round's groups not yet trained).
+
+  learner borrows   the rollout has drained and updates remain: a "borrow" span of the switch cost
+                    on the learner lane, then the per-token learner work left in the round (queued
+                    and future) runs L / (L + S) as long; back to 1 at the round's Publish.
+  sampler borrows   the learner is idle and sequences remain: `extra` replicas (learner devices /
+                    tp) join the sampler after half the switch cost and the learner's work waits;
+                    when the sampler drains they leave and the learner resumes after the other half
+                    ("lend" span on the "elastic" lane).
+
+The switch cost is the policy's estimate (the configured prior; the simulator records each switch
+at that cost, so it stays the prior).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from rl.elastic.borrowing import BorrowPolicy, Decision, PoolState
+
+if TYPE_CHECKING:
+    from rl.sim.simulator import Simulator
+
+
+class SimBorrower:
+    """Carries out a BorrowPolicy's moves in a Simulator; see the module docstring.
+
+    Args:
+      policy: the borrowing policy (its model's learner terms are for `learner_devices`).
+      learner_devices: devices of the learner (L).
+      replica_devices: devices per sampler replica (tp); the sampler has cfg.replicas of them.
+    """
+
+    def __init__(self, policy: BorrowPolicy, *, learner_devices: int, replica_devices: int = 1):
+        if learner_devices < 1 or replica_devices < 1:
+            raise ValueError(
+                f"learner_devices and replica_devices must be >= 1; received {learner_devices}, "
+                f"{replica_devices}."
+            )
+        self.policy, self.learner_devices, self.tp = policy, learner_devices, replica_devices
+        self.sim: Simulator | None = None
+        self.metrics: dict[int, dict[str, float]] = {}  # round -> decision metrics
+        self.moves = {"learner": 0, "sampler": 0}
+        self._decided: set[tuple[int, str]] = set()
+        self._learner_round: int | None = None  # the round whose learner runs on borrowed devices
+        self._lent: tuple[int, int, float] | None = None  # (round, extra replicas, since)
+
+    def attach(self, sim: Simulator) -> None:
+        if sim.cfg.routing != "shared" and self.policy.cfg.allows("sampler"):
+            raise ValueError("Sampler borrowing in the simulator needs routing 'shared'.")
+        self.sim = sim
+
+    # ------------------------------------------------------------------------------- state
+
+    def _round(self) -> int | None:
+        sim = self.sim
+        assert sim is not None
+        open_rounds = sorted(set(sim._starts) - set(sim._done))
+        return open_rounds[0] if open_rounds else None
+
+    def _state(self, r: int, waiting: bool) -> PoolState:
+        sim = self.sim
+        assert sim is not None
+        m, cfg = sim.model, sim.cfg
+        seqs, tokens, longest, context = sim.sampler.remaining()
+        queued = sum(op.scalable for op in sim._ops)
+        per_token = m.learner_per_token * sim.learner_scale
+        learner_tokens = (queued / per_token if per_token else 0.0) + sim.round_tokens_unadded(r)
+        learner_tokens += sim.sampler.remaining_learner_tokens()
+        updates_left = max(sim.updates_planned - len(sim._lags.get(r, [])), 0)
+        rows = updates_left * cfg.groups_per_update * cfg.group_size
+        return PoolState(
+            learner_devices=self.learner_devices,
+            sampler_replicas=cfg.replicas,
+            replica_devices=self.tp,
+            slots=cfg.slots,
+            sequences=seqs,
+            tokens_left=tokens,
+            longest_left=longest,
+            context=context,
+            updates_left=updates_left,
+            micro_batches_left=math.ceil(rows / max(m.micro_batch_rows, 1)),
+            learner_tokens_left=learner_tokens,
+            learner_waiting=waiting,
+            overlap=cfg.mode != "sync",
+        )
+
+    def _record(self, r: int, d: Decision) -> None:
+        self.metrics.setdefault(r, {}).update(d.metrics())
+
+    # --------------------------------------------------------------------------- decisions
+
+    def check(self, now: float) -> None:
+        """Decides (once per round and direction) and moves; see the module docstring."""
+        sim = self.sim
+        assert sim is not None
+        if sim.cfg.mode == "async" or sim._op is not None:
+            return
+        r = self._round()
+        if r is None:
+            return
+        if self._lent is not None:
+            if not sim.sampler.outstanding and not sim.sampler.busy:
+                self._return_sampler(now)
+            return
+        if self._learner_round is not None:
+            return
+        drained = not sim.sampler.outstanding
+        if drained and (r, "learner") not in self._decided and self.policy.cfg.allows("learner"):
+            if not sim._ops:
+                return  # nothing queued yet: decide when the learner has work
+            self._decided.add((r, "learner"))
+            d = self.policy.decide(self._state(r, waiting=False))
+            self._record(r, d)
+            if d.move:
+                self._borrow_learner(r, d, now)
+        elif (
+            not drained
+            and not sim._ops
+            and (r, "sampler") not in self._decided
+            and self.policy.cfg.allows("sampler")
+        ):
+            self._decided.add((r, "sampler"))
+            d = self.policy.decide(self._state(r, waiting=True))
+            if d.direction == "sampler":
+                self._record(r, d)
+                if d.move:
+                    self._lend_to_sampler(r, d, now)
+
+    def _borrow_learner(self, r: int, d: Decision, now: float) -> None:
+        from rl.sim.simulator import _Op
+
+        sim = self.sim
+        assert sim is not None
+        f = self.learner_devices / (self.learner_devices + d.devices)
+        for op in sim._ops:
+            op.work -= op.scalable * (1 - f)
+            op.scalable *= f
+        sim.learner_scale = f
+        sim._ops.insert(0, _Op("borrow", d.switch_cost_s, dict(round=r), scalable=0.0))
+        self._learner_round = r
+        self.moves["learner"] += 1
+
+    def _lend_to_sampler(self, r: int, d: Decision, now: float) -> None:
+        sim = self.sim
+        assert sim is not None
+        extra = d.devices // self.tp
+        sim.learner_blocked = True
+        self._lent = (r, extra, now)
+        self.moves["sampler"] += 1
+
+        def join(t: float) -> None:
+            if sim.sampler.outstanding:
+                sim.sampler.add_replicas(extra, t)
+            else:  # the rollout ended during the switch
+                self._lent = (r, 0, self._lent[2] if self._lent else t)
+                self._return_sampler(t)
+
+        sim._at(now + d.switch_cost_s / 2, join)
+
+    def _return_sampler(self, now: float) -> None:
+        sim = self.sim
+        assert sim is not None and self._lent is not None
+        r, extra, since = self._lent
+        self._lent = None
+        if extra:
+            sim.sampler.remove_replicas(extra)
+        cost = self.policy.switch["sampler"].estimate
+        self.policy.record_switch("sampler", cost)
+        back = now + cost / 2
+        sim.timeline.span("elastic", "lend", since, back, round=r, replicas=extra)
+
+        def resume(t: float) -> None:
+            sim.learner_blocked = False
+            if sim._op is None and sim._ops:
+                sim._next_op(t)
+
+        sim._at(back, resume)
+
+    def before_publish(self, now: float) -> None:
+        """The learner's borrowed devices return before the weights are published."""
+        sim = self.sim
+        assert sim is not None
+        if self._learner_round is not None:
+            self._learner_round = None
+            sim.learner_scale = 1.0
+            self.policy.record_switch("learner", self.policy.switch["learner"].estimate)
+
+    def round_metrics(self, r: int) -> dict[str, Any]:
+        return dict(self.metrics.get(r, {}))
