@@ -63,6 +63,8 @@ from sampler.sampling import sample_tokens
 # Prompts per prefill matmul (padded with empty prompts): one fixed row count, so a prompt's
 # keys/values do not depend on how many prompts were admitted with it.
 _PREFILL_CHUNK = 8
+# Migration exports a slot's KV rows up to a power-of-two count of this many positions.
+EXPORT_BLOCK = 32
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -794,10 +796,13 @@ class Engine:
     # --------------------------------------------------------------------------------- migration
 
     def _export_impl(self, state: DecodeState, slots_N: jax.Array, length: int) -> SlotState:
-        rows = lambda c: c[slots_N, :, :length]
+        def rows(kind: str) -> Any:
+            axis = self._cache_axes(kind).index("cache_length")
+            return lambda c: jax.lax.slice_in_dim(c[slots_N], 0, length, axis=axis)
+
         return SlotState(
-            k=tuple(map(rows, state.cache.k)),
-            v=tuple(map(rows, state.cache.v)),
+            k=tuple(map(rows("k"), state.cache.k)),
+            v=tuple(map(rows("v"), state.cache.v)),
             **{name: getattr(state, name)[slots_N] for name in _PER_SLOT},
         )
 
@@ -825,23 +830,31 @@ class Engine:
         pos, active = jax.device_get((state.positions, state.active))
         if not all(active[slots]):
             raise ValueError(f"export_slots: slots {slots} must all be running; some are not.")
-        block = self.config.attention_block
-        need = int(np.max(pos[slots])) + 1  # positions 0..pos are written
-        length = min(block << (-(-need // block) - 1).bit_length(), self.cache_length)
+        # positions 0..pos are written; the length is bucketed (a power-of-two count of
+        # EXPORT_BLOCK positions) so that few export shapes compile
+        need = int(np.max(pos[slots])) + 1
+        blocks = 1 << (-(-need // EXPORT_BLOCK) - 1).bit_length()
+        length = min(EXPORT_BLOCK * blocks, self.cache_length)
         n = 1 << (len(slots) - 1).bit_length()
         padded = np.asarray(slots + [slots[0]] * (n - len(slots)), np.int32)
         out = self._call(self._export, state, jnp.asarray(padded), length)
         return dataclasses.replace(out, count=len(slots))
 
     def _import_impl(self, state: DecodeState, moved: SlotState, slots_N: jax.Array) -> DecodeState:
-        length = moved.k[0].shape[2]
+        def put(kind: str) -> Any:
+            axis = self._cache_axes(kind).index("cache_length")
 
-        def put(cache: jax.Array, rows: jax.Array) -> jax.Array:
-            return cache.at[slots_N, :, :length].set(rows.astype(cache.dtype), mode="drop")
+            def one(cache: jax.Array, rows: jax.Array) -> jax.Array:
+                index = [slots_N] + [slice(None)] * (cache.ndim - 1)
+                index[axis] = slice(0, rows.shape[axis])
+                return cache.at[tuple(index)].set(rows.astype(cache.dtype), mode="drop")
+
+            return one
 
         return DecodeState(
             cache=HeadMajorKVCache(
-                k=tuple(map(put, state.cache.k, moved.k)), v=tuple(map(put, state.cache.v, moved.v))
+                k=tuple(map(put("k"), state.cache.k, moved.k)),
+                v=tuple(map(put("v"), state.cache.v, moved.v)),
             ),
             **{
                 name: getattr(state, name).at[slots_N].set(getattr(moved, name), mode="drop")
@@ -864,9 +877,10 @@ class Engine:
             raise ValueError(
                 f"import_slots: slots must be in [0, {self.config.max_slots}); received {slots}."
             )
-        if moved.k[0].shape[2] > self.cache_length or len(moved.k) != len(state.cache.k):
+        length = moved.v[0].shape[self._cache_axes("v").index("cache_length")]
+        if length > self.cache_length or len(moved.k) != len(state.cache.k):
             raise ValueError(
-                f"import_slots: {len(moved.k)} layers of {moved.k[0].shape[2]} positions do not "
+                f"import_slots: {len(moved.k)} layers of {length} positions do not "
                 f"fit this engine's {len(state.cache.k)} layers of {self.cache_length}."
             )
         if jax.device_get(state.active)[slots].any():

@@ -125,7 +125,7 @@ def test_tail_batching_cuts_rounds_across_replicas(ray_cluster, threads_tail_run
     assert sum(runtime.router.routed.values()) == 6 + 6 + 4
     if replicas == 2:
         assert min(runtime.router.routed.values()) > 0
-    assert runtime.router._outstanding == {}  # the cut prompts were aborted, not re-sampled
+    assert runtime.router._routing.outstanding == {}  # the cut prompts were aborted, not re-sampled
 
 
 def kill_replica_after_submit(round, replica):
