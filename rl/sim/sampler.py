@@ -186,7 +186,8 @@ class SimSampler(SimMigration):
     # ------------------------------------------------------------------------------ control
 
     def submit(self, requests: Iterable[Request], now: float, cut: RoundCut | None = None) -> None:
-        """Queues requests for admission; idle replicas start at once.
+        """Queues requests for admission; idle replicas start at once, busy ones with free slots
+        admit at the end of their call in flight (not at their next finishing sequence).
 
         With `cut` (one round's requests), only the complete groups the cut accepts are emitted;
         once it is full the round's other requests are aborted.
@@ -213,6 +214,9 @@ class SimSampler(SimMigration):
         for r, h in zip(requests, homes, strict=True):
             self._pending[r.key] = _Pending(r, h, self.workload.lengths(r))
         self._admit_idle(now)
+        for rep in self.replicas:  # busy ones with free slots admit at their next call boundary
+            if rep.busy and len(rep.admission) and rep.free_slots():
+                self._cut(rep, now)
 
     def abort(self, keys: Iterable[tuple[int, int]], now: float) -> list[Request]:
         """Aborts waiting or running requests; their slots free at the call in flight's end."""

@@ -3,6 +3,7 @@ tail batching's invariants, the runtime's timeline format."""
 
 import collections
 import dataclasses
+import heapq
 
 import pytest
 
@@ -10,10 +11,12 @@ from rl.admission import Frontier
 from rl.formation import make_former
 from rl.rounds import TailConfig
 from rl.sim.compare import ShuffledFCFS, make_admission, run_modes, sim_config, summarize
+from rl.sim.sampler import SimSampler
 from rl.sim.simulator import SimConfig, Simulator
 from rl.sim.stage import StageModel
 from rl.sim.workload import Workload, WorkloadConfig
-from rl.timeline import SLOT_PREFIX
+from rl.timeline import SLOT_PREFIX, Timeline
+from rl.types import Request, SamplingParams
 
 MODEL = StageModel(
     decode_a=0.01,
@@ -259,3 +262,37 @@ def test_frontier_beats_arrival_order_under_async(seed):
     assert f0["first_dispatch_s"] < s0["first_dispatch_s"]
     for r in frontier.rounds + shuffled.rounds:
         assert r["lag_max"] <= 2
+
+
+@pytest.mark.parametrize("routing", ["round_robin", "shared"])
+def test_a_busy_replica_admits_a_submission_at_its_next_call_boundary(routing):
+    # A request submitted while its replica decodes a long sequence and has free slots starts
+    # at the end of the call in flight, as in sampler/loop.py, not when that sequence finishes.
+    events, emitted = [], {}
+
+    def schedule(t, fn):
+        heapq.heappush(events, (t, len(events), fn))
+
+    timeline = Timeline()
+    sampler = SimSampler(
+        MODEL,
+        Workload(WorkloadConfig(max_new_tokens=2048, fixed_lengths=(1000, 10))),
+        [make_admission("frontier")],
+        replicas=1,
+        slots=8,
+        routing=routing,
+        schedule=schedule,
+        emit=lambda g, t: emitted.setdefault(g.request.uid, t),
+        on_busy=lambda busy, t: None,
+        timeline=timeline,
+    )
+    params = SamplingParams(max_new_tokens=2048)
+    req = [Request(uid=u, index=u, prompt=(0,), group_size=2, params=params) for u in (0, 1)]
+    sampler.submit([req[0]], 0.0)
+    schedule(1.0, lambda t: sampler.submit([req[1]], t))
+    while events:
+        t, _, fn = heapq.heappop(events)
+        fn(t)
+    start = {s.args["uid"]: s.start for s in timeline.spans("sampler/prefill")}
+    assert 1.0 <= start[1] <= 1.0 + MODEL.decode_a
+    assert emitted[1] < 1.0 + 2 * MODEL.prefill_fixed + 11 * MODEL.decode_a < emitted[0]
