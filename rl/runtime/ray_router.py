@@ -3,10 +3,10 @@
 `ReplicaRouter` is the Driver's Sampler (rl.runtime.protocols) over N SamplerReplica actors: it
 routes each request (one group) round-robin or to the least-loaded replica, keeps every request
 until its group is delivered (so a dead replica's unfinished ones are re-sampled elsewhere, and a
-second copy is dropped), applies tail batching's round cuts (rl.runtime.routing.RoutedCuts)
-where every replica's groups meet, and merges the replicas' timeline events into the driver's
-timeline (slot lanes numbered across replicas, args["replica"]) for per-replica metrics.
-`QueueClient` is the Driver's Queue over the queue actor.
+second copy is dropped), applies tail batching's round cuts (rl.rounds.RoundCuts) where every
+replica's groups meet, and merges the replicas' timeline events into the driver's timeline (slot
+lanes numbered across replicas, args["replica"]) for per-replica metrics. `QueueClient` is the
+Driver's Queue over the queue actor.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from rl.rounds import RoundCut
-from rl.runtime.routing import RoutedCuts, Routing
+from rl.rounds import RoundCut, RoundCuts
+from rl.runtime.routing import Routing
 from rl.timeline import Timeline, replica_lane
 from rl.types import Group, Request
 
@@ -72,7 +72,7 @@ class ReplicaRouter:
     driver takes them off the queue (with one replica, its completion order: the threaded
     runtime's cut, bit for bit). Once the cut is full, the round's other requests are aborted on
     every live replica and forgotten (never re-sampled); a copy emitted before the abort reached
-    its replica is dropped on arrival (counted in stats.groups_cut).
+    its replica is dropped on arrival (`groups_cut`).
 
     Args:
       replicas: SamplerReplica handles, by index.
@@ -89,7 +89,9 @@ class ReplicaRouter:
         self._offset = [sum(self.replica_slots[:i]) for i in range(len(replicas))]
         self._routing = Routing(routing, len(replicas))
         self._error: BaseException | None = None
-        self._cuts = RoutedCuts(self._routing)  # tail batching: which groups of a short round train
+        self._cuts = RoundCuts()  # tail batching: which complete groups of a short round train
+        self._cut_keys: set[tuple[int, int]] = set()  # requests aborted by a full cut
+        self.groups_cut = 0  # complete groups dropped because their round's cut was full
         self._stats: dict[int, Any] = {}  # the last counters of each replica (a dead one's stay)
         self.resampled = 0  # requests re-submitted after their replica died
 
@@ -146,7 +148,9 @@ class ReplicaRouter:
         for i, (stats, spans, instants) in self._each("stats").items():
             self._merge(i, spans, instants)
             self._stats[i] = stats
-        return self._cuts.settle(SamplerStats.total(self._stats.values()))
+        total = SamplerStats.total(self._stats.values())
+        total.groups_cut += self.groups_cut
+        return total
 
     def _merge(self, i: int, spans: list[Any], instants: list[Any]) -> None:
         for s in spans:
@@ -169,6 +173,9 @@ class ReplicaRouter:
         requests = list(requests)
         if cut is not None:
             self._cuts.add(cut, requests)
+            # a copy of an earlier round's aborted request still arriving now is dropped uncounted
+            rnd = requests[0].round
+            self._cut_keys = {k for k in self._cut_keys if k[0] >= rnd - 1}
         by_replica: dict[int, list[Request]] = collections.defaultdict(list)
         for r in requests:
             by_replica[self._routing.route(r)].append(r)
@@ -181,10 +188,24 @@ class ReplicaRouter:
     def accept(self, group: Group) -> bool:
         """Marks a delivered group; False for a second copy or a group its round's full cut
         refuses (see QueueClient). The group that fills a cut aborts the round's others."""
-        keep, abort = self._cuts.deliver(group)
+        key = group.request.key
+        if self._routing.deliver(key) is None:
+            if key in self._cut_keys:
+                self._cut_keys.discard(key)
+                self.groups_cut += 1
+            return False
+        kept, abort, refused = self._cuts.apply([group])
         if abort:
-            self._each("abort", abort)
-        return keep
+            self._abort(abort)
+        self.groups_cut += refused
+        return bool(kept)
+
+    def _abort(self, keys: list[tuple[int, int]]) -> None:
+        """Forgets the requests `keys` still outstanding and aborts them on every live replica."""
+        dropped = [k for k in keys if self._routing.deliver(k) is not None]  # forgotten: never
+        self._cut_keys.update(dropped)  # re-sampled, and a late copy is dropped on arrival
+        if dropped:
+            self._each("abort", dropped)
 
     def request_stop(self) -> None:
         self._each("request_stop")
