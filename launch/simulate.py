@@ -221,6 +221,24 @@ def length_stats(workload: WorkloadConfig, group_size: int, prompts: int = 2000)
     return summarize_lengths(lengths)
 
 
+def setup_fields(
+    groups_per_round: int, replicas: int, slots: int, *, tail: bool = True
+) -> dict[str, Any]:
+    """The SimConfig fields of one setup (R groups per round) from the flags; `tail`: with the
+    tail-batching flags (--eta, --response_eta)."""
+    fields = dict(
+        groups_per_round=groups_per_round,
+        groups_per_update=_PER_UPDATE.value,
+        group_size=_GROUP_SIZE.value,
+        max_new_tokens=max_new_tokens(),
+        replicas=replicas,
+        slots=slots,
+    )
+    if tail:
+        fields["tail"] = TailConfig(eta=_ETA.value, response_eta=_RESPONSE_ETA.value)
+    return fields
+
+
 def comparison(model: StageModel, slots: int, out: dict[str, Any]) -> None:
     workload = workload_config()
     replicas = 1 if _PROFILE.value else _SAMPLER_GPUS.value // _SAMPLER_TP.value
@@ -239,15 +257,7 @@ def comparison(model: StageModel, slots: int, out: dict[str, Any]) -> None:
             continue
         out[label] = {}
         for r in map(int, _SETUPS.value):
-            fields = dict(
-                groups_per_round=r,
-                groups_per_update=_PER_UPDATE.value,
-                group_size=_GROUP_SIZE.value,
-                max_new_tokens=max_new_tokens(),
-                replicas=replicas,
-                slots=slots,
-                tail=TailConfig(eta=_ETA.value, response_eta=_RESPONSE_ETA.value),
-            )
+            fields = setup_fields(r, replicas, slots)
             mdl, scale = model, 1.0
             if balance:
                 mdl, scale = balance_learner(
@@ -310,13 +320,7 @@ def migration_block(model: StageModel, slots: int, out: dict[str, Any]) -> None:
             workload,
             mig,
             rounds=_ROUNDS.value,
-            groups_per_round=r,
-            groups_per_update=_PER_UPDATE.value,
-            group_size=_GROUP_SIZE.value,
-            max_new_tokens=max_new_tokens(),
-            replicas=replicas,
-            slots=slots,
-            tail=TailConfig(eta=_ETA.value, response_eta=_RESPONSE_ETA.value),
+            **setup_fields(r, replicas, slots),
         )
         out["migration"][f"R{r}"] = rows
         print(
@@ -378,14 +382,7 @@ def borrowing(model: StageModel, slots: int, out: dict[str, Any]) -> None:
     for label, balance in blocks:
         out[label] = {}
         for r in map(int, _SETUPS.value):
-            fields = dict(
-                groups_per_round=r,
-                groups_per_update=_PER_UPDATE.value,
-                group_size=_GROUP_SIZE.value,
-                max_new_tokens=max_new_tokens(),
-                replicas=replicas,
-                slots=slots,
-            )
+            fields = setup_fields(r, replicas, slots, tail=False)
             mdl, scale = model, 1.0
             if balance:
                 mdl, scale = balance_learner(
