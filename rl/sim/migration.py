@@ -70,18 +70,7 @@ class SimMigration:
                 made = k * (rep.calls - seq.admit_call)
                 rep.remove(seq)
                 kv_tokens += len(seq.request.prompt) + made
-                r = seq.request
-                self.timeline.span(
-                    f"sampler/slot{rep.index * self.slots + seq.slot}",
-                    f"{r.uid}/{seq.sample}",
-                    seq.start,
-                    now,
-                    round=r.round,
-                    uid=r.uid,
-                    sample=seq.sample,
-                    tokens=made - seq.base,
-                    migrated=True,
-                )
+                self._slot_span(rep, seq, now, made, migrated=True)
                 moved.append((seq, slot, made))
             t = now + self.model.migrate_s(kv_tokens)
             self.timeline.span(

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from rl.admission import AdmissionPolicy
 from rl.elastic.migration import MigrationPolicy
@@ -379,16 +380,7 @@ class SimSampler(SimMigration):
         groups = []
         for seq in finished:
             r = seq.request
-            self.timeline.span(
-                f"sampler/slot{rep.index * self.slots + seq.slot}",
-                f"{r.uid}/{seq.sample}",
-                seq.start,
-                now,
-                round=r.round,
-                uid=r.uid,
-                sample=seq.sample,
-                tokens=seq.length - seq.base,
-            )
+            self._slot_span(rep, seq, now, seq.length)
             self.counters.tokens += seq.length
             p = self._pending.get(r.key)
             if p is None:  # its group completed earlier in this call: dropped, as in the loop
@@ -436,6 +428,21 @@ class SimSampler(SimMigration):
             self._emit(g, now)  # may abort (a full round) or change the contention factor
         if rep.chunk is None:
             self._step(rep, now)
+
+    def _slot_span(self, rep: _Replica, seq: _Seq, now: float, made: int, **args: Any) -> None:
+        """`seq`'s span on its slot lane, from its start to `now`, having made `made` tokens."""
+        r = seq.request
+        self.timeline.span(
+            f"sampler/slot{rep.index * self.slots + seq.slot}",
+            f"{r.uid}/{seq.sample}",
+            seq.start,
+            now,
+            round=r.round,
+            uid=r.uid,
+            sample=seq.sample,
+            tokens=made - seq.base,
+            **args,
+        )
 
     # ------------------------------------------------------------------- elastic (rl/elastic)
 
