@@ -59,7 +59,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.elastic = ml_collections.ConfigDict()
     # learner: the learner trains on sampler devices too once the rollout has drained;
     # sampler: extra engine replicas (mesh.sampler_devices each) on the learner's devices while the
-    # learner waits for a round's groups (threads runtime); both: either, as predicted
+    # learner waits for a round's groups (both runtimes; under Ray the learner worker hosts
+    # them); both: either, as predicted (threads runtime)
     config.elastic.borrowing = "off"  # off | learner | sampler | both
     config.elastic.switch_cost_s = 1.0  # prior cost of one switch (there and back); then measured
     config.elastic.margin = 1.0  # borrow only when predicted gain > margin x switch cost
@@ -68,8 +69,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.elastic.stage_model = ""
     config.elastic.median_tokens = 0.0  # planner workload: median response length; 0: cap / 4
     # Long-tail migration (JigsawRL, rl/elastic/migration.py): at decode-step boundaries the
-    # last running requests move, KV cache included, onto fewer sampler replicas (threads runtime
-    # with mesh.sampler_replicas > 1; tokens unchanged)
+    # last running requests move, KV cache included, onto fewer sampler replicas (mesh.
+    # sampler_replicas > 1; under Ray through the object store, ray.migration_poll_s; tokens
+    # unchanged)
     config.elastic.migration = "off"  # off | tail | always (every step: the exactness test's mode)
     config.elastic.max_running_fraction = 0.25  # tail: migrate once running <= this * all slots
     config.elastic.min_tokens_left = 0  # tail: requests with fewer tokens to go stay put
@@ -273,6 +275,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.ray.replica_gpus = 0  # GPUs of each sampler replica (mesh.sampler_devices of them)
     config.ray.learner_cpus = 0  # CPUs Ray reserves for the learner worker
     config.ray.replica_cpus = 0  # CPUs Ray reserves for each replica
+    # seconds between the long-tail migration policy's looks at the replicas (elastic.migration)
+    config.ray.migration_poll_s = 0.01
     config.ray.log_to_driver = False  # True: workers' output and Ray's logs in this terminal
 
     config.prompt = "The answer to 12 + 30 is"  # text for the model check (rl.models.summary)

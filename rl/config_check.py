@@ -318,11 +318,14 @@ def check_config(config: Any) -> None:
                     "True; expected disjoint learner and sampler devices (colocated sides already "
                     "share every device)."
                 )
-            if config.get("runtime", "threads") != "threads":
+            runtime = config.get("runtime", "threads")
+            if runtime == "ray" and elastic.allows("learner"):
                 p.add(
-                    f"config.elastic.borrowing={elastic.borrowing!r} with config.runtime="
-                    f"{config.get('runtime')!r}; expected the threads runtime (the Ray workers do "
-                    "not move devices)."
+                    f"config.elastic.borrowing={elastic.borrowing!r} with config.runtime='ray': "
+                    "the learner cannot borrow a replica's devices across processes (they would "
+                    "have to join the learner's jax.distributed job, whose processes are fixed "
+                    "when it starts); expected elastic.borrowing='sampler' or 'off', or "
+                    "config.runtime='threads'."
                 )
             mode = config.get("driver", {}).get("mode")
             if mode == "async":

@@ -593,6 +593,11 @@ class SamplerLoop:
                 slots=self.num_slots, free=free, queued=len(self.admission) > 0, running=running
             )
 
+    def running(self, key: tuple[int, int]) -> bool:
+        """Request `key` is admitted here and its group not yet complete."""
+        with self._lock:
+            return key in self._runs
+
     def _movable(self, run: _Run) -> bool:
         """A run can move: not done, every sample started, decoded here since it came (lock)."""
         return (
@@ -620,12 +625,19 @@ class SamplerLoop:
         with self._lock:
             self._reserved.difference_update(slots)
 
-    def handoff(self, key: tuple[int, int]) -> Handoff:
+    def handoff(self, key: tuple[int, int]) -> Handoff | None:
         """Takes request `key`'s running samples out of this loop (on its own thread, at a step
-        boundary: in `on_boundary`), with their decode state; their slots are freed here."""
+        boundary: in `on_boundary`), with their decode state; their slots are freed here.
+
+        Returns:
+          The Handoff, or None when the request no longer runs here (it finished, or was aborted
+          or cut since the policy saw it): the caller gives back what it reserved.
+        """
         with self._lock:
             run = self._runs.get(key)
-            if run is None or not self._movable(run):
+            if run is None:
+                return None
+            if not self._movable(run):
                 raise ValueError(
                     f"handoff: request {key} is not a movable running request here; expected "
                     "one with every sample started and decoded here since it came."

@@ -126,24 +126,26 @@ class SamplerLender:
 
     At a round's submission (round modes), while the learner waits for its first groups, the
     policy decides from an estimate of the round's work (`sequences` x the mean response length of
-    the rounds so far; the longest response so far as the tail). On a move the extra Engines (one
+    the rounds so far; the longest response so far as the tail). On a move the extra replicas (one
     per `replica_devices` of the learner's devices, as the policy counts them; built once by
-    `make_engines`) join the ReplicaSampler with the published weights (`add_replica`) before the
-    round's requests are routed; the driver holds the learner's work until the sampler has drained,
+    `make_replicas`: Engines for the threaded ReplicaSampler, handles to replicas the learner
+    worker hosts for the Ray router) join the sampler with the published weights (`add_replica`)
+    before the round's requests are routed; the driver holds the learner's work until the sampler has drained,
     then they leave (`remove_replica`, idle: nothing is re-sampled) and the learner resumes. The switch (add + remove) is timed into the policy's
     estimate, drawn on the "elastic" lane ("lend") and reported in the round's metrics
     (borrow_sampler, _gain_s, _switch_cost_s, _measured_s).
 
     Args:
       policy: the borrowing policy (its config allows the "sampler" direction).
-      make_engines: builds the Engines on the learner's devices (called at the first move).
+      make_replicas: builds the extra replicas on the learner's devices (called at the first
+        move); what the sampler's `add_replica` takes.
       learner_devices, replica_devices, sampler_replicas, slots, micro_batch_rows: the split.
     """
 
     def __init__(
         self,
         policy: BorrowPolicy,
-        make_engines: Callable[[], list[Any]],
+        make_replicas: Callable[[], list[Any]],
         *,
         learner_devices: int,
         replica_devices: int,
@@ -156,7 +158,7 @@ class SamplerLender:
                 f"SamplerLender needs elastic.borrowing 'sampler' or 'both'; received "
                 f"{policy.cfg.borrowing!r}."
             )
-        self.policy, self.make_engines = policy, make_engines
+        self.policy, self.make_replicas = policy, make_replicas
         self.shape = dict(
             learner_devices=learner_devices,
             sampler_replicas=sampler_replicas,
@@ -166,7 +168,7 @@ class SamplerLender:
         self.rows = micro_batch_rows
         self.clock: Callable[[], float] = time.monotonic
         self.timeline = Timeline()
-        self._engines: list[Any] = []
+        self._replicas: list[Any] = []
         self._lengths = (0.0, 0.0, 0.0, 0)  # responses trained: mean, max, mean prompt, count
         self._lent: tuple[int, list[int], float, float] | None = None  # round, replicas, since, s
         self._metrics: dict[int, dict[str, float]] = {}
@@ -217,9 +219,9 @@ class SamplerLender:
         if d.direction != "sampler" or not d.move:
             return
         t0 = self.clock()
-        if not self._engines:
-            self._engines = self.make_engines()
-        added = [sampler.add_replica(e) for e in self._engines]
+        if not self._replicas:
+            self._replicas = self.make_replicas()
+        added = [sampler.add_replica(e) for e in self._replicas]
         self._lent = (round, added, t0, self.clock() - t0)
 
     def give_back(self, sampler: Any) -> None:

@@ -12,6 +12,7 @@ reward runner), so both runtimes, the benchmarks and the launchers wire nothing 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rl.models.build import build_model
@@ -226,12 +227,12 @@ def build_borrower(config: Any, learner: Learner, sampler_mesh: Mesh) -> Learner
     return borrower
 
 
-def build_lender(config: Any, setup: Setup, model: Any, learner: Learner) -> SamplerLender | None:
-    """The sampler's lender of the learner's devices (config.elastic): engine replicas of
-    mesh.sampler_devices devices each on the learner's devices; None when that direction is off."""
-    import numpy as np
-    from jax.sharding import Mesh
-
+def build_lender(
+    config: Any, *, learner_devices: int, make_replicas: Callable[[], list[Any]]
+) -> SamplerLender | None:
+    """The sampler's lender of the learner's devices (config.elastic): `make_replicas` builds the
+    extra replicas, mesh.sampler_devices of the learner's devices each (engines for the threaded
+    sampler, handles for the Ray router); None when that direction is off."""
     from rl.elastic.borrowing import BorrowConfig, BorrowPolicy
     from rl.elastic.lending import SamplerLender
     from rl.elastic.planning import split_models
@@ -240,32 +241,32 @@ def build_lender(config: Any, setup: Setup, model: Any, learner: Learner) -> Sam
     cfg = BorrowConfig.from_section(config.elastic)
     if not cfg.allows("sampler"):
         return None
-    own = list(learner.mesh.devices.flat)
-    per, tp, replicas = (
-        config.mesh.sampler_devices,
-        config.mesh.sampler_tp,
-        config.mesh.sampler_replicas,
-    )
-    per = per or 1
-    split = Split(sampler_gpus=per * replicas, tp=per, learner_gpus=len(own))
+    per, replicas = config.mesh.sampler_devices or 1, config.mesh.sampler_replicas
+    split = Split(sampler_gpus=per * replicas, tp=per, learner_gpus=learner_devices)
     preset = split_models(cfg.stage_model, slots=config.engine.max_slots)(split)
-
-    def make_engines() -> list[Any]:
-        groups = [own[i : i + per] for i in range(0, len(own) - per + 1, per)]
-        return [
-            build_engine(config, setup, Mesh(np.array(g).reshape(-1, tp), ("data", "tp")), model)
-            for g in groups
-        ]
-
     return SamplerLender(
-        BorrowPolicy(cfg, preset.model, model_learner_devices=len(own)),
-        make_engines,
-        learner_devices=len(own),
+        BorrowPolicy(cfg, preset.model, model_learner_devices=learner_devices),
+        make_replicas,
+        learner_devices=learner_devices,
         replica_devices=per,
         sampler_replicas=replicas,
         slots=config.engine.max_slots,
         micro_batch_rows=config.learner.micro_batch_rows,
     )
+
+
+def lent_engines(config: Any, setup: Setup, model: Any, devices: list[Any]) -> list[Engine]:
+    """Engines of mesh.sampler_devices devices each (data x sampler_tp) over `devices` (the
+    learner's, lent to the threaded sampler)."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    per, tp = config.mesh.sampler_devices or 1, config.mesh.sampler_tp
+    groups = [devices[i : i + per] for i in range(0, len(devices) - per + 1, per)]
+    return [
+        build_engine(config, setup, Mesh(np.array(g).reshape(-1, tp), ("data", "tp")), model)
+        for g in groups
+    ]
 
 
 def migration_config_from(config: Any) -> Any:
@@ -334,7 +335,12 @@ class ThreadsRuntime:
         self.reward, self.eval_reward = build_reward(config, setup), build_reward(config, setup)
         self._ckpt = None
         self.borrow = build_borrower(config, self.learner, sampler_mesh)
-        self.lend = build_lender(config, setup, model, self.learner)
+        own = list(self.learner.mesh.devices.flat)
+        self.lend = build_lender(
+            config,
+            learner_devices=len(own),
+            make_replicas=lambda: lent_engines(config, setup, model, own),
+        )
 
     def driver(self, cfg: DriverConfig, *, reward_fn: Any = None, **kwargs: Any) -> Driver:
         """A Driver over a sampler thread (rl.runtime.threads); kwargs go to the Driver.

@@ -5,14 +5,18 @@ routes each request (one group) round-robin or to the least-loaded replica, keep
 until its group is delivered (so a dead replica's unfinished ones are re-sampled elsewhere, and a
 second copy is dropped), applies tail batching's round cuts (rl.rounds.RoundCuts) where every
 replica's groups meet, and merges the replicas' timeline events into the driver's timeline (slot
-lanes numbered across replicas, args["replica"]) for per-replica metrics. `QueueClient` is the
-Driver's Queue over the queue actor.
+lanes numbered across replicas, args["replica"]) for per-replica metrics. Replicas join and leave
+between rounds (`add_replica`, `remove_replica`: the sampler borrowing the learner's devices), and
+with a migration policy a RayMigrator (rl.runtime.ray_migration) moves running requests between
+them; routing is guarded by one lock for that thread. `QueueClient` is the Driver's Queue over the
+queue actor.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -20,6 +24,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
+from rl.elastic.migration import Off
 from rl.rounds import RoundCut, RoundCuts
 from rl.runtime.routing import Routing
 from rl.timeline import Timeline, replica_lane
@@ -79,21 +84,83 @@ class ReplicaRouter:
       routing: "round_robin" or "least_loaded" (fewest requests submitted and not delivered).
       on_failure: "resample" (a dead replica's requests go to the others) or "stop".
       timeline: the driver's Timeline; replicas' events are merged into it.
+      migration: a long-tail migration policy (rl.elastic.migration), or None.
+      migration_poll_s: seconds between the policy's looks at the replicas.
     """
 
-    def __init__(self, replicas: list[Any], *, routing: str, on_failure: str, timeline: Timeline):
-        self.replicas, self.on_failure = replicas, on_failure
+    def __init__(
+        self,
+        replicas: list[Any],
+        *,
+        routing: str,
+        on_failure: str,
+        timeline: Timeline,
+        migration: Any = None,
+        migration_poll_s: float = 0.01,
+    ):
+        self.replicas, self.on_failure = list(replicas), on_failure
         self.timeline = timeline
-        self.replica_slots = tuple(ray.get([r.num_slots.remote() for r in replicas]))
-        self.num_slots = sum(self.replica_slots)
-        self._offset = [sum(self.replica_slots[:i]) for i in range(len(replicas))]
+        self._slots = dict(enumerate(ray.get([r.num_slots.remote() for r in replicas])))
+        self._offset = [sum(list(self._slots.values())[:i]) for i in range(len(replicas))]
+        self._next_offset = sum(self._slots.values())
         self._routing = Routing(routing, len(replicas))
+        # Routing is shared with the migrator's thread (rl.runtime.ray_migration)
+        self.lock = threading.RLock()
+        self._params: tuple[Any, int] | None = None  # the latest weights, for a replica added
         self._error: BaseException | None = None
         self._cuts = RoundCuts()  # tail batching: which complete groups of a short round train
         self._cut_keys: set[tuple[int, int]] = set()  # requests aborted by a full cut
         self.groups_cut = 0  # complete groups dropped because their round's cut was full
         self._stats: dict[int, Any] = {}  # the last counters of each replica (a dead one's stay)
         self.resampled = 0  # requests re-submitted after their replica died
+        self.migrator = None
+        if migration is not None and not isinstance(migration, Off):
+            from rl.runtime.ray_migration import RayMigrator
+
+            self.migrator = RayMigrator(self, migration, poll_s=migration_poll_s)
+
+    @property
+    def replica_slots(self) -> tuple[int, ...]:
+        """Engine slots of each replica not removed (a dead one's stay), by index."""
+        return tuple(n for _, n in sorted(self._slots.items()))
+
+    @property
+    def num_slots(self) -> int:
+        return sum(self.replica_slots)
+
+    def add_replica(self, handle: Any) -> int:
+        """Routes to another replica (a handle with SamplerReplica's methods); it gets the latest
+        weights and starts at once. Returns its index."""
+        slots = ray.get(handle.num_slots.remote())
+        with self.lock:
+            i = self._routing.add()
+            self.replicas.append(handle)
+            assert len(self.replicas) == i + 1
+            self._slots[i] = slots
+            self._offset.append(self._next_offset)
+            self._next_offset += slots
+        if self._params is not None:
+            ray.get(handle.set_params.remote(*self._params))
+        ray.get(handle.start.remote())
+        return i
+
+    def remove_replica(self, i: int) -> None:
+        """Stops routing to replica i and stops its loop; its undelivered requests are
+        re-sampled on the others. Its counters and timeline events are kept."""
+        with self.lock:
+            if i not in self.alive:
+                raise ValueError(f"No live sampler replica {i}; live: {self.alive}.")
+            if len(self.alive) == 1:
+                raise ValueError(f"Replica {i} is the last one; a sampler needs one replica.")
+        self._each("stats", replicas=[i])  # its last spans and counters, before it stops
+        for err in self._each("close", replicas=[i]).values():
+            if err is not None:
+                raise err
+        with self.lock:
+            lost = self._routing.remove(i)
+            del self._slots[i]
+        if lost:
+            self.submit(lost)
 
     @property
     def alive(self) -> list[int]:
@@ -117,9 +184,10 @@ class ReplicaRouter:
         return out
 
     def _lost(self, i: int, e: BaseException) -> None:
-        if i not in self.alive:
-            return
-        lost = self._routing.remove(i)
+        with self.lock:
+            if i not in self.alive:
+                return
+            lost = self._routing.remove(i)
         why = f"sampler replica {i} died ({type(e).__name__}: {str(e).splitlines()[0]})"
         if self.on_failure == "stop" or not self.alive:
             if self._error is None:
@@ -141,6 +209,11 @@ class ReplicaRouter:
                 self._error = err
         return self._error
 
+    def fail(self, error: BaseException) -> None:
+        """Stops the run with `error` (the migrator's thread reports its failure here)."""
+        if self._error is None:
+            self._error = error
+
     @property
     def stats(self) -> Any:
         from sampler.loop import SamplerStats
@@ -161,8 +234,11 @@ class ReplicaRouter:
 
     def start(self) -> None:
         self._each("start")
+        if self.migrator is not None:
+            self.migrator.start()
 
     def set_params(self, params: Any, version: int) -> None:
+        self._params = (params, version)
         self._each("set_params", params, version)
 
     def submit(self, requests: Iterable[Request], cut: RoundCut | None = None) -> None:
@@ -177,8 +253,9 @@ class ReplicaRouter:
             rnd = requests[0].round
             self._cut_keys = {k for k in self._cut_keys if k[0] >= rnd - 1}
         by_replica: dict[int, list[Request]] = collections.defaultdict(list)
-        for r in requests:
-            by_replica[self._routing.route(r)].append(r)
+        with self.lock:
+            for r in requests:
+                by_replica[self._routing.route(r)].append(r)
         for i, rs in by_replica.items():
             try:
                 ray.get(self.replicas[i].submit.remote(rs))
@@ -189,7 +266,9 @@ class ReplicaRouter:
         """Marks a delivered group; False for a second copy or a group its round's full cut
         refuses (see QueueClient). The group that fills a cut aborts the round's others."""
         key = group.request.key
-        if self._routing.deliver(key) is None:
+        with self.lock:
+            delivered = self._routing.deliver(key) is not None
+        if not delivered:
             if key in self._cut_keys:
                 self._cut_keys.discard(key)
                 self.groups_cut += 1
@@ -202,15 +281,20 @@ class ReplicaRouter:
 
     def _abort(self, keys: list[tuple[int, int]]) -> None:
         """Forgets the requests `keys` still outstanding and aborts them on every live replica."""
-        dropped = [k for k in keys if self._routing.deliver(k) is not None]  # forgotten: never
-        self._cut_keys.update(dropped)  # re-sampled, and a late copy is dropped on arrival
+        with self.lock:
+            dropped = [k for k in keys if self._routing.deliver(k) is not None]  # forgotten:
+        self._cut_keys.update(dropped)  # never re-sampled; a late copy is dropped on arrival
         if dropped:
             self._each("abort", dropped)
 
     def request_stop(self) -> None:
+        if self.migrator is not None:
+            self.migrator.stop()
         self._each("request_stop")
 
     def close(self) -> None:
+        if self.migrator is not None:
+            self.migrator.stop()
         for err in self._each("close").values():
             if err is not None:
                 raise err

@@ -18,6 +18,14 @@ This process (the Ray driver) runs rl.driver.Driver and its schedule. Around it:
 The SFT warm start runs on the learner worker too (`RemoteSft`: learner.sft.SftTrainer there,
 driven step by step by rl.run as in the threaded runtime).
 
+Elastic devices: long-tail migration (config.elastic.migration) moves running requests between
+replica actors, their decode state through the object store (rl.runtime.ray_migration: the same
+policy as the threaded runtime, asked from a thread of this process). Sampler borrowing
+(config.elastic.borrowing="sampler") lends the learner worker's devices to the sampler: the worker
+hosts extra replicas on them (LearnerWorker.lend; `LentReplica` is their handle) that the router
+adds while the learner waits for a round's groups and removes once the sampler drains. The
+learner cannot borrow the replicas' devices (they are other processes: see check_ray_config).
+
 Faults: a replica that dies (RayActorError) has its unfinished requests re-sampled on the others
 (config.ray.on_replica_failure="resample"; per-request randomness makes their tokens identical, and
 a group already delivered is never taken twice) or the run stops with its error ("stop"). A dead
@@ -39,6 +47,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
+from rl.elastic.migration import make_migration_policy
+from rl.runtime.compose import build_lender, migration_config_from
 from rl.runtime.ray_router import QueueClient, ReplicaRouter
 from rl.runtime.routing import ROUTINGS
 from rl.timeline import Timeline
@@ -58,11 +68,22 @@ def check_ray_config(config: Any) -> None:
         raise ValueError(
             f"config.mesh.sampler_replicas must be an int >= 1; received {mesh.sampler_replicas!r}."
         )
-    if config.elastic.migration != "off":
+    if not isinstance(r.migration_poll_s, (int, float)) or not r.migration_poll_s > 0:
         raise ValueError(
-            f"config.elastic.migration={config.elastic.migration!r} with config.runtime='ray': "
-            "migrating running sequences between replica actors is not built yet; expected "
-            "elastic.migration='off', or config.runtime='threads'."
+            f"config.ray.migration_poll_s must be a number > 0; received {r.migration_poll_s!r}."
+        )
+    if config.elastic.borrowing in ("learner", "both"):
+        raise ValueError(
+            f"config.elastic.borrowing={config.elastic.borrowing!r} with config.runtime='ray': "
+            "the learner cannot borrow a replica's devices across processes (they would have "
+            "to join the learner's jax.distributed job, whose processes are fixed when it "
+            "starts); expected elastic.borrowing='sampler' or 'off', or config.runtime='threads'."
+        )
+    if config.elastic.borrowing == "sampler" and r.learner_workers > 1:
+        raise ValueError(
+            f"config.elastic.borrowing='sampler' with config.ray.learner_workers="
+            f"{r.learner_workers}: lent replicas run in a one-process learner worker; expected "
+            "config.ray.learner_workers=1."
         )
     if r.on_replica_failure not in ON_REPLICA_FAILURE:
         raise ValueError(
@@ -198,6 +219,30 @@ class RemoteSft:
         self.learner._call("sft_commit")
 
 
+class LentReplica:
+    """A sampler replica the learner worker hosts on its own devices (LearnerWorker.lend), behind
+    the interface of a SamplerReplica actor handle: `handle.method.remote(*args)` runs
+    ReplicaCore.method there; `close` stops its loop and readies a fresh one for the next lend."""
+
+    def __init__(self, worker: Any, j: int):
+        self.worker, self.j = worker, j
+
+    def __getattr__(self, method: str) -> Any:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        if method == "close":
+            return _Remote(lambda: self.worker.unlend.remote(self.j))
+        return _Remote(lambda *args: self.worker.lent_call.remote(self.j, method, *args))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Remote:
+    call: Any
+
+    def remote(self, *args: Any) -> Any:
+        return self.call(*args)
+
+
 class ObjectStoreSync:
     """WeightSync through the object store: one put by the learner worker, a get per replica.
 
@@ -293,12 +338,27 @@ class RayRuntime:
                 num_cpus=r.replica_cpus,
                 num_gpus=r.replica_gpus,
                 runtime_env=env,
-            ).remote(cfg, i, self.queue_actor)
+            ).remote(cfg, self.queue_actor)
             for i in range(config.mesh.sampler_replicas)
         ]
         self.learner = LearnerClient(workers)
         self.weight_sync = ObjectStoreSync()
         self.router: ReplicaRouter | None = None
+        self.migration = make_migration_policy(migration_config_from(config))
+        self.lend = build_lender(
+            config,
+            learner_devices=ray.get(workers[0].devices.remote()),
+            make_replicas=self._lent_replicas,
+        )
+
+    def _lent_replicas(self) -> list[LentReplica]:
+        """Sampler replicas the learner worker hosts on its devices (SamplerLender's first move)."""
+        worker = self.learner.workers[0]
+        try:
+            n = ray.get(worker.lend.remote(self.queue_actor))
+        except RayActorError as e:
+            raise _learner_died(e) from None
+        return [LentReplica(worker, j) for j in range(n)]
 
     def driver(self, cfg: Any, **kwargs: Any) -> Any:
         """A Driver over the replicas (ReplicaRouter) and the queue actor; kwargs go to it."""
@@ -311,7 +371,11 @@ class RayRuntime:
             routing=self.config.mesh.sampler_routing,
             on_failure=r.on_replica_failure,
             timeline=timeline,
+            migration=self.migration,
+            migration_poll_s=r.migration_poll_s,
         )
+        if self.lend is not None:
+            kwargs.setdefault("lender", self.lend)
         return Driver(
             cfg,
             sampler=self.router,

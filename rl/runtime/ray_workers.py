@@ -43,6 +43,17 @@ def local_mesh(config: Any, side: str) -> Any:
     return learner if side == "learner" else sampler
 
 
+def device_mesh(config: Any, ids: list[int]) -> Any:
+    """A sampler mesh (data x tp, tp = config.mesh.sampler_tp) over this process's devices `ids`."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    by_id = {d.id: d for d in jax.devices()}
+    devices = np.array([by_id[i] for i in ids]).reshape(-1, config.mesh.sampler_tp)
+    return Mesh(devices, ("data", "tp"))
+
+
 def pin(cores: list[int]) -> list[int]:
     """Pins this worker process to `cores` (os.sched_setaffinity); returns the cores it has."""
     os.sched_setaffinity(0, cores)
@@ -102,6 +113,7 @@ class LearnerWorker:
         self.learner = None
         self.ckpt = None
         self.sft = None  # the SFT warm start (learner.sft.SftTrainer), while it runs
+        self.lendable: list[ReplicaCore] = []  # replicas on its devices, built at the first lend
 
     def coordinator(self) -> str:
         """A "host:port" on this worker's node for the job's coordinator (rank 0 serves it)."""
@@ -155,6 +167,10 @@ class LearnerWorker:
 
     def step(self) -> int:
         return self.learner.step
+
+    def devices(self) -> int:
+        """The learner mesh's devices in this process."""
+        return len(self.learner.mesh.devices.flat)
 
     def begin_round(self, updates: int) -> int:
         self.learner.begin_round(updates=updates)
@@ -216,13 +232,56 @@ class LearnerWorker:
             self.ckpt.close()
             self.ckpt = None
 
+    # ------------------------------------------------------ lending (BiDiRL sampler borrowing)
 
-@ray.remote
-class SamplerReplica:
-    """An Engine + SamplerLoop on this process's devices; rewards computed here; complete groups
-    go straight onto the queue actor."""
+    def lend(self, queue: Any) -> int:
+        """Builds a sampler replica (ReplicaCore) on each mesh.sampler_devices of this worker's
+        learner devices, putting groups on `queue`; returns how many (ray_runtime.LentReplica
+        addresses them by number). They are built once and kept, so a later lend compiles
+        nothing. The driver holds the learner's work while they decode."""
+        if not self.lendable:
+            devices = [d.id for d in self.learner.mesh.devices.flat]
+            per = self.config.mesh.sampler_devices or 1
+            self.lendable = [
+                ReplicaCore(self._config_dict, queue, devices=devices[i : i + per])
+                for i in range(0, len(devices) - per + 1, per)
+            ]
+        return len(self.lendable)
 
-    def __init__(self, config_dict: dict[str, Any], index: int, queue: Any):
+    def lent_call(self, j: int, method: str, *args: Any) -> Any:
+        """ReplicaCore `method` of lent replica j (what ray_runtime.LentReplica's calls run)."""
+        return getattr(self.lendable[j], method)(*args)
+
+    def unlend(self, j: int) -> BaseException | None:
+        """Stops lent replica j's loop (the router removed it) and readies a fresh one for the
+        next lend: the learner's devices are its own again. Returns the loop's error, if any."""
+        error = self.lendable[j].close()
+        self.lendable[j].renew()
+        return error
+
+
+class ReplicaCore:
+    """A sampler replica: an Engine + SamplerLoop on this process's devices, rewards computed
+    here, complete groups put straight onto the queue actor.
+
+    `SamplerReplica` is this class as a Ray actor (a replica process of its own); the learner
+    worker hosts instances on its own devices while it lends them to the sampler (BiDiRL
+    borrowing: LearnerWorker.lend). Every method is safe to call while the loop thread runs.
+
+    Migration (JigsawRL, rl.runtime.ray_migration): `view`, `reserve`/`unreserve`, `handoff` (asks
+    for requests to be taken out at the loop's next step boundary), `take_handoffs` (what was
+    taken, each in the object store as a sampler.transfer.HostHandoff) and `adopt`.
+
+    Args:
+      config_dict: the run's config.
+      queue: the QueueActor.
+      devices: "sampler" (this process's first mesh.sampler_devices devices) or a list of jax
+        device ids (a lent replica on the learner's devices).
+    """
+
+    def __init__(self, config_dict: dict[str, Any], queue: Any, devices: Any = "sampler"):
+        import threading
+
         from flax import nnx
 
         from learner.publish import DevicePutSync
@@ -239,8 +298,11 @@ class SamplerReplica:
 
         config = _config(config_dict)
         self.config, self.setup = config, Setup.from_config(config)
-        self.index, self.queue = index, queue
-        mesh = local_mesh(config, "sampler")
+        self.queue = queue
+        if devices == "sampler":
+            mesh = local_mesh(config, "sampler")
+        else:
+            mesh = device_mesh(config, devices)
         model = build_checked_model(config, self.setup, mesh)  # structure; weights are published
         self.engine = build_engine(config, self.setup, mesh, model)
         # The learner worker already cast to the sampler dtype: this only places the arrays.
@@ -248,7 +310,10 @@ class SamplerReplica:
         self.reward = build_reward(config, self.setup)
         self.eval_reward = build_reward(config, self.setup)
         self.timeline = Timeline()
-        self.loop = SamplerLoop(
+        self._migration = threading.Lock()  # the handoffs asked for and taken
+        self._asked: set[tuple[int, int]] = set()
+        self._outbox: dict[tuple[int, int], Any] = {}
+        self._new_loop = lambda: SamplerLoop(
             self.engine,
             None,
             admission=make_policy(config.driver.admission),
@@ -257,7 +322,14 @@ class SamplerReplica:
             group_atomic=config.driver.group_atomic,
             recompute_kv=config.driver.recompute_kv,
             timeline=self.timeline,
+            on_boundary=self._boundary,
         )
+        self.loop = self._new_loop()
+
+    def renew(self) -> None:
+        """A fresh loop (no weights, nothing queued) on the same engine: a lent replica's next
+        lend reuses its compiled engine."""
+        self.loop = self._new_loop()
 
     def _emit(self, group: Any) -> None:
         error = ray.get(self.queue.put.remote(group))
@@ -305,6 +377,62 @@ class SamplerReplica:
             self.config, self.setup, self.engine, published, records, self.eval_reward, k
         )
 
+    # -------------------------------------------------------------------------------- migration
+
+    def view(self) -> Any:
+        """This replica as the migration policy sees it (rl.elastic.migration.ReplicaView)."""
+        return self.loop.view()
+
+    def reserve(self, n: int) -> list[int] | None:
+        return self.loop.reserve(n)
+
+    def unreserve(self, slots: list[int]) -> None:
+        self.loop.unreserve(slots)
+
+    def handoff(self, keys: list[tuple[int, int]]) -> None:
+        """Asks for requests `keys` to be taken out at the loop's next step boundary."""
+        with self._migration:
+            self._asked.update(map(tuple, keys))
+
+    def take_handoffs(self) -> dict[tuple[int, int], Any]:
+        """The handoffs done since the last call: key -> [ObjectRef of a HostHandoff, its bytes,
+        its running samples] (in a list, so Ray hands the caller the reference), or None for a
+        request that no longer runs here."""
+        with self._migration:
+            for key in [k for k in self._asked if not self.loop.running(k)]:
+                self._asked.discard(key)  # finished, aborted or cut before a boundary came
+                self._outbox[key] = None
+            out, self._outbox = self._outbox, {}
+        return out
+
+    def _boundary(self) -> None:
+        """On the loop's thread between decode steps: the asked-for handoffs."""
+        from sampler.transfer import to_host
+
+        with self._migration:
+            asked, self._asked = sorted(self._asked), set()
+            for key in asked:
+                handoff = self.loop.handoff(key)
+                if handoff is None:
+                    self._outbox[key] = None
+                else:
+                    host = to_host(handoff)
+                    self._outbox[key] = [ray.put(host), host.nbytes, len(host.samples)]
+
+    def adopt(self, handoff: list[Any], slots: list[int]) -> bool:
+        """Takes over a request another replica handed off (take_handoffs' [ref, ...]) into
+        slots `reserve` gave, one per running sample; False (slots given back) when its state cannot be fetched: it was
+        lost with its source."""
+        from sampler.transfer import from_host
+
+        try:
+            host = ray.get(handoff[0])
+        except ray.exceptions.RayError:
+            self.loop.unreserve(slots)
+            return False
+        self.loop.adopt(from_host(host), slots)
+        return True
+
     def request_stop(self) -> None:
         self.loop.request_stop()
 
@@ -315,3 +443,6 @@ class SamplerReplica:
         except BaseException as e:
             return e
         return None
+
+
+SamplerReplica = ray.remote(ReplicaCore)

@@ -302,6 +302,9 @@ class ReplicaSampler:
             return
         t0 = self.clock()
         handoff = loops[src].handoff(key)
+        if handoff is None:  # finished, aborted or cut since the view
+            loops[dst].unreserve(slots)
+            return
         with self._lock:
             self._routing.move(key, dst)
         loops[dst].adopt(handoff, slots)

@@ -69,6 +69,12 @@ class Routing:
         self.routed[i] += 1
         return i
 
+    def owner(self, key: tuple[int, int]) -> int | None:
+        """The replica request `key` is routed to; None once its group is delivered (or the
+        request was forgotten)."""
+        owner = self.outstanding.get(key)
+        return None if owner is None else owner[0]
+
     def move(self, key: tuple[int, int], dst: int) -> None:
         """Request `key` migrated to replica `dst` (its group is delivered from there)."""
         src, request = self.outstanding[key]

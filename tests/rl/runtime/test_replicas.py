@@ -311,3 +311,46 @@ def test_an_adoption_aborted_before_its_import_leaves_no_live_slot(model, engine
     assert [g.request.key for g in groups] == [reqs[1].key]
     for loop in (a, b):
         assert not jax.device_get(loop._state.active).any() and loop.view().free == 4
+
+
+def test_a_handoff_through_host_memory_continues_with_the_same_tokens(model, engines):
+    """sampler.transfer (what crosses processes under Ray): a request handed off mid-decode, its
+    state pickled as host arrays, completes on another engine with the tokens and log-probs of an
+    unmoved run, bitwise."""
+    import pickle
+
+    from sampler.loop import SamplerLoop
+    from sampler.transfer import from_host, to_host
+
+    def loop(device, out):
+        engine = engines(device)
+        return SamplerLoop(
+            engine,
+            engine.load_params(model),
+            admission=FCFS(),
+            reward_fn=lambda r, c: float(len(c.tokens)),
+            emit=out.append,
+        )
+
+    reqs = requests(2, lengths=[30, 30])
+    unmoved: list = []
+    still = loop(1, unmoved)
+    still.submit(reqs)
+    still.run_until_idle(max_steps=100)
+    moved: list = []
+    a, b = loop(1, moved), loop(2, moved)
+    a.submit(reqs)
+    a.step()
+    slots = b.reserve(2)
+    host = pickle.loads(pickle.dumps(to_host(a.handoff(reqs[0].key))))
+    assert isinstance(host.state.tokens, np.ndarray) and host.nbytes > 0
+    b.adopt(from_host(host), slots)
+    a.run_until_idle(max_steps=100)
+    b.run_until_idle(max_steps=100)
+    rows = lambda gs: sorted(
+        (g.request.uid, c.sample, c.tokens, c.logprobs, c.versions, c.reward)
+        for g in gs
+        for c in g.completions
+    )
+    assert rows(moved) == rows(unmoved)
+    assert a.handoff(reqs[0].key) is None  # no longer here: the caller gives its slots back

@@ -1,0 +1,235 @@
+"""Elastic devices under the Ray runtime: long-tail migration between replica actors (through the
+object store) and the sampler borrowing the learner worker's devices leave the run's tokens and
+parameters those of the threaded runtime, bitwise; the migrator's stale and faulty paths lose no
+request and leak no slot."""
+
+import jax
+import numpy as np
+import pytest
+import ray
+
+from configs import base
+from rl.elastic.migration import Always, ReplicaView, RunningView
+from rl.runtime.compose import build_driver
+from rl.runtime.ray_router import ReplicaRouter
+from rl.timeline import Timeline
+from rl.types import Request, SamplingParams
+
+
+def run(config, rounds=2):
+    runtime, driver = build_driver(config, rounds=rounds)
+    try:
+        try:
+            results = [driver.run_round(r) for r in range(rounds)]
+        finally:
+            driver.close()
+        return results, jax.device_get(runtime.learner.state.params), runtime, driver
+    finally:
+        runtime.close()
+
+
+def tokens_of(results):
+    return [
+        [(g.request.uid, c.sample, c.tokens, c.logprobs) for g in r.groups for c in g.completions]
+        for r in results
+    ]
+
+
+def assert_same_params(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def migration_config(runtime, replicas, migration="off"):
+    """cgp + ordered, sequences of 40 tokens (2 per generate call): time to move while they run."""
+    config = base.get_config("smoke")
+    config.sft.max_steps = 0
+    config.driver.mode, config.driver.batching = "cgp", "ordered"
+    config.runtime = runtime
+    config.mesh.sampler_replicas = replicas
+    config.engine.max_slots = 16  # room on each replica for the other's groups: moves happen
+    config.engine.max_length = 64
+    config.engine.steps_per_call = 2
+    config.sampling.max_new_tokens = 40
+    config.elastic.migration = migration
+    config.ray.migration_poll_s = 0.002
+    return config
+
+
+@pytest.mark.slow  # end-to-end: a threaded run and a Ray run of 2 replicas
+def test_ray_migration_at_every_chance_equals_threads_bitwise(ray_cluster):
+    one, p_one, _, _ = run(migration_config("threads", 1))
+    two, p_two, runtime, _ = run(migration_config("ray", 2, "always"))
+    assert tokens_of(two) == tokens_of(one)
+    assert_same_params(p_two, p_one)
+    moves = sum(r.metrics["migrations"] for r in two)
+    assert moves > 0 and moves == runtime.router.migrator.moves
+    assert all((r.metrics["migrated_bytes"] > 0) == (r.metrics["migrations"] > 0) for r in two)
+    assert all(r.metrics["sequences"] == one[0].metrics["sequences"] for r in two)
+    assert runtime.router.stats.migrations == moves  # the sources counted every handoff
+
+
+def lend_config(runtime, borrowing):
+    """sync; a learner of 4 devices and 2 sampler replicas of 2; any predicted gain moves."""
+    config = base.get_config("smoke")
+    config.sft.max_steps = 0
+    config.driver.mode, config.driver.batching = "sync", "ordered"
+    config.runtime = runtime
+    config.mesh.colocated = False
+    config.mesh.learner_devices = 4
+    config.mesh.sampler_devices, config.mesh.sampler_replicas = 2, 2
+    config.elastic.borrowing = borrowing
+    config.elastic.stage_model = "preset:qwen3-1.7b:h100"
+    config.elastic.switch_cost_s = 0.0
+    config.elastic.margin = 0.0
+    return config
+
+
+@pytest.mark.slow  # end-to-end: a threaded run and a Ray run
+def test_ray_sampler_borrows_the_learner_workers_devices_and_the_run_is_unchanged(ray_cluster):
+    static, p_static, _, _ = run(lend_config("threads", "off"))
+    lent, p_lent, runtime, driver = run(lend_config("ray", "sampler"))
+    assert tokens_of(lent) == tokens_of(static)
+    assert_same_params(p_lent, p_static)  # the learner never moved
+    for r in lent:
+        assert r.metrics["borrow_sampler"] == 1.0 and r.metrics["borrow_sampler_measured_s"] > 0
+    spans = driver.timeline.spans("elastic")
+    assert [s.args["replicas"] for s in spans] == [2, 2]  # 4 learner devices / 2 per replica
+    assert runtime.router.alive == [0, 1]  # the lent replicas (2, 3, then 4, 5) left each round
+    lanes = {s.args["replica"] for s in driver.timeline.spans("sampler/slot")}
+    assert lanes == {0, 1, 2, 3, 4, 5}  # every lent replica decoded
+
+
+# ------------------------------------------------------------------ the migrator, step by step
+
+
+class FakeReplica:
+    """A replica's migration methods, scripted, behind an actor handle's `.method.remote()`."""
+
+    def __init__(self, slots=8, running=(), answers=None, adopt=True, on_take=None):
+        self.slots, self.running = slots, list(running)
+        self.answers, self.adopts = dict(answers or {}), adopt
+        self.on_take = on_take
+        self.reserved, self.unreserved, self.asked, self.adopted, self.submitted = (
+            [],
+            [],
+            [],
+            [],
+            [],
+        )
+
+    def num_slots(self):
+        return self.slots
+
+    def view(self):
+        used = sum(r.sequences for r in self.running)
+        return ReplicaView(slots=self.slots, free=self.slots - used, running=tuple(self.running))
+
+    def reserve(self, n):
+        self.reserved.append(n)
+        return list(range(n))
+
+    def unreserve(self, slots):
+        self.unreserved.append(list(slots))
+
+    def handoff(self, keys):
+        self.asked.extend(map(tuple, keys))
+
+    def take_handoffs(self):
+        if self.on_take is not None:
+            self.on_take()
+        out = {k: self.answers[k] for k in self.asked if k in self.answers}
+        self.asked = []
+        return out
+
+    def adopt(self, handoff, slots):
+        self.adopted.append((handoff, list(slots)))
+        return self.adopts
+
+    def submit(self, requests):
+        self.submitted.extend(r.key for r in requests)
+
+
+class Handle:
+    def __init__(self, core):
+        self.core = core
+
+    def __getattr__(self, method):
+        core = self.core
+
+        class _Method:
+            def remote(self, *args):
+                return ray.put(getattr(core, method)(*args))
+
+        return _Method()
+
+
+def request(uid):
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    return Request(uid=uid, prompt=(1, 2, 3), group_size=2, params=params)
+
+
+def router_over(src, dst, *owned):
+    """A router over replicas [src, dst] whose Routing has `owned` requests on src."""
+    router = ReplicaRouter(
+        [Handle(src), Handle(dst)],
+        routing="round_robin",
+        on_failure="resample",
+        timeline=Timeline(),
+        migration=Always(),
+        migration_poll_s=0.001,
+    )
+    for r in owned:
+        router._routing.outstanding[r.key] = (0, r)
+        router._routing.load[0] += 1
+    return router
+
+
+def running(*reqs):
+    return [RunningView(key=r.key, sequences=r.group_size, tokens_left=4) for r in reqs]
+
+
+def test_the_migrator_moves_ownership_with_the_state_and_draws_the_move(ray_cluster):
+    """One sample of the 2 the view saw finished before the handoff: its slot goes back."""
+    a = request(0)
+    src = FakeReplica(running=running(a), answers={a.key: [ray.put("state"), 640, 1]})
+    dst = FakeReplica()
+    router = router_over(src, dst, a)
+    assert router.migrator.step() == 1
+    assert router._routing.owner(a.key) == 1
+    assert dst.reserved == [2] and dst.adopted[0][1] == [0] and dst.unreserved == [[1]]
+    (span,) = router.timeline.spans("sampler/replica0/migrate")
+    args = span.args
+    assert (args["uid"], args["sequences"], args["bytes"], args["src"], args["dst"]) == (
+        0,
+        1,
+        640,
+        0,
+        1,
+    )
+    assert router.migrator.stale == 0
+
+
+def test_the_migrator_gives_back_slots_of_requests_that_ended_or_were_cut(ray_cluster):
+    a, b = request(0), request(1)
+    src = FakeReplica(
+        running=running(a, b), answers={a.key: [ray.put("state"), 64, 2], b.key: None}
+    )
+    dst = FakeReplica(slots=16)
+    router = router_over(src, dst, a, b)
+    src.on_take = lambda: router._routing.deliver(a.key)  # a's round cut forgot it meanwhile
+    assert router.migrator.step() == 0
+    assert sorted(map(len, dst.unreserved)) == [2, 2]  # both reservations given back
+    assert not dst.adopted and router.migrator.stale == 2
+    assert router._routing.owner(b.key) == 0  # b still its source's (its group comes from there)
+
+
+def test_a_state_lost_with_its_source_is_sampled_again(ray_cluster):
+    a = request(0)
+    src = FakeReplica(running=running(a), answers={a.key: [ray.put("state"), 64, 2]})
+    dst = FakeReplica(adopt=False)
+    router = router_over(src, dst, a)
+    assert router.migrator.step() == 0
+    assert router.migrator.resampled == 1
+    assert a.key in src.submitted + dst.submitted  # routed afresh, owned by whoever took it
+    assert router._routing.owner(a.key) in (0, 1)
