@@ -30,6 +30,16 @@ GPU scale: launch.simulate --borrowing). Per setting one warm-up round (compiles
 and the ratio to the static split. Both settings must sample the same tokens (checked). Correctness-
 grade as well: the fake devices share the 2 cores.
 
+Sections `ray_migration` and `ray_lending` run the same two comparisons under the Ray runtime (a
+local cluster of --ray_cpus CPUs). ray_migration: the long-tailed round above through n replica
+actors (rl.runtime.ray_workers.SamplerReplica, one fake CPU device each, the smoke model with the
+engine shape above) behind the ReplicaRouter, migration off vs `tail`, where a move's decode state
+crosses processes through the object store (rl.runtime.ray_migration); round time, replica-seconds
+busy, moves and MB, tokens checked identical. ray_lending: the borrowing workload with
+config.runtime="ray" and borrowing "off" vs "sampler" (the learner worker hosts 2 extra replicas on
+its 2 devices while it waits for the round's groups; the learner cannot borrow across processes).
+Both correctness-grade: a Ray run's processes share the same 2 cores.
+
 One function per section: add a section as a function returning its JSON block and name it in
 --sections.
 """
@@ -68,8 +78,11 @@ from sampler.engine import Engine, EngineConfig  # noqa: E402
 
 _JSON = flags.DEFINE_string("json", "", "Write the results here as JSON; empty: don't.")
 _SECTIONS = flags.DEFINE_list(
-    "sections", ["migration", "borrowing"], "Sections to run: migration, borrowing."
+    "sections",
+    ["migration", "borrowing"],
+    "Sections to run: migration, borrowing, ray_migration, ray_lending.",
 )
+_RAY_CPUS = flags.DEFINE_integer("ray_cpus", 2, "ray_*: CPUs of the local Ray cluster.")
 _REPLICAS = flags.DEFINE_list("replicas", ["2", "4"], "Replica counts (one fake device each).")
 _GROUP_SIZE = flags.DEFINE_integer("group_size", 4, "Samples per group (G).")
 _SLOTS = flags.DEFINE_integer("slots", 8, "Slots per replica.")
@@ -205,7 +218,7 @@ def migration_section() -> dict[str, Any]:
     return out
 
 
-KEYS = ("rollout_to_train_end_s", "trainer_compute_s", "rollout_s", "borrow_learner_measured_s")
+KEYS = ("rollout_to_train_end_s", "trainer_compute_s", "rollout_s")
 
 _ROUNDS = flags.DEFINE_integer(
     "rounds", 3, "borrowing: timed rounds per setting (after 1 warm-up)."
@@ -215,9 +228,13 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "borrowing: response lengt
 _CACHE = flags.DEFINE_string("compilation_cache", bench_env.DEFAULT_CACHE, bench_env.CACHE_HELP)
 
 
-def borrowing_config(borrowing: str, *, groups: int, max_new_tokens: int) -> Any:
+def borrowing_config(
+    borrowing: str, *, groups: int, max_new_tokens: int, runtime: str = "threads"
+) -> Any:
     """The benchmark's run config: learner 2 + sampler 2 devices, sync, borrowing as given."""
     config = base.get_config("smoke")
+    config.runtime = runtime
+    config.ray.num_cpus = _RAY_CPUS.value
     config.sft.max_steps = 0
     config.driver.mode, config.driver.batching = "sync", "ordered"
     config.driver.groups_per_round = groups
@@ -233,26 +250,38 @@ def borrowing_config(borrowing: str, *, groups: int, max_new_tokens: int) -> Any
     return config
 
 
-def borrowing_runs(rounds: int, groups: int, max_new_tokens: int) -> dict[str, Any]:
-    """Rollout-to-train-end with borrowing off and on (see the module docstring)."""
+def borrowing_runs(
+    rounds: int,
+    groups: int,
+    max_new_tokens: int,
+    *,
+    runtime: str = "threads",
+    direction: str = "learner",
+) -> dict[str, Any]:
+    """Rollout-to-train-end with borrowing off and on in `direction` (the module docstring)."""
     out: dict[str, Any] = {}
-    for setting in ("off", "learner"):
-        config = borrowing_config(setting, groups=groups, max_new_tokens=max_new_tokens)
-        runtime, driver = build_driver(config, rounds=rounds + 1)
+    for setting in ("off", direction):
+        config = borrowing_config(
+            setting, groups=groups, max_new_tokens=max_new_tokens, runtime=runtime
+        )
+        built, driver = build_driver(config, rounds=rounds + 1)
         try:
             results = [driver.run_round(r) for r in range(rounds + 1)]
         finally:
             driver.close()
-            runtime.close()
+            built.close()
         timed = [r.metrics for r in results[1:]]
         row = {k: float(np.mean([m.get(k, np.nan) for m in timed])) for k in KEYS}
-        row["borrowed_rounds"] = float(sum(m.get("borrow_learner", 0.0) for m in timed))
+        row["switch_s"] = float(
+            np.mean([m.get(f"borrow_{direction}_measured_s", np.nan) for m in timed])
+        )
+        row["borrowed_rounds"] = float(sum(m.get(f"borrow_{direction}", 0.0) for m in timed))
         digest = hashlib.sha256(
             repr([[c.tokens for g in r.groups for c in g.completions] for r in results]).encode()
         ).hexdigest()[:12]
         row["tokens_digest"] = digest
         out[setting] = row
-    if out["off"]["tokens_digest"] != out["learner"]["tokens_digest"]:
+    if out["off"]["tokens_digest"] != out[direction]["tokens_digest"]:
         raise RuntimeError("Borrowing changed the sampled tokens; expected the same tokens.")
     base_r2t = out["off"]["rollout_to_train_end_s"]
     for row in out.values():
@@ -260,13 +289,15 @@ def borrowing_runs(rounds: int, groups: int, max_new_tokens: int) -> dict[str, A
     return out
 
 
-def borrowing_section() -> dict[str, Any]:
+def borrowing_section(runtime: str = "threads", direction: str = "learner") -> dict[str, Any]:
     """The borrowing section: borrowing_runs with the flags' sizes, printed as a table."""
     bench_env.use_compilation_cache(_CACHE.value)
-    rows = borrowing_runs(_ROUNDS.value, _GROUPS.value, _MAX_NEW.value)
+    rows = borrowing_runs(
+        _ROUNDS.value, _GROUPS.value, _MAX_NEW.value, runtime=runtime, direction=direction
+    )
     print(
-        f"borrowing (sync, R={_GROUPS.value}, learner 2 + sampler 2 fake CPU devices, "
-        f"{_ROUNDS.value} timed rounds; correctness-grade on shared cores)"
+        f"borrowing {direction} ({runtime} runtime, sync, R={_GROUPS.value}, learner 2 + sampler 2 "
+        f"fake CPU devices, {_ROUNDS.value} timed rounds; correctness-grade on shared cores)"
     )
     print(
         f"  {'setting':<10}{'r2t s':>8}{'vs static':>10}{'train s':>9}{'switch s':>9}{'moves':>7}"
@@ -274,14 +305,136 @@ def borrowing_section() -> dict[str, Any]:
     for name, r in rows.items():
         print(
             f"  {name:<10}{r['rollout_to_train_end_s']:>8.3f}{r['r2t_vs_static']:>9.2f}x"
-            f"{r['trainer_compute_s']:>9.3f}{r['borrow_learner_measured_s']:>9.3f}"
+            f"{r['trainer_compute_s']:>9.3f}{r['switch_s']:>9.3f}"
             f"{r['borrowed_rounds']:>7.0f}"
         )
     print(f"  same tokens in both settings: {rows['off']['tokens_digest']}")
     return rows
 
 
-SECTIONS = {"migration": migration_section, "borrowing": borrowing_section}
+def _ray_round(actors: list[Any], queue: Any, params: Any, requests: list[Request], migration: Any):
+    """One round through replica actors behind a ReplicaRouter (fresh loops, the same engines);
+    as _sample."""
+    import ray
+
+    from rl.runtime.ray_router import QueueClient, ReplicaRouter
+
+    ray.get([a.renew.remote() for a in actors])
+    router = ReplicaRouter(
+        actors,
+        routing="round_robin",
+        on_failure="stop",
+        timeline=Timeline(),
+        migration=migration,
+        migration_poll_s=0.005,
+    )
+    router.set_params(params, 0)
+    client = QueueClient(queue, router.accept)
+    router.start()
+    t0 = time.monotonic()
+    router.submit(requests)
+    groups = [client.get(timeout=600) for _ in requests]
+    t1 = time.monotonic()
+    stats = router.stats  # merges the replicas' slot spans into router.timeline
+    router.close()
+    ends: dict[int, float] = {}
+    for s in router.timeline.spans(SLOT_PREFIX):
+        ends[s.args["replica"]] = max(ends.get(s.args["replica"], t0), s.end)
+    return dict(
+        round_s=t1 - t0,
+        replica_s=sum(e - t0 for e in ends.values()),
+        migrations=stats.migrations,
+        migrated_mb=stats.migrated_bytes / 1e6,
+        tokens={g.request.key: [c.tokens for c in g.completions] for g in groups},
+    )
+
+
+def ray_migration_section() -> dict[str, Any]:
+    """Static split vs long-tail migration across Ray replica actors (the module docstring)."""
+    import ray
+    from flax import nnx
+
+    from rl.runtime.compose import Setup, build_checked_model
+    from rl.runtime.ray_runtime import connect, worker_env
+    from rl.runtime.ray_workers import QueueActor, SamplerReplica, local_mesh
+
+    bench_env.use_compilation_cache(_CACHE.value)
+    config = base.get_config("smoke")
+    config.engine.max_slots, config.engine.max_length = _SLOTS.value, 32 + _LONG.value
+    config.engine.steps_per_call = _STEPS.value
+    config.ray.num_cpus = _RAY_CPUS.value
+    owns = connect(config.ray)
+    setup = Setup.from_config(config)
+    model = build_checked_model(config, setup, local_mesh(config, "sampler"))
+    params = ray.put(jax.device_get(nnx.split(model)[1]))
+    policy = make_migration_policy(
+        MigrationConfig(policy="tail", max_running_fraction=_FRACTION.value)
+    )
+    print(
+        f"ray_migration: replica actors, G={_GROUP_SIZE.value}, {_SLOTS.value} slots each, 4n "
+        f"groups (n of {_LONG.value} tokens, 3n of {_SHORT.value}); median of {_REPEATS.value}"
+    )
+    print(
+        f"  {'replicas':>8}{'policy':>8}{'round s':>9}{'vs static':>10}{'replica-s':>10}"
+        f"{'vs static':>10}{'moves':>7}{'MB moved':>9}"
+    )
+    out: dict[str, Any] = {}
+    try:
+        for n in (int(r) for r in _REPLICAS.value):
+            queue = QueueActor.options(num_cpus=0, max_concurrency=4 + 2 * n).remote(4 * n)
+            env = worker_env()
+            actors = [
+                SamplerReplica.options(num_cpus=0, runtime_env=env).remote(config.to_dict(), queue)
+                for _ in range(n)
+            ]
+            requests = _round(n)
+            rows: dict[str, dict[str, Any]] = {}
+
+            always = make_migration_policy(MigrationConfig(policy="always"))
+            _ray_round(actors, queue, params, requests, always)  # warm-up: export/import
+            for name, migration in (("off", None), ("tail", policy)):
+                _ray_round(actors, queue, params, requests, migration)  # warm-up
+                runs = [
+                    _ray_round(actors, queue, params, requests, migration)
+                    for _ in range(_REPEATS.value)
+                ]
+                med = {
+                    k: statistics.median(r[k] for r in runs)
+                    for k in ("round_s", "replica_s", "migrations", "migrated_mb")
+                }
+                med["round_s_range"] = [
+                    min(r["round_s"] for r in runs),
+                    max(r["round_s"] for r in runs),
+                ]
+                med["tokens"] = runs[0]["tokens"]
+                rows[name] = med
+            if rows["off"]["tokens"] != rows["tail"]["tokens"]:
+                raise AssertionError(f"{n} replica actors: migration changed the sampled tokens.")
+            for name, r in rows.items():
+                del r["tokens"]
+                r["round_vs_static"] = r["round_s"] / rows["off"]["round_s"]
+                r["replica_s_vs_static"] = r["replica_s"] / rows["off"]["replica_s"]
+                print(
+                    f"  {n:>8}{name:>8}{r['round_s']:>9.3f}{r['round_vs_static']:>9.2f}x"
+                    f"{r['replica_s']:>10.3f}{r['replica_s_vs_static']:>9.2f}x"
+                    f"{r['migrations']:>7.0f}{r['migrated_mb']:>9.2f}"
+                )
+            for actor in (*actors, queue):
+                ray.kill(actor)
+            out[f"replicas{n}"] = rows
+    finally:
+        if owns:
+            ray.shutdown()
+    print("  same tokens with and without migration (checked); correctness-grade on 2 cores.")
+    return out
+
+
+SECTIONS = {
+    "migration": migration_section,
+    "borrowing": borrowing_section,
+    "ray_migration": ray_migration_section,
+    "ray_lending": lambda: borrowing_section("ray", "sampler"),
+}
 
 
 def main(argv: list[str]) -> None:

@@ -262,6 +262,10 @@ def test_elastic_borrowing_and_the_open_split_are_checked():
         "config.mesh.split='plan' with no config.elastic.stage_model",
     ):
         assert expected in text, text
+    config = smoke.get_config()  # the Ray learner worker lends its devices to the sampler
+    config.runtime, config.mesh.colocated = "ray", False
+    config.elastic.borrowing, config.elastic.stage_model = "sampler", "preset:qwen3-1.7b:h100"
+    check_config(config)
     config = smoke.get_config()
     config.elastic.borrowing = "sometimes"
     config.mesh.split = "open"

@@ -30,8 +30,17 @@ def config(**fields):
             r"config.mesh.sampler_routing='random'; expected one",
         ),
         (
-            {"runtime": "ray", "elastic.migration": "tail"},
-            r"elastic.migration='tail' with config.runtime='ray'",
+            {"runtime": "ray", "ray.migration_poll_s": 0},
+            r"config.ray.migration_poll_s must be a number > 0; received 0",
+        ),
+        (
+            {"runtime": "ray", "elastic.borrowing": "both"},
+            r"borrowing='both' with config.runtime='ray': the learner cannot borrow .* expected "
+            r"elastic.borrowing='sampler' or 'off'",
+        ),
+        (
+            {"runtime": "ray", "elastic.borrowing": "sampler", "ray.learner_workers": 2},
+            r"borrowing='sampler' with config.ray.learner_workers=2: .* expected",
         ),
         (
             {"runtime": "ray", "ray.on_replica_failure": "retry"},
@@ -56,3 +65,6 @@ def test_good_runtime_configs_pass():
     # tail batching, response over-provisioning and the SFT warm start all run under Ray
     tail = {"driver.tail.enabled": True, "driver.tail.response_eta": 1.5, "sft.max_steps": 5}
     check_runtime_config(config(runtime="ray", **tail))
+    # migration between replica actors, and the learner worker lending its devices to the sampler
+    elastic = {"elastic.migration": "tail", "elastic.borrowing": "sampler"}
+    check_runtime_config(config(runtime="ray", **{"mesh.sampler_replicas": 2}, **elastic))
