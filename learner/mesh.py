@@ -119,3 +119,14 @@ def replica_meshes(sampler_mesh: Mesh, replicas: int) -> list[Mesh]:
         Mesh(sampler_mesh.devices[i * per : (i + 1) * per], sampler_mesh.axis_names)
         for i in range(replicas)
     ]
+
+
+def lent_meshes(devices: Sequence[Any], per: int, tp: int) -> list[Mesh]:
+    """Sampler meshes (data, tp) of `per` devices each over `devices` (the learner's, lent to the
+    sampler), as many as fit, in order."""
+    if per < 1 or per % tp:
+        raise ValueError(f"Lent replicas of {per} devices each: expected a multiple of tp={tp}.")
+    return [
+        Mesh(np.array(devices[i : i + per]).reshape(per // tp, tp), ("data", "tp"))
+        for i in range(0, len(devices) - per + 1, per)
+    ]

@@ -318,15 +318,7 @@ def check_config(config: Any) -> None:
                     "True; expected disjoint learner and sampler devices (colocated sides already "
                     "share every device)."
                 )
-            runtime = config.get("runtime", "threads")
-            if runtime == "ray" and elastic.allows("learner"):
-                p.add(
-                    f"config.elastic.borrowing={elastic.borrowing!r} with config.runtime='ray': "
-                    "the learner cannot borrow a replica's devices across processes (they would "
-                    "have to join the learner's jax.distributed job, whose processes are fixed "
-                    "when it starts); expected elastic.borrowing='sampler' or 'off', or "
-                    "config.runtime='threads'."
-                )
+            # under config.runtime="ray" the learner direction is refused by check_ray_config
             mode = config.get("driver", {}).get("mode")
             if mode == "async":
                 p.add(

@@ -256,17 +256,12 @@ def build_lender(
 
 
 def lent_engines(config: Any, setup: Setup, model: Any, devices: list[Any]) -> list[Engine]:
-    """Engines of mesh.sampler_devices devices each (data x sampler_tp) over `devices` (the
-    learner's, lent to the threaded sampler)."""
-    import numpy as np
-    from jax.sharding import Mesh
+    """Engines of mesh.sampler_devices devices each over `devices` (the learner's, lent to the
+    threaded sampler)."""
+    from learner.mesh import lent_meshes
 
     per, tp = config.mesh.sampler_devices or 1, config.mesh.sampler_tp
-    groups = [devices[i : i + per] for i in range(0, len(devices) - per + 1, per)]
-    return [
-        build_engine(config, setup, Mesh(np.array(g).reshape(-1, tp), ("data", "tp")), model)
-        for g in groups
-    ]
+    return [build_engine(config, setup, m, model) for m in lent_meshes(devices, per, tp)]
 
 
 def migration_config_from(config: Any) -> Any:

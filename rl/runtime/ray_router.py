@@ -152,7 +152,7 @@ class ReplicaRouter:
                 raise ValueError(f"No live sampler replica {i}; live: {self.alive}.")
             if len(self.alive) == 1:
                 raise ValueError(f"Replica {i} is the last one; a sampler needs one replica.")
-        self._each("stats", replicas=[i])  # its last spans and counters, before it stops
+        self._collect([i])  # its last spans and counters, before it stops
         for err in self._each("close", replicas=[i]).values():
             if err is not None:
                 raise err
@@ -214,13 +214,17 @@ class ReplicaRouter:
         if self._error is None:
             self._error = error
 
+    def _collect(self, replicas: Iterable[int] | None = None) -> None:
+        """Merges replicas' (default: the live ones) new timeline events and keeps their counters."""
+        for i, (stats, spans, instants) in self._each("stats", replicas=replicas).items():
+            self._merge(i, spans, instants)
+            self._stats[i] = stats
+
     @property
     def stats(self) -> Any:
         from sampler.loop import SamplerStats
 
-        for i, (stats, spans, instants) in self._each("stats").items():
-            self._merge(i, spans, instants)
-            self._stats[i] = stats
+        self._collect()
         total = SamplerStats.total(self._stats.values())
         total.groups_cut += self.groups_cut
         return total

@@ -43,17 +43,6 @@ def local_mesh(config: Any, side: str) -> Any:
     return learner if side == "learner" else sampler
 
 
-def device_mesh(config: Any, ids: list[int]) -> Any:
-    """A sampler mesh (data x tp, tp = config.mesh.sampler_tp) over this process's devices `ids`."""
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh
-
-    by_id = {d.id: d for d in jax.devices()}
-    devices = np.array([by_id[i] for i in ids]).reshape(-1, config.mesh.sampler_tp)
-    return Mesh(devices, ("data", "tp"))
-
-
 def pin(cores: list[int]) -> list[int]:
     """Pins this worker process to `cores` (os.sched_setaffinity); returns the cores it has."""
     os.sched_setaffinity(0, cores)
@@ -239,12 +228,13 @@ class LearnerWorker:
         learner devices, putting groups on `queue`; returns how many (ray_runtime.LentReplica
         addresses them by number). They are built once and kept, so a later lend compiles
         nothing. The driver holds the learner's work while they decode."""
+        from learner.mesh import lent_meshes
+
         if not self.lendable:
-            devices = [d.id for d in self.learner.mesh.devices.flat]
-            per = self.config.mesh.sampler_devices or 1
+            devices = list(self.learner.mesh.devices.flat)
+            per, tp = self.config.mesh.sampler_devices or 1, self.config.mesh.sampler_tp
             self.lendable = [
-                ReplicaCore(self._config_dict, queue, devices=devices[i : i + per])
-                for i in range(0, len(devices) - per + 1, per)
+                ReplicaCore(self._config_dict, queue, mesh=m) for m in lent_meshes(devices, per, tp)
             ]
         return len(self.lendable)
 
@@ -275,11 +265,11 @@ class ReplicaCore:
     Args:
       config_dict: the run's config.
       queue: the QueueActor.
-      devices: "sampler" (this process's first mesh.sampler_devices devices) or a list of jax
-        device ids (a lent replica on the learner's devices).
+      mesh: the engine's mesh; None: this process's first mesh.sampler_devices devices (a lent
+        replica gets one over the learner's devices).
     """
 
-    def __init__(self, config_dict: dict[str, Any], queue: Any, devices: Any = "sampler"):
+    def __init__(self, config_dict: dict[str, Any], queue: Any, mesh: Any = None):
         import threading
 
         from flax import nnx
@@ -299,10 +289,8 @@ class ReplicaCore:
         config = _config(config_dict)
         self.config, self.setup = config, Setup.from_config(config)
         self.queue = queue
-        if devices == "sampler":
+        if mesh is None:
             mesh = local_mesh(config, "sampler")
-        else:
-            mesh = device_mesh(config, devices)
         model = build_checked_model(config, self.setup, mesh)  # structure; weights are published
         self.engine = build_engine(config, self.setup, mesh, model)
         # The learner worker already cast to the sampler dtype: this only places the arrays.
