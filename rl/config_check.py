@@ -334,11 +334,6 @@ def check_config(config: Any) -> None:
                     "config.mesh.split='plan' with no config.elastic.stage_model; expected a "
                     "launch.profile JSON or 'preset:<model>:<gpu>' for the planner."
                 )
-            if config.get("runtime", "threads") != "threads":
-                p.add(
-                    "config.mesh.split='plan' with config.runtime='ray'; expected the threads "
-                    "runtime (Ray workers size their meshes from mesh.*_devices)."
-                )
             mesh = None  # the planner picks the counts: the fixed checks below do not apply
         meshes = p.build("mesh", lambda: make_meshes(mesh)) if mesh is not None else None
 

@@ -79,6 +79,12 @@ def check_ray_config(config: Any) -> None:
             "to join the learner's jax.distributed job, whose processes are fixed when it "
             "starts); expected elastic.borrowing='sampler' or 'off', or config.runtime='threads'."
         )
+    if mesh.split == "plan" and r.learner_workers > 1:
+        raise ValueError(
+            f"config.mesh.split='plan' with config.ray.learner_workers={r.learner_workers}: the "
+            "planner sizes a one-process learner worker; expected config.ray.learner_workers=1, "
+            "or mesh.split='fixed'."
+        )
     if config.elastic.borrowing == "sampler" and r.learner_workers > 1:
         raise ValueError(
             f"config.elastic.borrowing='sampler' with config.ray.learner_workers="
@@ -102,6 +108,26 @@ def check_ray_config(config: Any) -> None:
             f"{r.learner_workers}: the SFT warm start runs on a one-process learner; expected "
             "config.ray.learner_workers=1, or config.sft.max_steps=0."
         )
+
+
+def planned_config(config: Any) -> tuple[Any, Any]:
+    """config with the planner's split fixed in (config.mesh.split="plan"; rl.elastic.planning),
+    and the plan. The devices split are the cluster's GPUs (the learner worker then gets
+    learner_devices of them, each replica sampler_devices), or, on a CPU cluster, the devices each
+    worker process sees (every worker takes its first ones)."""
+    import jax
+    import ml_collections
+
+    from rl.elastic.planning import plan_mesh
+
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    mesh, plan = plan_mesh(config, gpus or len(jax.devices()))
+    out = ml_collections.ConfigDict(config.to_dict())
+    for name in ("split", "learner_devices", "sampler_devices", "sampler_replicas"):
+        out.mesh[name] = getattr(mesh, name)
+    if gpus:
+        out.ray.learner_gpus, out.ray.replica_gpus = mesh.learner_devices, mesh.sampler_devices
+    return out, plan
 
 
 def worker_env() -> dict[str, Any]:
@@ -292,6 +318,8 @@ class RayRuntime:
     """The learner worker, the sampler replicas and the queue actor of one run.
 
     Attributes:
+      mesh_plan: the planner's choice (rl.elastic.planning.MeshPlan) when config.mesh.split is
+        "plan" (the workers are built on its split), else None.
       learner: LearnerClient.
       weight_sync: ObjectStoreSync.
       replicas: SamplerReplica handles.
@@ -302,8 +330,11 @@ class RayRuntime:
         from rl.runtime.ray_workers import LearnerWorker, QueueActor, SamplerReplica
 
         check_ray_config(config)
-        self.config, self.setup = config, setup
         self._owns_ray = connect(config.ray)
+        self.mesh_plan = None
+        if config.mesh.split == "plan":
+            config, self.mesh_plan = planned_config(config)
+        self.config, self.setup = config, setup
         env, cfg = worker_env(), config.to_dict()
         r = config.ray
         self.queue_actor = QueueActor.options(

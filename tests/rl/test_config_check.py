@@ -254,7 +254,6 @@ def test_elastic_borrowing_and_the_open_split_are_checked():
         check_config(config)
     text = "\n".join(e.value.problems)
     for expected in (
-        "config.mesh.split='plan' with config.runtime='ray'",
         "config.elastic.borrowing='learner' with no config.elastic.stage_model",
         "config.elastic.borrowing='learner' with config.mesh.colocated=True",
         "config.elastic.borrowing='learner' with config.driver.mode='async'",

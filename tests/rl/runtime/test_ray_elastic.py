@@ -100,6 +100,28 @@ def test_ray_sampler_borrows_the_learner_workers_devices_and_the_run_is_unchange
     assert lanes == {0, 1, 2, 3, 4, 5}  # every lent replica decoded
 
 
+def test_planner_picks_the_open_split_and_the_ray_workers_are_built_on_it(ray_cluster):
+    from rl.elastic.planning import plan_mesh
+    from rl.runtime.compose import Setup
+    from rl.runtime.ray_runtime import RayRuntime
+
+    config = lend_config("ray", "off")
+    config.mesh.split = "plan"
+    config.mesh.learner_devices = config.mesh.sampler_devices = 0
+    config.mesh.sampler_replicas = 1  # open: the planner picks the replicas
+    runtime = RayRuntime(config, Setup.from_config(config), total_updates=2)
+    try:
+        plan = runtime.mesh_plan
+        assert plan == plan_mesh(config, 8)[1]  # the threads runtime's planner, on the 8 devices
+        split = plan.split
+        assert ray.get(runtime.learner.workers[0].devices.remote()) == split.learner_gpus
+        assert len(runtime.replicas) == split.replicas
+        assert runtime.config.mesh.sampler_devices == split.tp
+        assert runtime.config.mesh.split == "fixed" and config.mesh.split == "plan"
+    finally:
+        runtime.close()
+
+
 # ------------------------------------------------------------------ the migrator, step by step
 
 
