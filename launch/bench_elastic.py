@@ -143,10 +143,33 @@ def _sample(engines: list[Engine], params: Any, requests: list[Request], policy:
         round_s=t1 - t0,
         replica_s=sum(e - t0 for e in ends.values()),
         migrations=stats.migrations,
-        migrated_sequences=stats.migrated_sequences,
         migrated_mb=stats.migrated_bytes / 1e6,
         tokens={g.request.key: [c.tokens for c in g.completions] for g in groups},
     )
+
+
+def _compare(n: int, runs: dict[str, list[dict]]) -> dict[str, dict[str, Any]]:
+    """Medians of each policy's runs and their ratios to "off", printed as rows of the table;
+    raises unless every setting sampled the same tokens."""
+    rows: dict[str, dict[str, Any]] = {}
+    for policy, rs in runs.items():
+        keys = ("round_s", "replica_s", "migrations", "migrated_mb")
+        rows[policy] = {k: statistics.median(r[k] for r in rs) for k in keys}
+        rows[policy]["round_s_range"] = [
+            min(r["round_s"] for r in rs),
+            max(r["round_s"] for r in rs),
+        ]
+    if any(rs[0]["tokens"] != runs["off"][0]["tokens"] for rs in runs.values()):
+        raise AssertionError(f"{n} replicas: migration changed the sampled tokens.")
+    for policy, r in rows.items():
+        r["round_vs_static"] = r["round_s"] / rows["off"]["round_s"]
+        r["replica_s_vs_static"] = r["replica_s"] / rows["off"]["replica_s"]
+        print(
+            f"  {n:>8}{policy:>8}{r['round_s']:>9.3f}{r['round_vs_static']:>9.2f}x"
+            f"{r['replica_s']:>10.3f}{r['replica_s_vs_static']:>9.2f}x"
+            f"{r['migrations']:>7.0f}{r['migrated_mb']:>9.2f}"
+        )
+    return rows
 
 
 def migration_section() -> dict[str, Any]:
@@ -166,7 +189,7 @@ def migration_section() -> dict[str, Any]:
     )
     print(
         f"  {'replicas':>8}{'policy':>8}{'round s':>9}{'vs static':>10}{'replica-s':>10}"
-        f"{'vs static':>10}{'moves':>7}{'MB moved':>9}{'same tokens':>12}"
+        f"{'vs static':>10}{'moves':>7}{'MB moved':>9}"
     )
     counts = [int(n) for n in _REPLICAS.value]
     if max(counts) > len(jax.devices()) or min(counts) < 2:
@@ -182,37 +205,19 @@ def migration_section() -> dict[str, Any]:
     for n in counts:
         engines = pool[:n]
         requests = _round(n)
-        rows: dict[str, dict[str, Any]] = {}
         _sample(engines, params, requests, "always")  # warm-up: every engine's export/import
+        runs = {}
         for policy in ("off", "tail"):
             _sample(engines, params, requests, policy)  # warm-up: compiles
-            runs = [_sample(engines, params, requests, policy) for _ in range(_REPEATS.value)]
-            med = {
-                k: statistics.median(r[k] for r in runs)
-                for k in ("round_s", "replica_s", "migrations", "migrated_sequences", "migrated_mb")
-            }
-            med["round_s_range"] = [
-                min(r["round_s"] for r in runs),
-                max(r["round_s"] for r in runs),
+            runs[policy] = [
+                _sample(engines, params, requests, policy) for _ in range(_REPEATS.value)
             ]
-            med["tokens"] = runs[0]["tokens"]
-            rows[policy] = med
-        same = rows["off"]["tokens"] == rows["tail"]["tokens"]
-        if not same:
-            raise AssertionError(f"{n} replicas: migration changed the sampled tokens.")
-        for policy, r in rows.items():
-            r["round_vs_static"] = r["round_s"] / rows["off"]["round_s"]
-            r["replica_s_vs_static"] = r["replica_s"] / rows["off"]["replica_s"]
-            print(
-                f"  {n:>8}{policy:>8}{r['round_s']:>9.3f}{r['round_vs_static']:>9.2f}x"
-                f"{r['replica_s']:>10.3f}{r['replica_s_vs_static']:>9.2f}x"
-                f"{r['migrations']:>7.0f}{r['migrated_mb']:>9.2f}{'yes' if same else 'NO':>12}"
-            )
-            del r["tokens"]
+        rows = _compare(n, runs)
         out[f"replicas{n}"] = rows
     print(
         "  round s: submission to the last group; replica-s: per replica, the round start to the "
-        "end of its last sequence, summed; vs static: over migration off. Correctness-grade "
+        "end of its last sequence, summed; vs static: over migration off; the same tokens in "
+        "both (checked). Correctness-grade "
         "figures: the replicas share 2 CPU cores."
     )
     return out
@@ -388,37 +393,16 @@ def ray_migration_section() -> dict[str, Any]:
                 for _ in range(n)
             ]
             requests = _round(n)
-            rows: dict[str, dict[str, Any]] = {}
-
             always = make_migration_policy(MigrationConfig(policy="always"))
             _ray_round(actors, queue, params, requests, always)  # warm-up: export/import
+            runs = {}
             for name, migration in (("off", None), ("tail", policy)):
                 _ray_round(actors, queue, params, requests, migration)  # warm-up
-                runs = [
+                runs[name] = [
                     _ray_round(actors, queue, params, requests, migration)
                     for _ in range(_REPEATS.value)
                 ]
-                med = {
-                    k: statistics.median(r[k] for r in runs)
-                    for k in ("round_s", "replica_s", "migrations", "migrated_mb")
-                }
-                med["round_s_range"] = [
-                    min(r["round_s"] for r in runs),
-                    max(r["round_s"] for r in runs),
-                ]
-                med["tokens"] = runs[0]["tokens"]
-                rows[name] = med
-            if rows["off"]["tokens"] != rows["tail"]["tokens"]:
-                raise AssertionError(f"{n} replica actors: migration changed the sampled tokens.")
-            for name, r in rows.items():
-                del r["tokens"]
-                r["round_vs_static"] = r["round_s"] / rows["off"]["round_s"]
-                r["replica_s_vs_static"] = r["replica_s"] / rows["off"]["replica_s"]
-                print(
-                    f"  {n:>8}{name:>8}{r['round_s']:>9.3f}{r['round_vs_static']:>9.2f}x"
-                    f"{r['replica_s']:>10.3f}{r['replica_s_vs_static']:>9.2f}x"
-                    f"{r['migrations']:>7.0f}{r['migrated_mb']:>9.2f}"
-                )
+            rows = _compare(n, runs)
             for actor in (*actors, queue):
                 ray.kill(actor)
             out[f"replicas{n}"] = rows
