@@ -382,15 +382,6 @@ def check_config(config: Any) -> None:
                 f"mesh's data axis ({data_axis}); expected a multiple of {data_axis}."
             )
 
-        replicas = mesh.sampler_replicas
-        tail = driver is not None and (driver.tail.enabled or driver.tail.response_eta > 1)
-        if replicas > 1 and tail:
-            p.add(
-                f"config.mesh.sampler_replicas={replicas} with config.driver.tail: the threaded "
-                "runtime cuts a round inside one sampler loop; expected mesh.sampler_replicas=1 "
-                "with tail batching, or config.runtime='ray' (its router cuts across replicas)."
-            )
-
     # Warm start and evaluation.
     sft = config.get("sft") or {}
     if sft and p.integer(sft, "sft.", "max_steps", 0, "SFT warm-start steps; 0: none"):

@@ -3,13 +3,13 @@
 `ReplicaRouter` is the Driver's Sampler (rl.runtime.protocols) over N SamplerReplica actors: it
 routes each request (one group) round-robin or to the least-loaded replica, keeps every request
 until its group is delivered (so a dead replica's unfinished ones are re-sampled elsewhere, and a
-second copy is dropped), applies tail batching's round cuts (rl.rounds.RoundCuts) where every
-replica's groups meet, and merges the replicas' timeline events into the driver's timeline (slot
-lanes numbered across replicas, args["replica"]) for per-replica metrics. Replicas join and leave
-between rounds (`add_replica`, `remove_replica`: the sampler borrowing the learner's devices), and
-with a migration policy a RayMigrator (rl.runtime.ray_migration) moves running requests between
-them; routing is guarded by one lock for that thread. `QueueClient` is the Driver's Queue over the
-queue actor.
+second copy is dropped), applies tail batching's round cuts (rl.runtime.routing.RoutedCuts)
+where every replica's groups meet, and merges the replicas' timeline events into the driver's
+timeline (slot lanes numbered across replicas, args["replica"]) for per-replica metrics. Replicas
+join and leave between rounds (`add_replica`, `remove_replica`: the sampler borrowing the
+learner's devices), and with a migration policy a RayMigrator (rl.runtime.ray_migration) moves
+running requests between them; routing and the cuts are guarded by one lock for that thread.
+`QueueClient` is the Driver's Queue over the queue actor.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import ray
 from ray.exceptions import RayActorError
 
 from rl.elastic.migration import Off
-from rl.rounds import RoundCut, RoundCuts
-from rl.runtime.routing import Routing
+from rl.rounds import RoundCut
+from rl.runtime.routing import RoutedCuts, Routing
 from rl.timeline import Timeline, replica_lane
 from rl.types import Group, Request
 
@@ -77,7 +77,7 @@ class ReplicaRouter:
     driver takes them off the queue (with one replica, its completion order: the threaded
     runtime's cut, bit for bit). Once the cut is full, the round's other requests are aborted on
     every live replica and forgotten (never re-sampled); a copy emitted before the abort reached
-    its replica is dropped on arrival (`groups_cut`).
+    its replica is dropped on arrival (counted in stats.groups_cut).
 
     Args:
       replicas: SamplerReplica handles, by index.
@@ -108,9 +108,7 @@ class ReplicaRouter:
         self.lock = threading.RLock()
         self._params: tuple[Any, int] | None = None  # the latest weights, for a replica added
         self._error: BaseException | None = None
-        self._cuts = RoundCuts()  # tail batching: which complete groups of a short round train
-        self._cut_keys: set[tuple[int, int]] = set()  # requests aborted by a full cut
-        self.groups_cut = 0  # complete groups dropped because their round's cut was full
+        self._cuts = RoutedCuts(self._routing)  # tail batching: which groups of a short round train
         self._stats: dict[int, Any] = {}  # the last counters of each replica (a dead one's stay)
         self.resampled = 0  # requests re-submitted after their replica died
         self.migrator = None
@@ -225,9 +223,8 @@ class ReplicaRouter:
         from sampler.loop import SamplerStats
 
         self._collect()
-        total = SamplerStats.total(self._stats.values())
-        total.groups_cut += self.groups_cut
-        return total
+        with self.lock:
+            return self._cuts.settle(SamplerStats.total(self._stats.values()))
 
     def _merge(self, i: int, spans: list[Any], instants: list[Any]) -> None:
         for s in spans:
@@ -251,13 +248,10 @@ class ReplicaRouter:
         if self._error is not None:
             raise self._error
         requests = list(requests)
-        if cut is not None:
-            self._cuts.add(cut, requests)
-            # a copy of an earlier round's aborted request still arriving now is dropped uncounted
-            rnd = requests[0].round
-            self._cut_keys = {k for k in self._cut_keys if k[0] >= rnd - 1}
         by_replica: dict[int, list[Request]] = collections.defaultdict(list)
         with self.lock:
+            if cut is not None:
+                self._cuts.add(cut, requests)
             for r in requests:
                 by_replica[self._routing.route(r)].append(r)
         for i, rs in by_replica.items():
@@ -269,27 +263,11 @@ class ReplicaRouter:
     def accept(self, group: Group) -> bool:
         """Marks a delivered group; False for a second copy or a group its round's full cut
         refuses (see QueueClient). The group that fills a cut aborts the round's others."""
-        key = group.request.key
-        with self.lock:
-            delivered = self._routing.deliver(key) is not None
-        if not delivered:
-            if key in self._cut_keys:
-                self._cut_keys.discard(key)
-                self.groups_cut += 1
-            return False
-        kept, abort, refused = self._cuts.apply([group])
+        with self.lock:  # the migrator's thread reads who owns a request under it
+            keep, abort = self._cuts.deliver(group)
         if abort:
-            self._abort(abort)
-        self.groups_cut += refused
-        return bool(kept)
-
-    def _abort(self, keys: list[tuple[int, int]]) -> None:
-        """Forgets the requests `keys` still outstanding and aborts them on every live replica."""
-        with self.lock:
-            dropped = [k for k in keys if self._routing.deliver(k) is not None]  # forgotten:
-        self._cut_keys.update(dropped)  # never re-sampled; a late copy is dropped on arrival
-        if dropped:
-            self._each("abort", dropped)
+            self._each("abort", abort)
+        return keep
 
     def request_stop(self) -> None:
         if self.migrator is not None:

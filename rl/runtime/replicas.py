@@ -14,6 +14,15 @@ imports them before its next decode step; the group completes there. Each move i
 bytes, src, dst); rl.metrics.migration_metrics sums them per round. A replica left with nothing
 to do takes queued work at its next step, or is idle (`idle_replicas`).
 
+Tail batching (rl.rounds): a round's RoundCut is decided where the replicas' groups meet, in
+`emit`, on the shared Routing (rl.runtime.routing.RoutedCuts, as the Ray router): the first
+`cut.target` groups of the round emitted go on; the one that fills the cut forgets the round's
+other requests (never re-sampled) and aborts them on every live replica, at once; a copy emitted
+before its replica got the abort is dropped (stats.groups_cut). A migration runs under the same
+lock, so an abort reaches the replica that holds the request, never one it is leaving. With one
+replica at submission the loop also gets a copy of the cut and aborts at completion, before the
+rewards, as it always did (it emits exactly the groups the shared cut then keeps).
+
 Elastic replicas: `add_replica(engine)` starts another replica (it gets the latest weights) and
 `remove_replica(i)` stops one, its undelivered requests re-sampled on the others (per-request
 randomness makes them identical; a group delivered twice is dropped). Both are safe between the
@@ -33,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from rl.elastic.migration import MigrationPolicy, Off
 from rl.rounds import RoundCut
-from rl.runtime.routing import Routing
+from rl.runtime.routing import RoutedCuts, Routing
 from rl.timeline import SLOT_PREFIX, replica_lane
 from rl.types import Group, Request
 
@@ -95,12 +104,14 @@ class ReplicaSampler:
         if not engines:
             raise ValueError("ReplicaSampler needs at least one engine; received none.")
         self._routing = Routing(routing, max(1, len(engines)))
+        self._cuts = RoutedCuts(self._routing)  # tail batching's round cuts over the replicas
         self._make_admission, self._reward_fn, self._emit = make_admission, reward_fn, emit
         self._group_atomic, self._recompute_kv = group_atomic, recompute_kv
         self.migration = Off() if migration is None else migration
         self.timeline, self.clock = timeline, clock
         self._params: tuple[Any, int] = (None, version)
-        self._lock = threading.Lock()  # routing and the replica table
+        # routing, cuts and the replica table; taken before a loop's lock, never inside one
+        self._lock = threading.Lock()
         self._topology = threading.RLock()  # held by a migration, add_replica, remove_replica
         self.loops: dict[int, SamplerLoop] = {}  # live replicas by index
         self._removed: list[SamplerLoop] = []  # their counters stay in `stats`
@@ -160,11 +171,10 @@ class ReplicaSampler:
                 if len(self.loops) == 1:
                     raise ValueError(f"Replica {i} is the last one; a sampler needs one replica.")
                 loop = self.loops.pop(i)
-                lost = self._routing.remove(i)
                 self._removed.append(loop)
+                # re-routed at once: a round cut filling meanwhile forgets and aborts them too
+                self._route(self._routing.remove(i))
         loop.close()  # outside the locks: its thread may be emitting a group
-        if lost:
-            self.submit(lost)
 
     def pending(self) -> int:
         """Requests waiting, running, or complete with rewards running, over the replicas."""
@@ -207,7 +217,7 @@ class ReplicaSampler:
 
         with self._lock:
             loops = [*self.loops.values(), *self._removed]
-        return SamplerStats.total(loop.stats for loop in loops)
+        return self._cuts.settle(SamplerStats.total(loop.stats for loop in loops))
 
     def start(self) -> None:
         with self._topology:
@@ -216,19 +226,16 @@ class ReplicaSampler:
                 loop.start()
 
     def submit(self, requests: Iterable[Request], cut: RoundCut | None = None) -> None:
+        """Routes requests to the replicas; with `cut` (one round's requests) the first
+        `cut.target` of the round's groups to be emitted go on (module docstring)."""
         requests = list(requests)
         with self._lock:
-            if cut is not None and len(self.loops) > 1:
-                raise ValueError(
-                    f"A round cut (tail batching) spans one sampler; this one has {len(self.loops)} "
-                    "replicas. Expected config.mesh.sampler_replicas=1 with driver.tail."
-                )
-            by_replica: dict[int, list[Request]] = {}
-            for r in requests:
-                by_replica.setdefault(self._routing.route(r), []).append(r)
-            loops = {i: self.loops[i] for i in by_replica}
-        for i, rs in sorted(by_replica.items()):
-            loops[i].submit(rs, cut)
+            local = None
+            if cut is not None:
+                self._cuts.add(cut, requests)
+                if len(self.loops) == 1:  # the loop aborts at completion, as it always did
+                    local = RoundCut(cut.target)
+            self._route(requests, local)
 
     def set_params(self, params: Any, version: int) -> None:
         with self._lock:
@@ -271,10 +278,23 @@ class ReplicaSampler:
         with self._lock:
             return [loop for _, loop in sorted(self.loops.items())]
 
+    def _route(self, requests: list[Request], cut: RoundCut | None = None) -> None:
+        """Routes and submits `requests` (lock held: a cut filling meanwhile sees them all)."""
+        by_replica: dict[int, list[Request]] = {}
+        for r in requests:
+            by_replica.setdefault(self._routing.route(r), []).append(r)
+        for i, rs in sorted(by_replica.items()):
+            self.loops[i].submit(rs, cut)
+
     def _deliver(self, group: Group) -> None:
+        """A replica's emit: its round's cut decides, aborts the round's rest everywhere once
+        full; a second copy (a removed replica's re-sampled group, an aborted one) is dropped."""
         with self._lock:
-            first = self._routing.deliver(group.request.key) is not None
-        if first:  # a removed replica's late copy of a re-sampled group is dropped
+            keep, abort = self._cuts.deliver(group)
+            if abort:
+                for loop in self.loops.values():
+                    loop.abort(abort)
+        if keep:  # outside the lock: a full queue blocks this replica only
             self._emit(group)
 
     def _boundary(self, i: int) -> None:
@@ -297,17 +317,19 @@ class ReplicaSampler:
         self, key: tuple[int, int], src: int, dst: int, loops: dict[int, SamplerLoop], view: Any
     ) -> None:
         n = next(r.sequences for r in view.running if r.key == key)
-        slots = loops[dst].reserve(n)
-        if slots is None:  # the destination admitted work meanwhile
-            return
-        t0 = self.clock()
-        handoff = loops[src].handoff(key)
-        if handoff is None:  # finished, aborted or cut since the view
-            loops[dst].unreserve(slots)
-            return
-        with self._lock:
+        with self._lock:  # a round cut's abort comes before the move or after the adoption
+            if key not in self._routing.outstanding:  # aborted by a full round cut since `view`
+                return
+            slots = loops[dst].reserve(n)
+            if slots is None:  # the destination admitted work meanwhile
+                return
+            t0 = self.clock()
+            handoff = loops[src].handoff(key)
+            if handoff is None:  # finished or aborted since the view
+                loops[dst].unreserve(slots)
+                return
             self._routing.move(key, dst)
-        loops[dst].adopt(handoff, slots)
+            loops[dst].adopt(handoff, slots)
         if self.timeline is not None:
             r = handoff.run.request
             ReplicaTimeline(self.timeline, src, self._offsets[src]).span(

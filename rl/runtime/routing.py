@@ -4,14 +4,21 @@
 (rl.runtime.replicas) and the Ray runtime's router (rl.runtime.ray_router) keep every request from
 submission until its group is delivered in one, so a replica's load, a dead or removed replica's
 unfinished requests and a migrated request's new owner are tracked the same way in both.
+`RoutedCuts` applies tail batching's round cuts on top of it, where the replicas' groups meet (the
+Ray router's take from the queue, the threaded sampler's emit), for both.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+from collections.abc import Sequence
+from typing import Any
 
-from rl.types import Request
+from rl.rounds import RoundCut, RoundCuts
+from rl.types import Group, Request
+
+Key = tuple[int, int]  # (round, uid)
 
 ROUTINGS = ("round_robin", "least_loaded")
 
@@ -89,3 +96,56 @@ class Routing:
             return None
         self.load[owner[0]] -= 1
         return owner[0]
+
+
+class RoutedCuts:
+    """Tail batching's round cuts (rl.rounds.RoundCut) decided in one place for all replicas.
+
+    A round's cut keeps the first `cut.target` of its groups delivered here. The group that fills
+    it makes the Routing forget the round's other requests (never re-sampled, e.g. after a replica
+    dies) and returns them, to be aborted on every live replica; a copy of an aborted request
+    emitted before its replica got the abort is dropped on arrival and counted in `groups_cut`.
+
+    Args:
+      routing: the Routing that owns every request from submission until its group is delivered.
+    """
+
+    def __init__(self, routing: Routing):
+        self.routing = routing
+        self._cuts = RoundCuts()
+        self._aborted: set[Key] = set()  # forgotten by a full cut; a late copy is counted
+        self.groups_cut = 0  # complete groups dropped here because their round's cut was full
+
+    def add(self, cut: RoundCut, requests: Sequence[Request]) -> None:
+        """Registers `cut` for one round's `requests`, before they are routed."""
+        self._cuts.add(cut, requests)
+        # a copy of an older round's aborted request still arriving is dropped uncounted
+        round = requests[0].round
+        self._aborted = {k for k in self._aborted if k[0] >= round - 1}
+
+    def deliver(self, group: Group) -> tuple[bool, list[Key]]:
+        """Marks `group` delivered.
+
+        Returns:
+          (whether the group goes on to the learner: False for a second copy or a group its
+          round's full cut refuses; the request keys to abort on every live replica, already
+          forgotten by the Routing: those left when this group filled its round's cut).
+        """
+        key = group.request.key
+        if self.routing.deliver(key) is None:
+            if key in self._aborted:
+                self._aborted.discard(key)
+                self.groups_cut += 1
+            return False, []
+        kept, abort, refused = self._cuts.apply([group])
+        self.groups_cut += refused
+        dropped = [k for k in abort if self.routing.deliver(k) is not None]
+        self._aborted.update(dropped)
+        return bool(kept), dropped
+
+    def settle(self, stats: Any) -> Any:
+        """The replicas' summed SamplerStats with the groups dropped here (which the replicas
+        counted as emitted) counted as cut instead."""
+        stats.groups_emitted -= self.groups_cut
+        stats.groups_cut += self.groups_cut
+        return stats

@@ -236,12 +236,10 @@ def test_replica_and_migration_fields_are_checked():
     ]
     config = smoke.get_config()
     config.mesh.sampler_replicas = 2
-    config.driver.tail.enabled = True
-    with pytest.raises(ConfigError, match=r"sampler_replicas=2 with config.driver.tail"):
-        check_config(config)
-    config.driver.tail.enabled = False
     config.elastic.migration = "tail"
     check_config(config)  # two replicas of one device each (colocated smoke) migrate: fine
+    config.driver.tail.enabled = True
+    check_config(config)  # and cut tail-batched rounds across the replicas (ReplicaSampler)
 
 
 def test_elastic_borrowing_and_the_open_split_are_checked():

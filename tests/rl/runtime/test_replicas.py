@@ -18,6 +18,7 @@ from configs import base
 from rl.admission import FCFS
 from rl.elastic.migration import MigrationConfig, Move, check_moves, make_migration_policy
 from rl.models import create_model, get_preset
+from rl.rounds import RoundCut
 from rl.runtime.compose import Setup, build_driver
 from rl.runtime.replicas import ReplicaSampler
 from rl.tasks.data import load_task
@@ -159,6 +160,37 @@ def test_add_and_remove_replicas_between_steps(model, engines):
         sampler.remove_replica(0)
     with pytest.raises(ValueError, match="at least one engine; received none"):
         ReplicaSampler([], make_admission=FCFS, reward_fn=lambda r, c: 0.0, emit=groups.append)
+
+
+@pytest.mark.parametrize("policy", ["off", "always"])
+def test_a_full_round_cut_aborts_the_rest_on_every_replica(model, engines, policy):
+    """Stepped in order, 2 replicas (round-robin: uids 0, 2, 4 on one, 1, 3, 5 on the other): the
+    3 short groups fill the cut; the 3 long ones, running on either replica (or moved at every
+    step), are aborted there at once and forgotten; the kept groups' tokens are one engine's."""
+    lengths = [4, 4, 40, 40, 4, 40]
+    ref, _, _ = sample(model, engines, [0], lengths=lengths)
+    groups = []
+    sampler = ReplicaSampler(
+        [engines(1), engines(2)],
+        make_admission=FCFS,
+        reward_fn=lambda r, c: 0.0,
+        emit=groups.append,
+        migration=make_migration_policy(MigrationConfig(policy=policy)),
+    )
+    sampler.set_params(engines(1).load_params(model), 0)
+    reqs = requests(lengths=lengths)
+    cut = RoundCut(3)
+    sampler.submit(reqs, cut)
+    sampler.run_until_idle(max_steps=100)
+    got = {
+        g.request.key: [(c.tokens, c.logprobs, c.versions) for c in g.completions] for g in groups
+    }
+    assert sorted(got) == sorted(cut.kept) == [(0, 0), (0, 1), (0, 4)]
+    assert got == {k: ref[k] for k in got}
+    stats = sampler.stats
+    assert (stats.groups_emitted, stats.groups_aborted, stats.groups_cut) == (3, 3, 0)
+    assert sampler._routing.outstanding == {} and sampler.busy_slots() == 0
+    assert (stats.migrations > 0) == (policy == "always")
 
 
 class RandomMoves:
@@ -354,3 +386,86 @@ def test_a_handoff_through_host_memory_continues_with_the_same_tokens(model, eng
     )
     assert rows(moved) == rows(unmoved)
     assert a.handoff(reqs[0].key) is None  # no longer here: the caller gives its slots back
+
+
+def run_tail(replicas, migration="off", bare_loop=False, rounds=3):
+    """Tail batching (short rounds launch 6 prompts and train the first 4 complete groups, each of
+    the first 4 of 5 samples to finish) for `rounds` rounds: short, short, long. `bare_loop`: the
+    driver samples with the one replica's SamplerLoop itself, which cuts its rounds on its own.
+    Returns the results, the parameters, the driver and every uid submitted."""
+    config = base.get_config("smoke")
+    config.sft.max_steps = 0
+    config.driver.mode, config.driver.batching = "cgp", "ordered"
+    config.driver.tail.enabled, config.driver.tail.eta = True, 1.5
+    config.driver.tail.response_eta = 1.25
+    config.mesh.sampler_replicas = replicas
+    config.engine.max_slots = 16  # room on each replica for the other's groups: moves happen
+    config.elastic.migration = migration
+    runtime, driver = build_driver(config, rounds=rounds)
+    try:
+        if bare_loop:
+            (loop,) = driver.sampler.loops.values()
+            loop.emit, driver.sampler = driver.queue.put, loop
+        sampler, submitted = driver.sampler, []
+        submit = sampler.submit
+
+        def recording(requests, cut=None):
+            requests = list(requests)
+            submitted.extend(r.uid for r in requests)
+            submit(requests, cut)
+
+        sampler.submit = recording
+        try:
+            results = [driver.run_round(r) for r in range(rounds)]
+        finally:
+            driver.close()
+        return results, jax.device_get(runtime.learner.state.params), driver, submitted
+    finally:
+        runtime.close()
+
+
+def assert_each_prompt_trained_once_or_queued(results, driver, submitted):
+    assert [r.kind for r in results] == ["short", "short", "long"]
+    assert [len(r.groups) for r in results] == [4, 4, 4]
+    assert {len(g.completions) for r in results for g in r.groups} == {4}
+    trained = [g.request.uid for r in results for g in r.groups]
+    queued = [p.uid for p in driver.planner.long_queue]
+    assert len(set(trained)) == len(trained) and not set(trained) & set(queued)
+    assert set(trained) | set(queued) == set(submitted) and len(submitted) == 6 + 6 + 4
+    assert queued == []  # the long round trained the 4 prompts the short rounds cut
+    stats = driver.sampler.stats  # each request emitted once, or aborted, or its copy cut
+    assert stats.groups_emitted == len(trained)
+    assert stats.groups_emitted + stats.groups_aborted + stats.groups_cut == len(submitted)
+    assert driver.sampler.pending() == driver.sampler.busy_slots() == 0
+
+
+def test_tail_batching_with_one_replica_is_the_loops_own_cut():
+    """One replica: the replica sampler trains the tokens and reaches the parameters of its
+    SamplerLoop used alone (the loop's own cut), bitwise; the cut requests are forgotten."""
+    results, params, driver, submitted = run_tail(1)
+    alone, params_alone, driver_alone, _ = run_tail(1, bare_loop=True)
+    assert_each_prompt_trained_once_or_queued(results, driver, submitted)
+    tokens = lambda rs: [
+        [(g.request.uid, c.sample, c.tokens, c.logprobs) for g in r.groups for c in g.completions]
+        for r in rs
+    ]
+    assert tokens(results) == tokens(alone)
+    for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(params_alone), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    counts = lambda s: (s.groups_emitted, s.groups_aborted, s.groups_cut, s.samples_cut)
+    assert counts(driver.sampler.stats) == counts(driver_alone.sampler.stats)  # the loop cut
+    assert driver.sampler._routing.outstanding == {}
+
+
+@pytest.mark.parametrize("migration", ["off", "always"])
+def test_tail_batching_cuts_rounds_across_replicas(migration):
+    """Two replicas (with a migration at every step: an abort reaches the request's current
+    replica): every launched prompt is trained once or waits in the long queue, none lost, none
+    doubled; the cut requests are aborted, not re-sampled, and nothing stays outstanding."""
+    results, _, driver, submitted = run_tail(2, migration)
+    assert_each_prompt_trained_once_or_queued(results, driver, submitted)
+    sampler = driver.sampler
+    assert min(sampler.routed.values()) > 0 and sampler._routing.outstanding == {}
+    assert sum(loop.stats.groups_cut for loop in sampler.loops.values()) == 0  # cut in one place
+    if migration == "always":
+        assert sampler.stats.migrations > 0
