@@ -4,7 +4,11 @@
 store) implements; `DevicePutSync` is the single-process one: a cross-mesh `jax.device_put`, or,
 colocated (every parameter already on the sampler's sharding in the sampler's dtype) and given the
 learner (`share_with`), no copy at all: the sampler reads the learner's arrays, and the learner's
-next update writes new buffers instead of donating them (`Learner.share_params`).
+next update writes new buffers instead of donating them (`Learner.share_params`). Otherwise the
+published arrays share no buffer with the learner's, which its next update donates: where the two
+meshes share a device, `jax.device_put` may keep the learner's buffer as that device's shard even
+with may_alias=False (a one-device array replicated onto a mesh that holds its device: colocated
+sampler replicas), so the parameters are copied on the learner's devices first.
 A learner of several processes (learner/distributed.py) has no sampler devices in its job: every
 process calls `learner.distributed.gather_to_host(params)` (a collective) and process 0 hands the
 numpy arrays to such a transport.
@@ -13,6 +17,7 @@ numpy arrays to such a transport.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Protocol
 
@@ -61,6 +66,15 @@ class DevicePutSync:
         )
         self.share_with = share_with  # a Learner (share_params); None: always copy
         self.shared = 0  # publishes that shared the learner's arrays instead of copying
+        self._devices = set(sampler_mesh.devices.flat)
+        self._copy = jax.jit(functools.partial(_copy, dtype=self.dtype))
+
+    def _overlaps(self, params: Any) -> bool:
+        """Some parameter lives on a sampler device (device_put could keep its buffer)."""
+        return any(
+            isinstance(x, jax.Array) and not x.sharding.device_set.isdisjoint(self._devices)
+            for x in jax.tree.leaves(params)
+        )
 
     def _colocated(self, params: Any) -> bool:
         """Every leaf already has the sampler's sharding and dtype: a copy would change nothing."""
@@ -82,12 +96,23 @@ class DevicePutSync:
             out = learner.share_params()
             self.shared += 1
             return Published(params=out, version=version, seconds=time.perf_counter() - start)
-        if self.dtype is not None:
-            params = jax.tree.map(
-                lambda x: x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                params,
-            )
+        if self._overlaps(params):  # new buffers where the learner's are (module docstring)
+            params = self._copy(params)
+        elif self.dtype is not None:
+            params = jax.tree.map(functools.partial(_cast, dtype=self.dtype), params)
         # A copy: without `share_with` the learner's next update may donate its buffers.
         out = jax.device_put(params, self.shardings, may_alias=False)
         jax.block_until_ready(out)
         return Published(params=out, version=version, seconds=time.perf_counter() - start)
+
+
+def _cast(x: Any, *, dtype: Any) -> Any:
+    """A floating parameter in the sampler's dtype (None: its own); others unchanged."""
+    if dtype is None or not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype:
+        return x
+    return x.astype(dtype)
+
+
+def _copy(params: Any, *, dtype: Any) -> Any:
+    """`params` cast as `_cast` does, every leaf in a new buffer (jitted: on their devices)."""
+    return jax.tree.map(lambda x: jnp.copy(_cast(x, dtype=dtype)), params)

@@ -305,6 +305,31 @@ def test_colocated_publish_shares_the_arrays_and_the_next_update_leaves_them_int
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("share", [True, False])
+def test_a_publish_onto_more_devices_than_the_learners_survives_its_next_update(share):
+    # Colocated smoke with 2 sampler replicas: the learner on device 0, the sampler on 0 and 1.
+    # jax.device_put(may_alias=False) of a one-device array onto a mesh holding that device keeps
+    # the array's own buffer as that device's shard; the learner's update then donated it, and
+    # replica 0 decoded with a deleted (donated) parameter buffer. The publish must copy.
+    model = create_model(get_preset("tiny"))
+    lm, sm = make_meshes(MeshConfig(learner_devices=1, sampler_devices=2, colocated=True))
+    assert set(lm.devices.flat) < set(sm.devices.flat)
+    learner = Learner(model, LearnerConfig(micro_batch_rows=4), mesh=lm)
+    sync = DevicePutSync(learner.params, sm, share_with=learner if share else None)
+    for step in range(2):
+        published = sync.publish(learner.params, version=step).params
+        # copies: on CPU np.asarray is a view that would keep a buffer from being donated
+        before = [np.asarray(x).copy() for x in jax.tree.leaves(published)]
+        learner.begin_round(updates=1)
+        learner.add_groups(make_groups(1, seed=step))
+        learner.update()
+        after = jax.tree.leaves(published)
+        assert not any(x.is_deleted() for x in after)
+        for b, x in zip(before, after, strict=True):  # still readable and unchanged
+            np.testing.assert_array_equal(np.asarray(x), b)
+    assert sync.shared == 0  # different devices: a copy, never the learner's arrays
+
+
 def test_bad_input_gets_clear_errors():
     groups = make_groups(1)
     with pytest.raises(ValueError, match="empty group list"):

@@ -392,7 +392,9 @@ def run_tail(replicas, migration="off", bare_loop=False, rounds=3):
     """Tail batching (short rounds launch 6 prompts and train the first 4 complete groups, each of
     the first 4 of 5 samples to finish) for `rounds` rounds: short, short, long. `bare_loop`: the
     driver samples with the one replica's SamplerLoop itself, which cuts its rounds on its own.
-    Returns the results, the parameters, the driver and every uid submitted."""
+    After every update, no replica's weights were donated by it (colocated smoke: replica 0 is
+    on the learner's device). Returns the results, the parameters, the driver and every uid
+    submitted."""
     config = base.get_config("smoke")
     config.sft.max_steps = 0
     config.driver.mode, config.driver.batching = "cgp", "ordered"
@@ -403,9 +405,21 @@ def run_tail(replicas, migration="off", bare_loop=False, rounds=3):
     config.elastic.migration = migration
     runtime, driver = build_driver(config, rounds=rounds)
     try:
+        loops = list(driver.sampler.loops.values())
         if bare_loop:
-            (loop,) = driver.sampler.loops.values()
+            (loop,) = loops
             loop.emit, driver.sampler = driver.queue.put, loop
+        learner, update = runtime.learner, runtime.learner.update
+
+        def updating():
+            out = update()  # donates the learner's old buffers: no replica's weights among them
+            for i, loop in enumerate(loops):
+                weights = [loop._params, *(loop._pending_params or ())[:1]]
+                deleted = [x for x in jax.tree.leaves(weights) if x.is_deleted()]
+                assert not deleted, f"replica {i} decodes with {len(deleted)} donated arrays"
+            return out
+
+        learner.update = updating
         sampler, submitted = driver.sampler, []
         submit = sampler.submit
 
