@@ -376,10 +376,11 @@ class SamplerLoop:
                         # publish never runs on the weights before it (async's staleness bound
                         # counts on that).
                         break
+                    # a slot aborted since this step's frees is freed at the next one
                     free = [
                         i
                         for i, r in enumerate(self._slot_run)
-                        if r is None and i not in self._reserved
+                        if r is None and i not in self._reserved and i not in self._to_free
                     ]
                     taken = self._take(len(free))
                     if taken is None:

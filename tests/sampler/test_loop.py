@@ -97,6 +97,31 @@ def test_abort_frees_slots_which_are_reused(engine, model):
     assert [g.request.uid for g in rec.groups] == [3, 1]
 
 
+def test_slots_aborted_from_another_thread_mid_step_are_reused_only_once_freed(engine, model):
+    """An abort that lands after a step took its slots to free (another replica's round cut, on
+    its thread) leaves them to the next step's free: this step's admission must not start a
+    request in them, or that free would stop it for good."""
+    rec = Recorder()
+    loop = SamplerLoop(
+        engine, engine.load_params(model), admission=FCFS(), reward_fn=rec.reward, emit=rec.emit
+    )
+    long_a, long_b, waiting = _req(1, n_new=40), _req(2, n_new=40), _req(3, n_new=4)
+    loop.submit([long_a, long_b, waiting])
+    loop.step()
+    assert loop.busy_slots() == 4 and len(loop.admission) == 1  # request 3 waits for slots
+    # at the next step's boundary (its frees done, its admission to come) request 1 is aborted
+    loop.on_boundary = lambda: loop.abort([long_a.key])
+    loop.step()
+    loop.on_boundary = None
+    assert loop.busy_slots() == 2 and len(loop.admission) == 1  # 3 waits for the free
+    loop.step()  # frees request 1's slots on the device, admits request 3 into them
+    assert loop.busy_slots() == 4 and len(loop.admission) == 0
+    assert loop.abort([long_b.key]) == [long_b]
+    loop.run_until_idle(max_steps=100)
+    assert [g.request.uid for g in rec.groups] == [3]
+    assert all(len(c.tokens) == 4 for c in rec.groups[0].completions)
+
+
 def test_weight_swap_applies_from_the_next_step_with_version_tags(engine, model):
     params = engine.load_params(model)
     other = engine.load_params(create_model(get_preset("tiny", init_std=0.3), seed=1))
