@@ -316,7 +316,10 @@ class ReplicaCore:
 
     def renew(self) -> None:
         """A fresh loop (no weights, nothing queued) on the same engine: a lent replica's next
-        lend reuses its compiled engine."""
+        lend reuses its compiled engine. Handoffs asked of the old loop are forgotten with it."""
+        with self._migration:
+            self._asked.clear()
+            self._outbox.clear()
         self.loop = self._new_loop()
 
     def _emit(self, group: Any) -> None:
