@@ -128,11 +128,13 @@ def distributed_config_from(
     return DistributedConfig(**fields)
 
 
-def initialize(cfg: DistributedConfig) -> None:
+def initialize(cfg: DistributedConfig, *, recoverable: bool = False) -> None:
     """Joins this process to the learner's jax.distributed job; nothing for one process.
 
     Call it before any other jax work in the process (jax's rule). Calling it again with the same
-    job is a no-op.
+    job is a no-op. `recoverable`: the job outlives a process that dies (jax's
+    jax_enable_recoverability), for processes that only lend their devices to the learner now
+    and then (Ray sampler replicas: rl.runtime.ray_workers).
 
     Raises:
       RuntimeError: jax is already initialised for a different job, or jax computations ran
@@ -153,6 +155,8 @@ def initialize(cfg: DistributedConfig) -> None:
     # older versions to none); on GPU and TPU the option is unused.
     if jax.config.jax_cpu_collectives_implementation is None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if recoverable:
+        jax.config.update("jax_enable_recoverability", True)
     try:
         jax.distributed.initialize(
             coordinator_address=cfg.coordinator_address,

@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +72,23 @@ class _Steps:
     apply: Any
     apply_keep_params: Any
     copy: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class BorrowSnapshot:
+    """The learner as the processes lending it devices need it (Learner.borrow_snapshot)."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = (
+        "_pending",
+        "_pending_rows",
+        "_params_shared",
+        "updates_in_round",
+        "groups_in_update",
+        "_tokens_in_update",
+        "_filtered_in_update",
+    )
+    arrays: Any  # (TrainState, Accum | None, behaviour params | None, reference params | None)
+    fields: dict[str, Any]  # FIELDS' values
 
 
 class Learner:
@@ -405,20 +422,88 @@ class Learner:
             steps.apply = steps.apply.lower(abstract(self.state, shardings), acc).compile()
         self._borrowed = steps
 
-    def borrow(self, devices: Sequence[Any]) -> None:
+    def borrow(self, devices: Sequence[Any], snapshot: BorrowSnapshot | None = None) -> None:
         """Reshards the TrainState (and the accumulator, behaviour and reference params) onto the
-        mesh extended over `devices`; later add_groups / update run there until `give_back`."""
+        mesh extended over `devices`; later add_groups / update run there until `give_back`.
+
+        Devices of other processes of this jax.distributed job (a Ray sampler replica's, lent to
+        the learner) cannot be reached by a device_put: every process of the extended mesh then
+        calls `borrow` with the same `snapshot` (the learner's `borrow_snapshot`, host arrays and
+        the round's bookkeeping) and builds its own shards from it; the others hold none of the
+        learner's arrays before.
+        """
         if self.borrowing:
             raise RuntimeError("borrow called while already borrowing; call give_back first.")
         self.prepare_borrow(devices)
         assert self._borrowed is not None
-        self._move(self._borrowed)
+        if self._borrowed.mesh.is_multi_process:
+            if snapshot is None:
+                raise ValueError(
+                    "borrow: the extended mesh spans processes; expected the learner's "
+                    "borrow_snapshot() (the same in every process of the mesh)."
+                )
+            self._move_from_host(self._borrowed, snapshot)
+        else:
+            self._move(self._borrowed)
 
     def give_back(self) -> None:
-        """Reshards everything back onto the learner's own mesh (before weights are published)."""
+        """Reshards everything back onto the learner's own mesh (before weights are published).
+
+        Across processes (see `borrow`), every process of the extended mesh calls it: the arrays
+        are gathered whole on the extended mesh (a collective) and the learner's process keeps
+        them on its own devices; a lending process keeps nothing.
+        """
         if not self.borrowing:
             raise RuntimeError("give_back called while not borrowing.")
-        self._move(self._home)
+        if self._steps.mesh.is_multi_process:
+            self._move_home_across()
+        else:
+            self._move(self._home)
+
+    def borrow_snapshot(self) -> BorrowSnapshot:
+        """What the processes lending devices need to join the learner's borrowed steps: the
+        TrainState, accumulator, behaviour and reference params as host arrays, and the round's
+        bookkeeping (groups not yet in a micro-batch, counters). Called on the learner's mesh."""
+        if self.borrowing:
+            raise RuntimeError("borrow_snapshot called while borrowing; call give_back first.")
+        arrays = jax.device_get((self.state, self._acc, self._behavior, self.ref_params))
+        fields = {name: getattr(self, name) for name in BorrowSnapshot.FIELDS}
+        return BorrowSnapshot(arrays=arrays, fields=fields)
+
+    def _move_from_host(self, to: _Steps, snapshot: BorrowSnapshot) -> None:
+        state, acc, behavior, ref = snapshot.arrays
+        self.state = jax.tree.map(put_global, state, to.shardings)
+        self._acc = None if acc is None else jax.tree.map(put_global, acc, to.acc_shardings)
+        self._behavior = (
+            None if behavior is None else jax.tree.map(put_global, behavior, to.shardings.params)
+        )
+        self.ref_params = (
+            None if ref is None else jax.tree.map(put_global, ref, to.shardings.params)
+        )
+        for name, value in snapshot.fields.items():
+            setattr(self, name, value)
+        jax.block_until_ready((self.state, self._acc, self._behavior, self.ref_params))
+        self._steps = to
+
+    def _move_home_across(self) -> None:
+        home, ext = self._home, self._steps
+        rep = NamedSharding(ext.mesh, PartitionSpec())
+
+        def back(tree: Any, shardings: Any) -> Any:
+            if tree is None:
+                return None
+            whole = jax.jit(lambda t: t, out_shardings=jax.tree.map(lambda _: rep, tree))(tree)
+            if not all(s.is_fully_addressable for s in jax.tree.leaves(shardings)):
+                return None  # a lending process: the learner's arrays are not its own
+            local = jax.tree.map(lambda x: x.addressable_shards[0].data, whole)
+            return jax.device_put(local, shardings)
+
+        self.state = back(self.state, home.shardings)
+        self._acc = back(self._acc, home.acc_shardings)
+        self._behavior = back(self._behavior, home.shardings.params)
+        self.ref_params = back(self.ref_params, home.shardings.params)
+        jax.block_until_ready((self.state, self._acc, self._behavior, self.ref_params))
+        self._steps = home
 
     def _move(self, to: _Steps) -> None:
         self.state = jax.device_put(self.state, to.shardings, donate=True)

@@ -318,7 +318,6 @@ def check_config(config: Any) -> None:
                     "True; expected disjoint learner and sampler devices (colocated sides already "
                     "share every device)."
                 )
-            # under config.runtime="ray" the learner direction is refused by check_ray_config
             mode = config.get("driver", {}).get("mode")
             if mode == "async":
                 p.add(

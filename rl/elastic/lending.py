@@ -29,8 +29,10 @@ class LearnerBorrower:
 
     Args:
       policy: the borrowing policy (its config allows the "learner" direction).
-      learner: the Learner (owns the TrainState).
-      devices: the sampler's devices, lent while the rollout is drained.
+      learner: the Learner (owns the TrainState), or the Ray runtime's LearnerClient.
+      devices: the sampler's devices, lent while the rollout is drained (under Ray, the
+        replicas' device ids in the learner's jax.distributed job).
+      learner_devices: the learner's own devices.
       sampler_replicas, replica_devices, slots: the sampler's shape (for the policy's state).
       micro_batch_rows: the learner's rows per micro-batch.
 
@@ -43,6 +45,7 @@ class LearnerBorrower:
         learner: Learner,
         devices: Sequence[Any],
         *,
+        learner_devices: int,
         sampler_replicas: int,
         replica_devices: int,
         slots: int,
@@ -55,7 +58,10 @@ class LearnerBorrower:
             )
         self.policy, self.learner, self.devices = policy, learner, list(devices)
         self.shape = dict(
-            sampler_replicas=sampler_replicas, replica_devices=replica_devices, slots=slots
+            learner_devices=learner_devices,
+            sampler_replicas=sampler_replicas,
+            replica_devices=replica_devices,
+            slots=slots,
         )
         self.rows = micro_batch_rows
         self.clock: Callable[[], float] = time.monotonic
@@ -88,7 +94,6 @@ class LearnerBorrower:
         self._decided.add(round)
         groups = updates_left * groups_per_update
         state = PoolState(
-            learner_devices=len(self.learner.mesh.devices.flat),
             **self.shape,
             updates_left=updates_left,
             micro_batches_left=math.ceil(groups * group_size / self.rows),
@@ -100,6 +105,9 @@ class LearnerBorrower:
             t0 = self.clock()
             self.learner.borrow(self.devices)
             t1 = self.clock()
+            if not self.learner.borrowing:  # declined (under Ray: a lending replica died)
+                self._metrics[round]["borrow_learner"] = 0.0
+                return
             self._borrow_s = t1 - t0
             self.timeline.span("learner", "borrow", t0, t1, round=round, devices=len(self.devices))
 

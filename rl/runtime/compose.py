@@ -198,9 +198,12 @@ def export_policy(config: Any, setup: Setup, learner: Learner, path: str) -> Non
     )
 
 
-def build_borrower(config: Any, learner: Learner, sampler_mesh: Mesh) -> LearnerBorrower | None:
-    """The learner's borrower of the sampler's devices (config.elastic), its steps compiled ahead;
-    None when borrowing is off."""
+def build_borrower(
+    config: Any, learner: Any, devices: list[Any], *, learner_devices: int
+) -> LearnerBorrower | None:
+    """The learner's borrower of the sampler's `devices` (config.elastic), its steps compiled
+    ahead; None when borrowing is off. `learner` is a Learner (threads: `devices` are the sampler
+    mesh's) or the Ray runtime's LearnerClient (the replicas' device ids in the learner's job)."""
     from rl.elastic.borrowing import BorrowConfig, BorrowPolicy
     from rl.elastic.lending import LearnerBorrower
     from rl.elastic.planning import split_models
@@ -209,15 +212,15 @@ def build_borrower(config: Any, learner: Learner, sampler_mesh: Mesh) -> Learner
     cfg = BorrowConfig.from_section(config.elastic)
     if not cfg.allows("learner"):
         return None
-    learner_n = len(learner.mesh.devices.flat)
     replicas = config.mesh.sampler_replicas
-    per_replica = len(sampler_mesh.devices.flat) // replicas
-    split = Split(sampler_gpus=per_replica * replicas, tp=per_replica, learner_gpus=learner_n)
+    per_replica = len(devices) // replicas
+    split = Split(sampler_gpus=per_replica * replicas, tp=per_replica, learner_gpus=learner_devices)
     preset = split_models(cfg.stage_model, slots=config.engine.max_slots)(split)
     borrower = LearnerBorrower(
-        BorrowPolicy(cfg, preset.model, model_learner_devices=learner_n),
+        BorrowPolicy(cfg, preset.model, model_learner_devices=learner_devices),
         learner,
-        list(sampler_mesh.devices.flat),
+        devices,
+        learner_devices=learner_devices,
         sampler_replicas=replicas,
         replica_devices=per_replica,
         slots=config.engine.max_slots,  # each replica's Engine
@@ -329,7 +332,12 @@ class ThreadsRuntime:
         )
         self.reward, self.eval_reward = build_reward(config, setup), build_reward(config, setup)
         self._ckpt = None
-        self.borrow = build_borrower(config, self.learner, sampler_mesh)
+        self.borrow = build_borrower(
+            config,
+            self.learner,
+            list(sampler_mesh.devices.flat),
+            learner_devices=len(self.learner.mesh.devices.flat),
+        )
         own = list(self.learner.mesh.devices.flat)
         self.lend = build_lender(
             config,

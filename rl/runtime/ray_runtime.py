@@ -24,13 +24,18 @@ policy as the threaded runtime, asked from a thread of this process). Sampler bo
 (config.elastic.borrowing="sampler") lends the learner worker's devices to the sampler: the worker
 hosts extra replicas on them (LearnerWorker.lend; `LentReplica` is their handle) that the router
 adds while the learner waits for a round's groups and removes once the sampler drains. The
-learner cannot borrow the replicas' devices (they are other processes: see check_ray_config).
+learner borrows the replicas' devices (config.elastic.borrowing="learner"): the replicas are
+processes of the learner worker's jax.distributed job from the start (ranks 1..N), and while the
+rollout is drained the learner's mesh extends over their devices, each replica running the same
+Learner calls on its shards (`LearnerClient`; learner.Learner.borrow across processes).
 
 Faults: a replica that dies (RayActorError) has its unfinished requests re-sampled on the others
 (config.ray.on_replica_failure="resample"; per-request randomness makes their tokens identical, and
 a group already delivered is never taken twice) or the run stops with its error ("stop"). A dead
-learner worker stops the run with a clear error; resume from the last checkpoint continues the
-exact trajectory (the checkpoint is written by the learner worker, the data and planner state by
+learner worker stops the run with a clear error, and so does a replica dying while the learner
+trains on its devices (LenderDied); one dying otherwise ends the learner's borrowing (the job
+outlives it: jax_enable_recoverability). Resume from the last checkpoint continues the exact
+trajectory (the checkpoint is written by the learner worker, the data and planner state by
 this process, at the same round).
 """
 
@@ -47,8 +52,9 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
+from rl.elastic.borrowing import BorrowConfig
 from rl.elastic.migration import make_migration_policy
-from rl.runtime.compose import build_lender, migration_config_from
+from rl.runtime.compose import build_borrower, build_lender, migration_config_from
 from rl.runtime.ray_router import QueueClient, ReplicaRouter
 from rl.runtime.routing import ROUTINGS
 from rl.timeline import Timeline
@@ -72,24 +78,18 @@ def check_ray_config(config: Any) -> None:
         raise ValueError(
             f"config.ray.migration_poll_s must be a number > 0; received {r.migration_poll_s!r}."
         )
-    if config.elastic.borrowing in ("learner", "both"):
+    if config.elastic.borrowing != "off" and r.learner_workers > 1:
         raise ValueError(
-            f"config.elastic.borrowing={config.elastic.borrowing!r} with config.runtime='ray': "
-            "the learner cannot borrow a replica's devices across processes (they would have "
-            "to join the learner's jax.distributed job, whose processes are fixed when it "
-            "starts); expected elastic.borrowing='sampler' or 'off', or config.runtime='threads'."
+            f"config.elastic.borrowing={config.elastic.borrowing!r} with config.ray."
+            f"learner_workers={r.learner_workers}: borrowing pairs a one-process learner worker "
+            "with the replicas (lent replicas run in it; lending replicas join its "
+            "jax.distributed job); expected config.ray.learner_workers=1."
         )
     if mesh.split == "plan" and r.learner_workers > 1:
         raise ValueError(
             f"config.mesh.split='plan' with config.ray.learner_workers={r.learner_workers}: the "
             "planner sizes a one-process learner worker; expected config.ray.learner_workers=1, "
             "or mesh.split='fixed'."
-        )
-    if config.elastic.borrowing == "sampler" and r.learner_workers > 1:
-        raise ValueError(
-            f"config.elastic.borrowing='sampler' with config.ray.learner_workers="
-            f"{r.learner_workers}: lent replicas run in a one-process learner worker; expected "
-            "config.ray.learner_workers=1."
         )
     if r.on_replica_failure not in ON_REPLICA_FAILURE:
         raise ValueError(
@@ -185,18 +185,55 @@ class RemoteParams:
     client: LearnerClient
 
 
-class LearnerClient:
-    """The Learner's interface over the learner worker group (one worker per host; rank 0 answers)."""
+MIRRORED = ("add_groups", "update", "give_back")  # the lenders' Learner makes these calls too
 
-    def __init__(self, workers: list[Any]):
-        self.workers = workers
+
+class LenderDied(RuntimeError):
+    """A replica died while the learner trained on its devices: the run stops (resume continues
+    from the last checkpoint)."""
+
+
+class LearnerClient:
+    """The Learner's interface over the learner worker group (one worker per host; rank 0 answers).
+
+    With `lenders` (elastic.borrowing learner / both: replicas in the learner's jax.distributed
+    job), `borrow` extends the learner's mesh over their devices: each lender joins with the
+    learner worker's borrow_snapshot, and until `give_back` every add_groups and update runs in
+    the lenders too (the same calls, one SPMD program over the extended mesh). `usable` says
+    whether every lender lives (a borrow is declined otherwise).
+    """
+
+    def __init__(self, workers: list[Any], lenders: list[Any] = (), *, total_updates: int = 0):
+        self.workers, self.lenders = workers, list(lenders)
+        self.total_updates = total_updates
+        self.borrowing = False
+        self.usable: Any = lambda: True
         self._step = self._call("step")
 
     def _call(self, method: str, *args: Any) -> Any:
+        if self.borrowing and method not in (*MIRRORED, "step"):
+            raise RuntimeError(
+                f"LearnerClient.{method} while the learner borrows the replicas' devices; "
+                "expected it after give_back (the driver gives them back before publishing)."
+            )
+        lenders = self.lenders if self.borrowing and method in MIRRORED else []
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        return self._get(refs, [getattr(r, f"learner_{method}").remote(*args) for r in lenders])
+
+    def _get(self, refs: list[Any], lender_refs: list[Any] = ()) -> Any:
         try:
-            return ray.get([getattr(w, method).remote(*args) for w in self.workers])[0]
+            out = ray.get(refs)[0]
         except RayActorError as e:
             raise _learner_died(e) from None
+        try:
+            ray.get(list(lender_refs))
+        except RayActorError as e:
+            raise LenderDied(
+                f"A sampler replica died while the learner trained on its devices "
+                f"({type(e).__name__}: {str(e).splitlines()[0]}); the run stopped. Expected it "
+                "to live: resume with --config.resume=True continues from the last checkpoint."
+            ) from None
+        return out
 
     @property
     def step(self) -> int:
@@ -226,6 +263,32 @@ class LearnerClient:
 
     def export_hf(self, path: str) -> None:
         self._call("export_hf", path)
+
+    # ------------------------------------------------- borrowing the replicas' devices (BiDiRL)
+
+    def prepare_borrow(self, ids: list[int]) -> None:
+        """Compiles the extended mesh's steps in the learner worker and in every lender."""
+        self._get(
+            [self.workers[0].prepare_borrow.remote(ids)],
+            [r.learner_prepare.remote(ids, self.total_updates) for r in self.lenders],
+        )
+
+    def borrow(self, ids: list[int]) -> None:
+        """The learner's mesh extended over the lenders' devices `ids`; declined (borrowing
+        stays False) when a lender has died."""
+        if not self.usable():
+            logging.warning("A replica lending its devices died: the learner does not borrow.")
+            return
+        snapshot = self._get([self.workers[0].borrow_snapshot.remote()])[0]
+        self._get(
+            [self.workers[0].borrow.remote(ids, snapshot)],
+            [r.learner_borrow.remote(ids, snapshot) for r in self.lenders],
+        )
+        self.borrowing = True
+
+    def give_back(self) -> None:
+        self._call("give_back")
+        self.borrowing = False
 
 
 class RemoteSft:
@@ -358,29 +421,44 @@ class RayRuntime:
             ).remote(cfg, total_updates, rank)
             for rank in range(group)
         ]
-        coordinator = ray.get(workers[0].coordinator.remote()) if group > 1 else ""
-        try:
-            ray.get([w.build.remote(coordinator, group) for w in workers])
-        except RayActorError as e:
-            raise _learner_died(e) from None
+        # Learner borrowing: the replicas join the learner worker's jax.distributed job (ranks
+        # 1..N) from the start; the learner's mesh extends over their devices while it borrows.
+        lenders = (
+            config.mesh.sampler_replicas
+            if BorrowConfig.from_section(config.elastic).allows("learner")
+            else 0
+        )
+        coordinator = ray.get(workers[0].coordinator.remote()) if group > 1 or lenders else ""
+        built = [w.build.remote(coordinator, group, lenders) for w in workers]
         self.replicas = [
             SamplerReplica.options(
                 name=actor_name(config, f"replica{i}"),
                 num_cpus=r.replica_cpus,
                 num_gpus=r.replica_gpus,
                 runtime_env=env,
-            ).remote(cfg, self.queue_actor)
+            ).remote(
+                cfg, self.queue_actor, None, (coordinator, 1 + lenders, 1 + i) if lenders else None
+            )
             for i in range(config.mesh.sampler_replicas)
         ]
-        self.learner = LearnerClient(workers)
+        try:
+            ray.get(built)  # the job forms once every replica has joined too
+        except RayActorError as e:
+            raise _learner_died(e) from None
+        self.learner = LearnerClient(
+            workers, self.replicas if lenders else [], total_updates=total_updates
+        )
         self.weight_sync = ObjectStoreSync()
         self.router: ReplicaRouter | None = None
         self.migration = make_migration_policy(migration_config_from(config))
+        learner_devices = ray.get(workers[0].devices.remote())
         self.lend = build_lender(
-            config,
-            learner_devices=ray.get(workers[0].devices.remote()),
-            make_replicas=self._lent_replicas,
+            config, learner_devices=learner_devices, make_replicas=self._lent_replicas
         )
+        self.borrow = None
+        if lenders:
+            ids = [i for r in self.replicas for i in ray.get(r.job_devices.remote())]
+            self.borrow = build_borrower(config, self.learner, ids, learner_devices=learner_devices)
 
     def _lent_replicas(self) -> list[LentReplica]:
         """Sampler replicas the learner worker hosts on its devices (SamplerLender's first move)."""
@@ -407,6 +485,10 @@ class RayRuntime:
         )
         if self.lend is not None:
             kwargs.setdefault("lender", self.lend)
+        if self.borrow is not None:
+            kwargs.setdefault("borrower", self.borrow)
+            router = self.router
+            self.learner.usable = lambda: all(i in router.alive for i in range(len(self.replicas)))
         return Driver(
             cfg,
             sampler=self.router,

@@ -26,21 +26,50 @@ def _config(config_dict: dict[str, Any]) -> Any:
     return ml_collections.ConfigDict(config_dict)
 
 
-def local_mesh(config: Any, side: str) -> Any:
+def local_mesh(config: Any, side: str, devices: list[Any] | None = None) -> Any:
     """The `side` ("learner" | "sampler") mesh over this process's first config.mesh.<side>_devices
-    devices (0: every device the process sees) with config.mesh.<side>_tp."""
+    devices (0: every device the process sees) with config.mesh.<side>_tp; `devices`: another
+    process's instead (a lending replica names the learner worker's mesh so)."""
     import jax
 
     from learner.mesh import MeshConfig, make_meshes
 
-    n = config.mesh[f"{side}_devices"] or len(jax.devices())
+    devices = jax.local_devices() if devices is None else devices
+    n = config.mesh[f"{side}_devices"] or len(devices)
     tp = config.mesh[f"{side}_tp"]
     learner, sampler = make_meshes(
         MeshConfig(
             learner_devices=n, sampler_devices=n, learner_tp=tp, sampler_tp=tp, colocated=True
-        )
+        ),
+        devices,
     )
     return learner if side == "learner" else sampler
+
+
+def job_devices(ids: list[int]) -> list[Any]:
+    """The jax devices of the learner's jax.distributed job with these ids (every process's)."""
+    import jax
+
+    by_id = {d.id: d for d in jax.devices()}
+    return [by_id[i] for i in ids]
+
+
+def join_job(config: Any, job: tuple[str, int, int]) -> None:
+    """Joins the learner's jax.distributed job (coordinator, processes, rank) that the learner
+    worker (rank 0) and the replicas lending it their devices form (elastic.borrowing learner /
+    both); the job outlives a replica that dies."""
+    from learner.distributed import DistributedConfig, initialize
+
+    coordinator, processes, rank = job
+    initialize(
+        DistributedConfig(
+            coordinator_address=coordinator,
+            num_processes=processes,
+            process_id=rank,
+            initialization_timeout_s=config.learner.distributed.initialization_timeout_s,
+        ),
+        recoverable=True,
+    )
 
 
 def pin(cores: list[int]) -> list[int]:
@@ -110,9 +139,11 @@ class LearnerWorker:
 
         return coordinator_address_here(ray.util.get_node_ip_address())
 
-    def build(self, coordinator: str, group: int) -> int:
+    def build(self, coordinator: str, group: int, lenders: int = 0) -> int:
         """Builds the Learner: on this process's devices (group 1), or joins the `group`-process
-        job at `coordinator` first, its mesh over every worker's devices. Returns the step."""
+        job at `coordinator` first, its mesh over every worker's devices. With `lenders` (group
+        1), the job is this worker and that many replicas that lend it their devices (rank 0
+        here; ReplicaCore's `job`). Returns the step."""
         import jax
         import jax.numpy as jnp
 
@@ -128,6 +159,8 @@ class LearnerWorker:
             dist.process_id = self.rank
             mesh = init_learner_group(config)
         else:
+            if lenders:
+                join_job(config, (coordinator, 1 + lenders, 0))
             mesh = local_mesh(config, "learner")
         self.group = group
         model = build_checked_model(config, setup, mesh)
@@ -221,6 +254,22 @@ class LearnerWorker:
             self.ckpt.close()
             self.ckpt = None
 
+    # ------------------------------------------ borrowing the replicas' devices (BiDiRL, learner)
+
+    def prepare_borrow(self, ids: list[int]) -> None:
+        """Compiles the steps of the mesh extended over the lending replicas' devices `ids`."""
+        self.learner.prepare_borrow(job_devices(ids))
+
+    def borrow_snapshot(self) -> list[Any]:
+        """[ref] of the Learner's borrow_snapshot in the object store (what the lenders join with)."""
+        return [ray.put(self.learner.borrow_snapshot())]
+
+    def borrow(self, ids: list[int], snapshot: Any) -> None:
+        self.learner.borrow(job_devices(ids), snapshot)
+
+    def give_back(self) -> None:
+        self.learner.give_back()
+
     # ------------------------------------------------------ lending (BiDiRL sampler borrowing)
 
     def lend(self, queue: Any) -> int:
@@ -262,14 +311,25 @@ class ReplicaCore:
     for requests to be taken out at the loop's next step boundary), `take_handoffs` (what was
     taken, each in the object store as a sampler.transfer.HostHandoff) and `adopt`.
 
+    Lending its devices to the learner (elastic.borrowing learner / both): the replica is a process
+    of the learner's jax.distributed job (`job`), and while the learner borrows it runs the same
+    Learner calls (`learner_*`) on a Learner of its own whose arrays are the borrowed shards only.
+
     Args:
       config_dict: the run's config.
       queue: the QueueActor.
       mesh: the engine's mesh; None: this process's first mesh.sampler_devices devices (a lent
         replica gets one over the learner's devices).
+      job: (coordinator, processes, rank) of the learner's jax.distributed job to join first.
     """
 
-    def __init__(self, config_dict: dict[str, Any], queue: Any, mesh: Any = None):
+    def __init__(
+        self,
+        config_dict: dict[str, Any],
+        queue: Any,
+        mesh: Any = None,
+        job: tuple[str, int, int] | None = None,
+    ):
         import threading
 
         from flax import nnx
@@ -287,8 +347,11 @@ class ReplicaCore:
         from sampler.loop import SamplerLoop
 
         config = _config(config_dict)
+        if job is not None:  # before any other jax work
+            join_job(config, job)
         self.config, self.setup = config, Setup.from_config(config)
         self.queue = queue
+        self.learner: Any = None  # the Learner of the borrowed steps (learner_prepare)
         if mesh is None:
             mesh = local_mesh(config, "sampler")
         model = build_checked_model(config, self.setup, mesh)  # structure; weights are published
@@ -367,6 +430,49 @@ class ReplicaCore:
         return evaluate_heldout(
             self.config, self.setup, self.engine, published, records, self.eval_reward, k
         )
+
+    # ------------------------------------------------ lending its devices to the learner (BiDiRL)
+
+    def job_devices(self) -> list[int]:
+        """The ids of the engine's devices in the learner's jax.distributed job."""
+        return [d.id for d in self.engine.mesh.devices.flat]
+
+    def learner_prepare(self, ids: list[int], total_updates: int) -> None:
+        """Builds this replica's Learner: the learner worker's mesh (process 0's devices, none of
+        them here: its arrays hold no shard until a borrow), the same model structure and
+        optimizer over `total_updates`, its extended mesh's steps compiled (`ids`: every lender's
+        devices, as the learner worker names them)."""
+        from rl.models.build import create_model, model_config_from
+        from rl.runtime.compose import build_learner
+
+        if self.learner is None:
+            import jax
+
+            home = local_mesh(
+                self.config, "learner", [d for d in jax.devices() if d.process_index == 0]
+            )
+            model = create_model(
+                model_config_from(self.config.model),
+                seed=self.config.seed,
+                mesh=home,
+                rules=self.setup.rules,
+            )
+            self.learner = build_learner(
+                self.config, self.setup, model, home, total_updates=total_updates
+            )
+        self.learner.prepare_borrow(job_devices(ids))
+
+    def learner_borrow(self, ids: list[int], snapshot: Any) -> None:
+        self.learner.borrow(job_devices(ids), snapshot)
+
+    def learner_add_groups(self, groups: list[Any]) -> None:
+        self.learner.add_groups(groups)
+
+    def learner_update(self) -> None:
+        self.learner.update()
+
+    def learner_give_back(self) -> None:
+        self.learner.give_back()
 
     # -------------------------------------------------------------------------------- migration
 

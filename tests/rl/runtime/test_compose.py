@@ -34,9 +34,9 @@ def config(**fields):
             r"config.ray.migration_poll_s must be a number > 0; received 0",
         ),
         (
-            {"runtime": "ray", "elastic.borrowing": "both"},
-            r"borrowing='both' with config.runtime='ray': the learner cannot borrow .* expected "
-            r"elastic.borrowing='sampler' or 'off'",
+            {"runtime": "ray", "elastic.borrowing": "both", "ray.learner_workers": 2},
+            r"borrowing='both' with config.ray.learner_workers=2: .* expected "
+            r"config.ray.learner_workers=1",
         ),
         (
             {"runtime": "ray", "elastic.borrowing": "sampler", "ray.learner_workers": 2},

@@ -100,6 +100,61 @@ def test_ray_sampler_borrows_the_learner_workers_devices_and_the_run_is_unchange
     assert lanes == {0, 1, 2, 3, 4, 5}  # every lent replica decoded
 
 
+TOL = 1e-5  # float32; the gradient reduced across 3 processes' 8 devices instead of over 4
+
+
+@pytest.mark.slow  # end-to-end: a threaded run and a Ray run of 2 lending replicas
+def test_ray_learner_borrows_the_replicas_devices_and_switches_back_each_round(ray_cluster):
+    static, p_static, _, _ = run(lend_config("threads", "off"))
+    borrowed, p_borrowed, runtime, driver = run(lend_config("ray", "learner"))
+    assert tokens_of(borrowed) == tokens_of(static)  # round 2 sampled with the given-back weights
+    diff = max(
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+        for a, b in zip(jax.tree.leaves(p_static), jax.tree.leaves(p_borrowed), strict=True)
+    )
+    assert diff <= TOL, diff
+    for r in borrowed:  # a decision per round, the move made and its switch measured
+        assert r.metrics["borrow_learner"] == 1.0 and r.metrics["borrow_learner_gain_s"] > 0
+        assert r.metrics["borrow_learner_measured_s"] > 0
+    assert not runtime.learner.borrowing
+    names = [s.name for s in driver.timeline.spans("learner")]
+    assert names.count("borrow") == names.count("give_back") == 2
+    spans = [s for s in driver.timeline.spans("learner") if s.name == "borrow"]
+    assert {s.args["devices"] for s in spans} == {4}  # 2 replicas x 2 devices
+
+
+@pytest.mark.slow  # end-to-end: a threaded run and a Ray run of 3 rounds
+def test_a_lending_replica_that_dies_ends_the_learners_borrowing_not_the_run(ray_cluster):
+    static, p_static, _, _ = run(lend_config("threads", "off"), rounds=3)
+    runtime, driver = build_driver(lend_config("ray", "learner"), rounds=3)
+    try:
+        router = runtime.router
+        submit = router.submit
+
+        def submit_then_kill(requests, cut=None):  # replica 1 dies once round 1 is routed
+            requests = list(requests)
+            submit(requests, cut)
+            if requests and requests[0].round == 1 and 1 in router.alive:
+                ray.kill(router.replicas[1])
+
+        router.submit = submit_then_kill
+        try:
+            results = [driver.run_round(r) for r in range(3)]
+        finally:
+            driver.close()
+        params = jax.device_get(runtime.learner.state.params)
+    finally:
+        runtime.close()
+    assert router.alive == [0] and router.resampled > 0
+    assert [r.metrics["borrow_learner"] for r in results] == [1.0, 0.0, 0.0]  # declined after
+    assert tokens_of(results) == tokens_of(static)
+    diff = max(
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+        for a, b in zip(jax.tree.leaves(p_static), jax.tree.leaves(params), strict=True)
+    )
+    assert diff <= TOL, diff
+
+
 def test_planner_picks_the_open_split_and_the_ray_workers_are_built_on_it(ray_cluster):
     from rl.elastic.planning import plan_mesh
     from rl.runtime.compose import Setup
