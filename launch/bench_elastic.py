@@ -30,15 +30,18 @@ GPU scale: launch.simulate --borrowing). Per setting one warm-up round (compiles
 and the ratio to the static split. Both settings must sample the same tokens (checked). Correctness-
 grade as well: the fake devices share the 2 cores.
 
-Sections `ray_migration` and `ray_lending` run the same two comparisons under the Ray runtime (a
+Sections `ray_migration`, `ray_lending` and `ray_borrowing` run the same comparisons under the Ray runtime (a
 local cluster of --ray_cpus CPUs). ray_migration: the long-tailed round above through n replica
 actors (rl.runtime.ray_workers.SamplerReplica, one fake CPU device each, the smoke model with the
 engine shape above) behind the ReplicaRouter, migration off vs `tail`, where a move's decode state
 crosses processes through the object store (rl.runtime.ray_migration); round time, replica-seconds
 busy, moves and MB, tokens checked identical. ray_lending: the borrowing workload with
 config.runtime="ray" and borrowing "off" vs "sampler" (the learner worker hosts 2 extra replicas on
-its 2 devices while it waits for the round's groups; the learner cannot borrow across processes).
-Both correctness-grade: a Ray run's processes share the same 2 cores.
+its 2 devices while it waits for the round's groups). ray_borrowing: borrowing "off" vs "learner"
+under Ray, the learner's mesh extending over the replica actor's 2 devices in another process (the
+replica is a process of the learner worker's jax.distributed job: the state crosses through the
+object store and back through a gather, the micro-steps reduce across processes over gloo). All
+correctness-grade: a Ray run's processes share the same 2 cores.
 
 One function per section: add a section as a function returning its JSON block and name it in
 --sections.
@@ -418,6 +421,7 @@ SECTIONS = {
     "borrowing": borrowing_section,
     "ray_migration": ray_migration_section,
     "ray_lending": lambda: borrowing_section("ray", "sampler"),
+    "ray_borrowing": lambda: borrowing_section("ray", "learner"),
 }
 
 

@@ -72,6 +72,7 @@ class _Steps:
     apply: Any
     apply_keep_params: Any
     copy: Any
+    gather: Any  # any pytree, replicated on every device of the mesh (a collective)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +195,7 @@ class Learner:
             copy=jit(
                 "copy" + tag, lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings.params
             ),
+            gather=jit("gather" + tag, lambda tree: tree, out_shardings=rep),
         )
 
     @contextlib.contextmanager
@@ -487,12 +489,11 @@ class Learner:
 
     def _move_home_across(self) -> None:
         home, ext = self._home, self._steps
-        rep = NamedSharding(ext.mesh, PartitionSpec())
 
         def back(tree: Any, shardings: Any) -> Any:
             if tree is None:
                 return None
-            whole = jax.jit(lambda t: t, out_shardings=jax.tree.map(lambda _: rep, tree))(tree)
+            whole = ext.gather(tree)
             if not all(s.is_fully_addressable for s in jax.tree.leaves(shardings)):
                 return None  # a lending process: the learner's arrays are not its own
             local = jax.tree.map(lambda x: x.addressable_shards[0].data, whole)
