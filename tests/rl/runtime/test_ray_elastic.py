@@ -40,6 +40,14 @@ def assert_same_params(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def max_diff(a, b):
+    """The largest absolute difference between two parameter trees."""
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
 def migration_config(runtime, replicas, migration="off"):
     """cgp + ordered, sequences of 40 tokens (2 per generate call): time to move while they run."""
     config = base.get_config("smoke")
@@ -108,11 +116,7 @@ def test_ray_learner_borrows_the_replicas_devices_and_switches_back_each_round(r
     static, p_static, _, _ = run(lend_config("threads", "off"))
     borrowed, p_borrowed, runtime, driver = run(lend_config("ray", "learner"))
     assert tokens_of(borrowed) == tokens_of(static)  # round 2 sampled with the given-back weights
-    diff = max(
-        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-        for a, b in zip(jax.tree.leaves(p_static), jax.tree.leaves(p_borrowed), strict=True)
-    )
-    assert diff <= TOL, diff
+    assert max_diff(p_borrowed, p_static) <= TOL
     for r in borrowed:  # a decision per round, the move made and its switch measured
         assert r.metrics["borrow_learner"] == 1.0 and r.metrics["borrow_learner_gain_s"] > 0
         assert r.metrics["borrow_learner_measured_s"] > 0
@@ -148,11 +152,7 @@ def test_a_lending_replica_that_dies_ends_the_learners_borrowing_not_the_run(ray
     assert router.alive == [0] and router.resampled > 0
     assert [r.metrics["borrow_learner"] for r in results] == [1.0, 0.0, 0.0]  # declined after
     assert tokens_of(results) == tokens_of(static)
-    diff = max(
-        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-        for a, b in zip(jax.tree.leaves(p_static), jax.tree.leaves(params), strict=True)
-    )
-    assert diff <= TOL, diff
+    assert max_diff(params, p_static) <= TOL
 
 
 def test_planner_picks_the_open_split_and_the_ray_workers_are_built_on_it(ray_cluster):
