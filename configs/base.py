@@ -85,10 +85,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.learner.advantage = "grpo"  # grpo | drgrpo | rloo
     config.learner.overlong_filter = False  # DAPO: truncated responses get no loss (rl/overlong.py)
     config.learner.old_logprobs = "snapshot"  # later updates of a round: snapshot | sampler
-    config.learner.micro_batch_rows = 16  # sequences per micro-batch (divisible by fsdp)
-    config.learner.min_length_bucket = 32  # sequence lengths pad to powers of two from here
+    # rows of the longest row length per micro-batch, a token budget: shorter rows come in more
+    # rows of the same tokens (learner/batching.py); divisible by fsdp
+    config.learner.micro_batch_rows = 16
+    # row lengths: powers of two from here up to engine.max_length's bucket, each compiled at start
+    config.learner.min_length_bucket = 32
     config.learner.packing = True  # several sequences per row, first-fit by length
-    config.learner.pack_max_length = 2048  # packed rows longer than the longest stay within this
     config.learner.entropy_metric = True  # per-token policy entropy as a metric
     config.learner.optimizer = ml_collections.ConfigDict()
     config.learner.optimizer.lr = 1e-6  # peak learning rate

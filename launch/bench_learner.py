@@ -59,6 +59,7 @@ import optax
 from absl import app, flags
 from flax import nnx
 
+from launch.packing_workload import print_table, run_workload
 from learner.batching import Batch, make_batch
 from learner.config import LearnerConfig, OptimizerConfig
 from learner.learner import Learner
@@ -98,6 +99,14 @@ _BREAKDOWN = flags.DEFINE_bool("breakdown", False, "Also time the train_step and
 _DEVICES = flags.DEFINE_integer("devices", 1, "Learner mesh devices; 0: all local devices.")
 _LR = flags.DEFINE_float("lr", 1e-4, "AdamW learning rate (both sides).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds the workload and the model init.")
+_FIXED = flags.DEFINE_bool("fixed", True, "Time the ways above on one fixed batch.")
+_RUN_UPDATES = flags.DEFINE_integer(
+    "run_updates", 200, "Packed vs unpacked over a run of this many updates; 0: skip."
+)
+_RUN_GROUPS = flags.DEFINE_integer("run_groups", 16, "The run: groups per update (G = 8).")
+_RUN_ROWS = flags.DEFINE_integer(
+    "run_rows", 2, "The run: learner.micro_batch_rows (rows of 512: 1024 tokens per micro-batch)."
+)
 _ALL_FLAGS = (
     _PRESET,
     _D_MODEL,
@@ -122,6 +131,10 @@ _ALL_FLAGS = (
     _DEVICES,
     _LR,
     _SEED,
+    _FIXED,
+    _RUN_UPDATES,
+    _RUN_GROUPS,
+    _RUN_ROWS,
 )
 
 
@@ -201,6 +214,31 @@ def wall_ms(fn: Callable[[], Any], repeats: int) -> float:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    result = fixed_batch() if _FIXED.value else {}
+    if _RUN_UPDATES.value:
+        run = run_workload(
+            updates=_RUN_UPDATES.value,
+            groups=_RUN_GROUPS.value,
+            rows=_RUN_ROWS.value,
+            seed=_SEED.value,
+        )
+        print("\nsequence packing over a run (launch/packing_workload.py):")
+        print_table(run)
+        # the run's figures are the headline: fresh lengths every update, compiles counted
+        result.update(
+            packing_speedup=run["packing_speedup"],
+            packing_speedup_with_compiles=run["packing_speedup_with_compiles"],
+            compiles_after_start=run["compiles_after_start"],
+            run=run,
+        )
+    if _JSON.value:
+        with open(_JSON.value, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {_JSON.value}")
+
+
+def fixed_batch() -> dict[str, Any]:
+    """The ways above on one fixed batch: their table, and its figures."""
     if not 1 <= _MIN_RESPONSE.value <= _MAX_RESPONSE.value:
         raise app.UsageError("Need 1 <= --min_response <= --max_response.")
     if min(_WARMUP.value, _STEPS.value, _REPEATS.value, _PIECE_REPEATS.value) < 1:
@@ -229,6 +267,7 @@ def main(argv: list[str]) -> None:
         advantage="grpo",
         old_logprobs="sampler",
         micro_batch_rows=rows,  # the whole update in one micro-batch
+        max_length=_PROMPT.value + _MAX_RESPONSE.value,
         entropy_metric=False,
     )
 
@@ -262,17 +301,10 @@ def main(argv: list[str]) -> None:
     unpacked.begin_round(updates=1 << 30)
     first: dict[str, dict[str, float]] = {}
     learner_parts: dict[str, list[float]] = {"add_groups": [], "update": []}
-    shards = math.prod(mesh.shape[a] for a in ("fsdp", "data") if a in mesh.axis_names)
-    packed_batch = make_batch(
-        groups,
-        advs,
-        rows=rows,
-        min_length_bucket=cfg.min_length_bucket,
-        pack=True,
-        row_multiple=shards,
-        max_pack_length=cfg.pack_max_length,
-    )  # what learner.add_groups builds
-    padded = dict(packed=packed_batch.padded_fraction, unpacked=host_batch.padded_fraction)
+    # what learner.add_groups builds: its micro-batches' model positions
+    lengths = [len(c.prompt) + len(c.tokens) - 1 for g in groups for c in g.completions]
+    packed_positions = learner.micro_batches.positions(lengths)
+    padded = dict(packed=1 - sum(lengths) / packed_positions, unpacked=host_batch.padded_fraction)
 
     def learner_update() -> None:
         t0 = time.perf_counter()
@@ -450,9 +482,8 @@ def main(argv: list[str]) -> None:
         f"{tokens} loss tokens ({tokens / (rows * seq_len):.0%} of the padded batch); "
         f"median of {_REPEATS.value} runs of {_STEPS.value} updates; {_LENGTHS.value} lengths"
     )
-    pb = packed_batch.inputs.shape
     print(
-        f"packed: {pb[0]} rows x {pb[1]} positions; padded-token fraction packed "
+        f"packed: {packed_positions} positions; padded-token fraction packed "
         f"{padded['packed']:.1%}, unpacked {padded['unpacked']:.1%}"
     )
     print(f"{'way':<14}{'ms/update':>10}{'best':>8}{'tokens/s':>10}{'vs minimal':>11}{'+ms':>8}")
@@ -506,48 +537,44 @@ def main(argv: list[str]) -> None:
     )
     print(f"warm-up (compiles): {warmup_seconds:.1f} s; total {total_seconds:.1f} s")
 
-    if _JSON.value:
-        result = dict(
-            learner_tokens_per_s=rate["learner"],
-            minimal_tokens_per_s=base,
-            overhead_ratio=overhead,
-            overhead_ratio_paired=paired,
-            packing_speedup=pack_speedup,
-            packing_speedup_paired=pack_paired,
-            padded_fraction=padded,
-            packed_shape=list(packed_batch.inputs.shape),
-            load_average=dict(before=load_before, after=load_after, cores=os.cpu_count()),
-            tokens_per_s=rate,
-            ms_per_update=ms,
-            best_ms_per_update=best_ms,
-            seconds=dict(runs=runs, warmup=warmup_seconds, total=total_seconds),
-            pieces_ms=pieces,
-            learner_calls_ms=calls,
-            pieces_extra_ms=extra_ms,
-            pieces_expected_ratio=1 + extra_ms / ms["minimal"],
-            first_update=first,
-            loss_tokens_per_update=tokens,
-            padded_tokens_per_update=rows * seq_len,
-            config=dict(
-                {f.name: f.value for f in _ALL_FLAGS},
-                rows=rows,
-                seq_len=seq_len,
-                params=n_params,
-                vocab_size=model_cfg.vocab_size,
-                dtype=model_cfg.dtype,
-                policy_loss=cfg.policy_loss,
-                aggregation=cfg.aggregation,
-                advantage=cfg.advantage,
-                old_logprobs=cfg.old_logprobs,
-                micro_batch_rows=cfg.micro_batch_rows,
-                entropy_metric=cfg.entropy_metric,
-                backend=jax.default_backend(),
-                mesh=dict(mesh.shape),
-            ),
-        )
-        with open(_JSON.value, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {_JSON.value}")
+    return dict(
+        learner_tokens_per_s=rate["learner"],
+        minimal_tokens_per_s=base,
+        overhead_ratio=overhead,
+        overhead_ratio_paired=paired,
+        packing_speedup_fixed_batch=pack_speedup,
+        packing_speedup_fixed_batch_paired=pack_paired,
+        padded_fraction=padded,
+        packed_positions=packed_positions,
+        load_average=dict(before=load_before, after=load_after, cores=os.cpu_count()),
+        tokens_per_s=rate,
+        ms_per_update=ms,
+        best_ms_per_update=best_ms,
+        seconds=dict(runs=runs, warmup=warmup_seconds, total=total_seconds),
+        pieces_ms=pieces,
+        learner_calls_ms=calls,
+        pieces_extra_ms=extra_ms,
+        pieces_expected_ratio=1 + extra_ms / ms["minimal"],
+        first_update=first,
+        loss_tokens_per_update=tokens,
+        padded_tokens_per_update=rows * seq_len,
+        config=dict(
+            {f.name: f.value for f in _ALL_FLAGS},
+            rows=rows,
+            seq_len=seq_len,
+            params=n_params,
+            vocab_size=model_cfg.vocab_size,
+            dtype=model_cfg.dtype,
+            policy_loss=cfg.policy_loss,
+            aggregation=cfg.aggregation,
+            advantage=cfg.advantage,
+            old_logprobs=cfg.old_logprobs,
+            micro_batch_rows=cfg.micro_batch_rows,
+            entropy_metric=cfg.entropy_metric,
+            backend=jax.default_backend(),
+            mesh=dict(mesh.shape),
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from learner.batching import make_batch  # noqa: E402
 from learner.learner import Learner  # noqa: E402
 from rl.admission import FCFS  # noqa: E402
 from rl.runtime.compose import Setup, ThreadsRuntime, build_engine  # noqa: E402
@@ -148,17 +147,8 @@ def learner_trial(learner: Learner, batch: list[Group]) -> tuple[int, float, flo
     learner.begin_round(updates=1)
     micro = timed(lambda: (learner.add_groups(batch), learner.block_until_ready()))
     update = timed(learner.update)
-    cfg = learner.cfg
-    built = make_batch(
-        batch,
-        [(0.0,) * len(g.completions) for g in batch],
-        rows=cfg.micro_batch_rows,
-        min_length_bucket=cfg.min_length_bucket,
-        pack=cfg.packing,
-        row_multiple=learner._batch_shards,
-        max_pack_length=cfg.pack_max_length,
-    )
-    return built.inputs.size, micro, update
+    lengths = [len(c.prompt) + len(c.tokens) - 1 for g in batch for c in g.completions]
+    return learner.micro_batches.positions(lengths), micro, update
 
 
 def in_background(work: Callable[[], Any]) -> tuple[threading.Event, threading.Thread]:

@@ -1,24 +1,32 @@
-"""Complete groups -> arrays for the train step: one completion per row, or packed rows.
+"""Complete groups -> arrays for the train step, on a fixed set of shapes (a compile budget).
 
 Sequence i: inputs = (prompt + response)[:-1], targets = (prompt + response)[1:]. The loss mask is
 1 exactly where the target is a response token; the behaviour log-probs (the sampler's) sit at the
 same positions.
 
-Unpacked (`pack=False`): row i of every array holds sequence i; lengths pad to a power-of-two bucket
-T and rows to a multiple of `rows`, so the step compiles once per bucket.
+The learner's micro-batches (`MicroBatches`) take every shape from a small set fixed by the config,
+so a run compiles its train step for each of them once, at start, and never after. A micro-batch
+is a fixed token budget, `rows` x the longest length, in rows of a length L from the ladder
+`lengths` (powers of two from `min_length_bucket` up to the bucket of the longest prompt +
+response a run can give), `rows` x longest / L of them (rows double as L halves); it is formed
+once the pending sequences fill it, in rows of the smallest L that holds the longest of them.
+- Unpacked (`pack=False`): one sequence per row, the longest pending first.
+- Packed (`pack=True`): several sequences per row, placed first-fit by decreasing length. A row's
+  sequences carry segment ids 1, 2, ... (attention stays within a segment) and positions
+  restarting at 0.
+  The loss arrays (loss_mask, advantages, behavior_logp) keep an unpacked layout, one sequence per
+  row, (`MicroBatches.sequences(L)`, L): `token_index` maps each of their positions to a flat index
+  into the packed (rows*L) model arrays, the train step gathers the model's per-token log-probs
+  into that layout (`unpack`) and computes the loss and its aggregation on exactly the arrays an
+  unpacked batch would give, so every per-sequence aggregation stays exact. Padding positions
+  point at index 0 and are masked.
+The learner plans after every group it is given, so what a micro-batch holds depends only on the
+order of the groups, never on how they were handed over (one at a time or all at once): pipelined
+and synchronous runs form the same micro-batches.
 
-Packed (`pack=True`): the model arrays (inputs, targets, positions, segments) hold several
-sequences per row, placed first-fit by decreasing length; a row's sequences carry segment ids
-1, 2, ... (attention stays within a segment) and positions restarting at 0. The loss arrays
-(loss_mask, advantages, behavior_logp) keep the unpacked layout, one sequence per row, and
-`token_index` maps each of their positions to a flat index into the packed (B*T) model arrays: the
-train step gathers the model's per-token log-probs into that layout (`unpack`) and computes the
-loss and its aggregation on exactly the arrays an unpacked batch would give, so every
-per-sequence aggregation stays exact. Padding positions point at index 0 and are masked.
-The packed row length is chosen from quarter-octave multiples of T up to 4T (at most
-`max_pack_length`, never below T) and the row count from multiples of `row_multiple` in
-quarter-octave steps (1..8, 10, 12, 14, 16, 20, ... times it), whichever gives the smallest padded
-area: a bounded set of shapes, so a bounded number of compiles.
+`make_batch` builds one batch of all the given groups with shapes derived from them (tests,
+benchmarks): unpacked rows padded to a multiple of `rows` and to the longest's bucket, or packed
+rows of that bucket.
 """
 
 from __future__ import annotations
@@ -68,94 +76,59 @@ def unpack(x_BxT: jax.Array, token_index_NxS: jax.Array) -> jax.Array:
     return x_BxT.reshape(-1)[token_index_NxS]
 
 
-def first_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+def first_fit(
+    lengths: Sequence[int],
+    capacity: int,
+    *,
+    max_bins: int | None = None,
+    max_per_bin: int | None = None,
+    max_items: int | None = None,
+) -> list[list[int]]:
     """First-fit decreasing: bins (lists of indices into `lengths`) of total length <= capacity.
 
-    Longest first (ties by index); each goes into the first bin with room. Deterministic.
+    Longest first (ties by index); each goes into the first bin with room. Deterministic. With
+    limits (bins, items per bin, items in all), an item that finds no room is left out.
     """
     if lengths and max(lengths) > capacity:
         raise ValueError(f"first_fit: a length of {max(lengths)} exceeds the capacity {capacity}.")
     bins: list[list[int]] = []
     room: list[int] = []
+    placed = 0
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if max_items is not None and placed == max_items:
+            break
         for b, r in enumerate(room):
-            if lengths[i] <= r:
+            if lengths[i] <= r and (max_per_bin is None or len(bins[b]) < max_per_bin):
                 bins[b].append(i)
                 room[b] -= lengths[i]
+                placed += 1
                 break
         else:
-            bins.append([i])
-            room.append(capacity - lengths[i])
+            if max_bins is None or len(bins) < max_bins:
+                bins.append([i])
+                room.append(capacity - lengths[i])
+                placed += 1
     return bins
 
 
-def _row_ladder(n: int, multiple: int) -> int:
-    """The smallest of multiple x {1, 2, ..., 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ...} >= n."""
-    k, step = 1, 1
-    while k * multiple < n:
-        k += step
-        if k >= 8 * step:  # four steps per octave from 4 on
-            step *= 2
-    return k * multiple
+@dataclasses.dataclass(frozen=True)
+class Seq:
+    """One completion as the learner trains it."""
+
+    prompt: tuple[int, ...]
+    response: tuple[int, ...]
+    logprobs: tuple[float, ...]  # the sampler's, one per response token
+    advantage: float
+    masked: bool = False  # no loss (the overlong filter's truncated responses)
+
+    def __len__(self) -> int:  # the model positions it takes: (prompt + response)[:-1]
+        return len(self.prompt) + len(self.response) - 1
 
 
-# Packed row lengths, as multiples of the longest sequence's bucket T: quarter octaves up to 4T.
-_ROW_LENGTHS = ((1, 1), (5, 4), (3, 2), (7, 4), (2, 1), (5, 2), (3, 1), (7, 2), (4, 1))
-
-
-def _pack_layout(
-    lengths: Sequence[int], t: int, max_rows: int, row_multiple: int, max_pack_length: int
-) -> tuple[int, int, list[list[int]]]:
-    """(row length, row count, bins) with the smallest padded area; ties go to the shorter row.
-
-    The row count is at most `max_rows` (rounded up to `row_multiple`) where the bins fit.
-    """
-    best = None
-    for num, den in _ROW_LENGTHS:
-        cap = t * num // den
-        if cap > max(t, max_pack_length) or cap * den != t * num:
-            continue
-        bins = first_fit(lengths, cap)
-        rows = min(_row_ladder(len(bins), row_multiple), max(max_rows, len(bins)))
-        rows = -(-rows // row_multiple) * row_multiple
-        key = (rows * cap, cap)
-        if best is None or key < best[0]:
-            best = (key, cap, rows, bins)
-    assert best is not None  # cap = t always qualifies
-    return best[1], best[2], best[3]
-
-
-def make_batch(
-    groups: Sequence[Group],
-    advantages: Sequence[Sequence[float]],
-    *,
-    rows: int,
-    min_length_bucket: int = 32,
-    pack: bool = False,
-    row_multiple: int = 1,
-    max_pack_length: int = 2048,
-) -> Batch:
-    """Turns the completions of `groups` into a Batch (see the module docstring).
-
-    Args:
-      groups: complete groups.
-      advantages: one advantage per completion, group by group.
-      rows: the sequence count is padded up to a multiple of this (padding sequences have an
-        all-zero mask); unpacked, that is the row count.
-      min_length_bucket: smallest sequence-length bucket.
-      pack: pack several sequences per model row.
-      row_multiple: packed: the row count is a multiple of this (the mesh's batch shards).
-      max_pack_length: packed: rows longer than the longest sequence's bucket stay within this.
-    """
-    if not groups:
-        raise ValueError("make_batch received an empty group list; expected at least one group.")
+def sequences_of(groups: Sequence[Group], advantages: Sequence[Sequence[float]]) -> list[Seq]:
+    """Every completion of `groups`, in order, with its advantage (one list per group)."""
     if len(advantages) != len(groups):
         raise ValueError(f"Got {len(advantages)} advantage lists for {len(groups)} groups.")
-    if min(rows, row_multiple, min_length_bucket, max_pack_length) < 1:
-        raise ValueError(
-            "make_batch: rows, row_multiple, min_length_bucket and max_pack_length must be >= 1; "
-            f"received {rows}, {row_multiple}, {min_length_bucket}, {max_pack_length}."
-        )
     seqs = []
     for g, adv in zip(groups, advantages, strict=True):
         if len(adv) != len(g.completions):
@@ -169,44 +142,221 @@ def make_batch(
                     f"Completion uid={c.uid} sample={c.sample}: {len(c.tokens)} tokens but "
                     f"{len(c.logprobs)} log-probs."
                 )
-            seqs.append((c.prompt, c.tokens, c.logprobs, a))
-    if not any(tokens for _, tokens, _, _ in seqs):
+            seqs.append(Seq(tuple(c.prompt), tuple(c.tokens), tuple(c.logprobs), float(a)))
+    return seqs
+
+
+def build(
+    seqs: Sequence[Seq],
+    bins: Sequence[Sequence[int]],
+    *,
+    rows: int,
+    length: int,
+    sequences: int,
+    pack: bool,
+) -> Batch:
+    """The Batch of `seqs` placed row by row as `bins` says (indices into `seqs`).
+
+    Model arrays (rows, length); loss arrays (sequences, length), seqs[i] in loss row i. Unpacked
+    (`pack` False), bins[r] is [r]: sequence r alone in model row r.
+    """
+    if len(bins) > rows or len(seqs) > sequences:
         raise ValueError(
-            f"make_batch: the {len(seqs)} completions hold no response tokens; nothing to train on."
+            f"build: {len(bins)} rows and {len(seqs)} sequences do not fit a batch of {rows} "
+            f"rows and {sequences} sequences."
         )
-    n_seq = -(-len(seqs) // rows) * rows
-    lengths = [len(p) + len(r) - 1 for p, r, _, _ in seqs]
-    t = length_bucket(max(lengths), min_length_bucket)
-    if pack:
-        row_len, n_rows, bins = _pack_layout(lengths, t, n_seq, row_multiple, max_pack_length)
-    else:
-        row_len, bins, n_rows = t, [[i] for i in range(len(seqs))], n_seq
     out = Batch(
-        inputs=np.zeros((n_rows, row_len), np.int32),
-        targets=np.zeros((n_rows, row_len), np.int32),
-        positions=np.zeros((n_rows, row_len), np.int32),
-        segments=np.zeros((n_rows, row_len), np.int32),
-        loss_mask=np.zeros((n_seq, t), np.float32),
-        advantages=np.zeros((n_seq,), np.float32),
-        behavior_logp=np.zeros((n_seq, t), np.float32),
-        token_index=np.zeros((n_seq, t), np.int32) if pack else None,
+        inputs=np.zeros((rows, length), np.int32),
+        targets=np.zeros((rows, length), np.int32),
+        positions=np.zeros((rows, length), np.int32),
+        segments=np.zeros((rows, length), np.int32),
+        loss_mask=np.zeros((sequences, length), np.float32),
+        advantages=np.zeros((sequences,), np.float32),
+        behavior_logp=np.zeros((sequences, length), np.float32),
+        token_index=np.zeros((sequences, length), np.int32) if pack else None,
     )
     for row, members in enumerate(bins):
         offset = 0
         for segment, i in enumerate(members, start=1):
-            prompt, response, logprobs, adv = seqs[i]
-            seq = np.asarray(prompt + response, np.int32)
-            n = len(seq) - 1
+            s = seqs[i]
+            tokens = np.asarray(s.prompt + s.response, np.int32)
+            n = len(tokens) - 1
+            if offset + n > length:
+                raise ValueError(
+                    f"build: row {row} holds {offset + n} positions; at most {length}."
+                )
             span = slice(offset, offset + n)
-            out.inputs[row, span] = seq[:-1]
-            out.targets[row, span] = seq[1:]
+            out.inputs[row, span] = tokens[:-1]
+            out.targets[row, span] = tokens[1:]
             out.positions[row, span] = np.arange(n)
             out.segments[row, span] = segment
             if pack:
-                out.token_index[i, :n] = row * row_len + offset + np.arange(n)
-            start = len(prompt) - 1
-            out.loss_mask[i, start:n] = 1.0
-            out.behavior_logp[i, start:n] = logprobs
-            out.advantages[i] = adv
+                out.token_index[i, :n] = row * length + offset + np.arange(n)
+            if not s.masked:
+                out.loss_mask[i, len(s.prompt) - 1 : n] = 1.0
+            out.behavior_logp[i, len(s.prompt) - 1 : n] = s.logprobs
+            out.advantages[i] = s.advantage
             offset += n
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatches:
+    """The learner's micro-batch shapes, a fixed set, and the plan that fills them (module doc).
+
+    Attributes:
+      rows: model rows of a micro-batch of the longest length (config.learner.micro_batch_rows);
+        shorter rows come in more rows, to the same tokens (`rows_for`).
+      lengths: the row lengths, ascending: powers of two from min_length_bucket up to the bucket of
+        max_positions (the longest sequence a run can give the learner: prompt + response - 1).
+      pack: several sequences per row.
+    """
+
+    rows: int
+    lengths: tuple[int, ...]
+    pack: bool
+
+    @classmethod
+    def from_config(
+        cls, *, rows: int, min_length_bucket: int, max_positions: int, pack: bool
+    ) -> MicroBatches:
+        """`max_positions`: the longest sequence's model positions (max prompt + response - 1)."""
+        if min(rows, min_length_bucket, max_positions) < 1:
+            raise ValueError(
+                "MicroBatches: rows, min_length_bucket and max_positions must be >= 1; received "
+                f"{rows}, {min_length_bucket}, {max_positions}."
+            )
+        top = length_bucket(max_positions, min_length_bucket)
+        lengths, b = [], min_length_bucket
+        while b <= top:
+            lengths.append(b)
+            b *= 2
+        return cls(rows=rows, lengths=tuple(lengths), pack=pack)
+
+    def rows_for(self, length: int) -> int:
+        """Model rows of a micro-batch of rows of `length`: as many as make `rows` x the longest
+        length, a fixed token budget (rows double as the length halves)."""
+        return self.rows * self.lengths[-1] // length
+
+    def sequences(self, length: int) -> int:
+        """Sequences a micro-batch of rows of `length` holds at most (the loss layout's rows):
+        unpacked, one per row; packed, up to one per 16 positions, at most 8 per row."""
+        return self.rows_for(length) * (min(8, max(1, length // 16)) if self.pack else 1)
+
+    def length_for(self, n: int) -> int:
+        """The shortest row length that holds a sequence of `n` positions."""
+        for length in self.lengths:
+            if n <= length:
+                return length
+        raise ValueError(
+            f"A sequence of {n} positions (prompt + response - 1) is longer than the learner's "
+            f"longest row ({self.lengths[-1]}); expected a learner.max_length (a run sets it to "
+            "config.engine.max_length) that holds every prompt + response."
+        )
+
+    def plan(self, lengths: Sequence[int], *, final: bool) -> list[tuple[int, list[list[int]]]]:
+        """The micro-batches to form now from pending sequences of these `lengths` (in order).
+
+        Returns (row length, bins of indices into `lengths`) per micro-batch; indices in no bin
+        stay pending. A micro-batch is formed once the pending sequences no longer all fit in one
+        (or for whatever is left when `final`: the update), in rows of the shortest length that
+        holds the longest of them. (Longer rows would pack better but attend over more
+        positions: on near-uniform lengths they made packing 0.83x unpacked, the shortest 1.04x.)
+        """
+        out: list[tuple[int, list[list[int]]]] = []
+        left = list(range(len(lengths)))
+        while left:
+            pending = [lengths[i] for i in left]
+            length = self.length_for(max(pending))
+            bins = first_fit(
+                pending,
+                length,
+                max_bins=self.rows_for(length),
+                max_per_bin=None if self.pack else 1,
+                max_items=self.sequences(length),
+            )
+            if sum(map(len, bins)) == len(left) and not final:
+                break  # they all fit in one micro-batch: wait for more
+            out.append((length, [[left[j] for j in b] for b in bins]))
+            chosen = {left[j] for b in bins for j in b}
+            left = [i for i in left if i not in chosen]
+        return out
+
+    def positions(self, lengths: Sequence[int]) -> int:
+        """Model positions (rows x length, summed) of the micro-batches of one update whose
+        sequences have these `lengths`, in order: its padded area."""
+        return sum(self.rows_for(n) * n for n, _ in self.plan(lengths, final=True))
+
+    def batch(self, seqs: Sequence[Seq], length: int, bins: Sequence[Sequence[int]]) -> Batch:
+        """The micro-batch of `seqs` placed as `plan` said (bins index `seqs`), on its shape.
+
+        Its sequences are taken in placement order: loss row k holds the k-th placed."""
+        chosen = [seqs[i] for b in bins for i in b]
+        starts = np.cumsum([0] + [len(b) for b in bins])
+        placed = [list(range(starts[r], starts[r + 1])) for r in range(len(bins))]
+        return build(
+            chosen,
+            placed,
+            rows=self.rows_for(length),
+            length=length,
+            sequences=self.sequences(length),
+            pack=self.pack,
+        )
+
+    def abstract(self, length: int) -> Batch:
+        """The micro-batch of rows of `length` as shapes and dtypes (for compiling ahead)."""
+        model = jax.ShapeDtypeStruct((self.rows_for(length), length), np.int32)
+        n = self.sequences(length)
+        loss = jax.ShapeDtypeStruct((n, length), np.float32)
+        return Batch(
+            inputs=model,
+            targets=model,
+            positions=model,
+            segments=model,
+            loss_mask=loss,
+            advantages=jax.ShapeDtypeStruct((n,), np.float32),
+            behavior_logp=loss,
+            token_index=jax.ShapeDtypeStruct((n, length), np.int32) if self.pack else None,
+        )
+
+
+def make_batch(
+    groups: Sequence[Group],
+    advantages: Sequence[Sequence[float]],
+    *,
+    rows: int,
+    min_length_bucket: int = 32,
+    pack: bool = False,
+    row_multiple: int = 1,
+) -> Batch:
+    """One Batch of every completion of `groups`, its shapes derived from them (module docstring).
+
+    Args:
+      groups: complete groups.
+      advantages: one advantage per completion, group by group.
+      rows: the sequence count is padded up to a multiple of this (padding sequences have an
+        all-zero mask); unpacked, that is the row count.
+      min_length_bucket: smallest sequence-length bucket.
+      pack: pack several sequences per model row (rows of the longest sequence's bucket).
+      row_multiple: packed: the row count is a multiple of this (the mesh's batch shards).
+    """
+    if not groups:
+        raise ValueError("make_batch received an empty group list; expected at least one group.")
+    if min(rows, row_multiple, min_length_bucket) < 1:
+        raise ValueError(
+            "make_batch: rows, row_multiple and min_length_bucket must be >= 1; received "
+            f"{rows}, {row_multiple}, {min_length_bucket}."
+        )
+    seqs = sequences_of(groups, advantages)
+    if not any(s.response for s in seqs):
+        raise ValueError(
+            f"make_batch: the {len(seqs)} completions hold no response tokens; nothing to train on."
+        )
+    n_seq = -(-len(seqs) // rows) * rows
+    t = length_bucket(max(map(len, seqs)), min_length_bucket)
+    if pack:
+        bins = first_fit([len(s) for s in seqs], t)
+        n_rows = -(-len(bins) // row_multiple) * row_multiple
+    else:
+        bins, n_rows = [[i] for i in range(len(seqs))], n_seq
+    return build(seqs, bins, rows=n_rows, length=t, sequences=n_seq, pack=pack)

@@ -61,10 +61,14 @@ class LearnerConfig:
     )
     # log-probs are of softmax(logits / T); a run sets it from config.sampling.temperature
     temperature: float = 1.0
-    micro_batch_rows: int = 16  # sequences per micro-batch (padded up to it)
-    min_length_bucket: int = 32  # sequence lengths pad to powers of two from here
+    # A micro-batch: this many rows of the longest row length, or as many more rows of a shorter
+    # length as hold the same tokens (learner/batching.py); divisible by the mesh's batch shards.
+    micro_batch_rows: int = 16
+    min_length_bucket: int = 32  # row lengths: powers of two from here up to max_length's bucket
+    # the longest prompt + response the learner is given (a run sets it to engine.max_length):
+    # each row length up to its bucket is one compiled micro-step
+    max_length: int = 128
     packing: bool = True  # several sequences per row, first-fit by length (learner/batching.py)
-    pack_max_length: int = 2048  # packed rows longer than the longest sequence stay within this
     entropy_metric: bool = True  # compute the policy entropy per token (one more pass over V)
 
     def __post_init__(self):
@@ -89,16 +93,19 @@ class LearnerConfig:
             )
         if not self.temperature > 0:
             raise ValueError(f"learner.temperature must be > 0; received {self.temperature}.")
-        if min(self.micro_batch_rows, self.min_length_bucket, self.pack_max_length) < 1:
+        if min(self.micro_batch_rows, self.min_length_bucket, self.max_length - 1) < 1:
             raise ValueError(
-                "learner.micro_batch_rows, min_length_bucket and pack_max_length must be >= 1; "
-                f"received {self.micro_batch_rows}, {self.min_length_bucket}, "
-                f"{self.pack_max_length}."
+                "learner.micro_batch_rows and min_length_bucket must be >= 1 and max_length >= 2; "
+                f"received {self.micro_batch_rows}, {self.min_length_bucket}, {self.max_length}."
             )
 
 
 def learner_config_from(
-    cfg: Mapping[str, Any], *, total_updates: int = 0, temperature: float = 1.0
+    cfg: Mapping[str, Any],
+    *,
+    total_updates: int = 0,
+    temperature: float = 1.0,
+    max_length: int = LearnerConfig.max_length,
 ) -> LearnerConfig:
     """LearnerConfig from a `config.learner` ConfigDict (nested `optimizer` and `loss` dicts).
 
@@ -106,13 +113,18 @@ def learner_config_from(
     whole run will make (rl.run passes rounds x updates per round). `temperature` is the sampling
     temperature (`config.sampling.temperature`): the loss recomputes the sampler's log-probs, so
     there is one temperature, read from there; greedy sampling (0) scores log-probs at 1.0.
+    `max_length` is the sampler's `config.engine.max_length` (prompt + response): the learner's
+    micro-batch shapes, compiled at start, go up to it.
     """
-    if "temperature" in cfg:
-        raise ValueError(
-            "config.learner.temperature is not a field: the learner uses "
-            "config.sampling.temperature (one temperature for sampling and the loss); expected "
-            "--config.sampling.temperature instead."
-        )
+    for name, instead in (
+        ("temperature", "sampling.temperature"),
+        ("max_length", "engine.max_length"),
+    ):
+        if name in cfg:
+            raise ValueError(
+                f"config.learner.{name} is not a field: the learner uses config.{instead} (one "
+                f"value for the sampler and the learner); expected --config.{instead} instead."
+            )
     optimizer = dict(cfg.get("optimizer", {}))
     if optimizer.get("schedule") == "cosine" and not optimizer.get("total_steps"):
         optimizer["total_steps"] = total_updates
@@ -128,5 +140,6 @@ def learner_config_from(
         optimizer=OptimizerConfig(**optimizer),
         loss=loss_config_from(cfg.get("loss", {})),
         temperature=temperature if temperature > 0 else 1.0,
+        max_length=max_length,
         **fields,
     )

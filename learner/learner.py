@@ -6,8 +6,10 @@
     metrics = learner.update()              # after U groups: one optimizer update
     params = learner.params                 # publish to the sampler (learner/publish.py)
 
-Groups are turned into micro-batches of `cfg.micro_batch_rows` sequences as soon as enough have
-arrived, and their gradients are accumulated at once; `update` folds in the remainder and applies.
+Groups are turned into micro-batches (learner/batching.py: `cfg.micro_batch_rows` rows of a few
+fixed lengths) as soon as enough sequences have arrived to fill one, and their gradients are
+accumulated at once; `update` folds in the remainder and applies. `precompile` compiles every
+program a run will call (each micro-batch shape, the optimizer update) ahead, at start.
 
 The mesh may span several processes (learner/distributed.py: one jax.distributed job, one process
 per host): every process then makes the same calls with the same groups, and each copies only its
@@ -29,7 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from learner.batching import Batch, make_batch
+from learner.batching import Batch, MicroBatches, Seq, sequences_of
 from learner.config import LearnerConfig
 from learner.distributed import put_global
 from learner.state import create_train_state, make_optimizer, make_schedule, state_shardings
@@ -66,7 +68,6 @@ class _Steps:
     mesh: Mesh
     shardings: Any  # TrainState of NamedShardings
     acc_shardings: Accum
-    batch_shards: int
     zero: Any
     accumulate: Any
     apply: Any
@@ -81,7 +82,6 @@ class BorrowSnapshot:
 
     FIELDS: ClassVar[tuple[str, ...]] = (
         "_pending",
-        "_pending_rows",
         "_params_shared",
         "updates_in_round",
         "groups_in_update",
@@ -125,10 +125,17 @@ class Learner:
         self._compiles = CompileCounter()
         self._home = self._steps = self._compile_steps(mesh, shardings)
         self._borrowed: _Steps | None = None  # the extended mesh's steps, kept across switches
+        # what `precompile` compiled ahead (a borrowed mesh compiles the same)
+        self._variants = dict(snapshot=False, shared_params=False)
         self._params_shared = False
         self._acc: Accum | None = None
-        self._pending: list[tuple[Group, tuple[float, ...]]] = []
-        self._pending_rows = 0
+        self.micro_batches = MicroBatches.from_config(
+            rows=cfg.micro_batch_rows,
+            min_length_bucket=cfg.min_length_bucket,
+            max_positions=cfg.max_length - 1,
+            pack=cfg.packing,
+        )
+        self._pending: list[Seq] = []  # sequences not yet in a micro-batch, in arrival order
         self._behavior: Any = None
         self.updates_in_round = 0
         self.groups_in_update = 0
@@ -156,13 +163,13 @@ class Learner:
             sums=dict.fromkeys(keys, rep),
             maxes=dict.fromkeys(MAX_KEYS, rep),
         )
+        _check_rows(cfg, mesh)  # every micro-batch's rows divide over the mesh's batch shards
         kw = dict(graphdef=self.graphdef, cfg=cfg)
         jit = self._compiles.jit
         return _Steps(
             mesh=mesh,
             shardings=shardings,
             acc_shardings=acc_shardings,
-            batch_shards=_check_rows(cfg, mesh),
             zero=jit(
                 "zero" + tag, functools.partial(zero_accum, keys=keys), out_shardings=acc_shardings
             ),
@@ -263,33 +270,33 @@ class Learner:
             for row, i in enumerate(idx):
                 advantages[i] = adv[row]
         for g, adv in zip(groups, advantages, strict=True):
-            self._pending.append((g, tuple(float(a) for a in adv)))
-            self._pending_rows += len(g.completions)
+            seqs = sequences_of([g], [adv])
+            if self.cfg.overlong_filter:  # DAPO: truncated responses get no loss
+                truncated = [c.finish_reason == "length" for c in g.completions]
+                seqs = [
+                    dataclasses.replace(x, masked=t) for x, t in zip(seqs, truncated, strict=True)
+                ]
+                self._filtered_in_update += sum(truncated)
+            self._pending.extend(seqs)
             self.groups_in_update += 1
-            if self._pending_rows >= self.cfg.micro_batch_rows:
-                self._flush()
+            self._form(final=False)
 
-    def _flush(self) -> None:
-        if not self._pending:
+    def _form(self, *, final: bool) -> None:
+        """Accumulates every micro-batch the pending sequences fill (all of them when `final`)."""
+        planned = self.micro_batches.plan([len(x) for x in self._pending], final=final)
+        if not planned:
             return
-        groups, advs = zip(*self._pending, strict=True)
-        self._pending, self._pending_rows = [], 0
-        batch = make_batch(
-            groups,
-            advs,
-            rows=self.cfg.micro_batch_rows,
-            min_length_bucket=self.cfg.min_length_bucket,
-            pack=self.cfg.packing,
-            row_multiple=self._steps.batch_shards,
-            max_pack_length=self.cfg.pack_max_length,
-        )
-        if self.cfg.overlong_filter:  # DAPO: truncated responses get no loss (row i: completion i)
-            rows = [c.finish_reason == "length" for g in groups for c in g.completions]
-            truncated = np.flatnonzero(rows)
-            batch.loss_mask[truncated] = 0.0
-            self._filtered_in_update += len(truncated)
-        self._tokens_in_update += batch.num_tokens
-        self._accumulate_batch(batch)
+        for length, bins in planned:
+            batch = self.micro_batches.batch(self._pending, length, bins)
+            self._tokens_in_update += batch.num_tokens
+            self._accumulate_batch(batch)
+        chosen = {i for _, bins in planned for b in bins for i in b}
+        self._pending = [x for i, x in enumerate(self._pending) if i not in chosen]
+
+    @property
+    def compiles(self) -> CompileCounter:
+        """The programs its jitted steps compiled: counts, seconds, and those after start."""
+        return self._compiles
 
     def compile_counts(self) -> dict[str, int]:
         """How many programs each jitted step function has compiled."""
@@ -299,12 +306,12 @@ class Learner:
         """Waits for the micro-steps dispatched so far to finish computing (for timing them)."""
         jax.block_until_ready(self._acc)
 
-    def _batch_shardings(self, batch: Batch) -> Batch:
-        def one(x: np.ndarray) -> NamedSharding:
-            names = ("batch",) + (None,) * (x.ndim - 1)
-            return NamedSharding(
-                self.mesh, logical_to_spec(names, self.mesh, self.rules, shape=x.shape)
-            )
+    def _batch_shardings(self, batch: Batch, mesh: Mesh | None = None) -> Batch:
+        mesh = self.mesh if mesh is None else mesh
+
+        def one(x: Any) -> NamedSharding:
+            names = ("batch",) + (None,) * (len(x.shape) - 1)
+            return NamedSharding(mesh, logical_to_spec(names, mesh, self.rules, shape=x.shape))
 
         return jax.tree.map(one, batch)
 
@@ -331,7 +338,7 @@ class Learner:
             the update would make a parameter or optimizer state value NaN/inf (names the step
             and the leaf); the update is not applied.
         """
-        self._flush()
+        self._form(final=True)
         if self._acc is None:
             raise ValueError(
                 "update() with no groups accumulated; expected at least one group with response "
@@ -341,7 +348,7 @@ class Learner:
         filtered, self._filtered_in_update = self._filtered_in_update, 0
         tokens, self._tokens_in_update = self._tokens_in_update, 0
         if tokens == 0 and filtered:  # every response truncated and filtered: no gradient, no step
-            shapes = jax.eval_shape(self._home.apply, self.state, self._acc)[1]  # metric names
+            shapes = self._home.apply.eval_shape(self.state, self._acc)[1]  # metric names
             self._acc = None
             metrics = dict.fromkeys(shapes, 0.0)
             metrics.update(lr=float(self.schedule(step)), nonfinite_leaf=-1.0)
@@ -387,10 +394,10 @@ class Learner:
         return self._steps is not self._home
 
     def prepare_borrow(self, devices: Sequence[Any]) -> None:
-        """Compiles the optimizer apply ahead (jit .lower().compile()) for the data-parallel mesh
-        over the learner's devices then `devices` (fsdp over all of them, tp kept); micro-steps
-        compile per batch shape on first use, as on the learner's own mesh. Called by
-        `borrow` if not before; the compiled steps are kept for later switches to the same devices.
+        """Compiles the steps (what `precompile` compiled on the learner's own mesh) for the
+        data-parallel mesh over the learner's devices then `devices` (fsdp over all of them, tp
+        kept). Called by `borrow` if not before; the compiled steps are kept for later switches to
+        the same devices.
         """
         home = self._home.mesh
         devices = list(devices)
@@ -412,17 +419,49 @@ class Learner:
                 jax.eval_shape(lambda p: p, self.state.params), self.tx, mesh, self.rules
             )
             steps = self._compile_steps(mesh, shardings, tag="@borrowed")
-
-            def abstract(tree: Any, shard: Any) -> Any:
-                return jax.tree.map(
-                    lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shard
-                )
-
-            params = abstract(self.state.params, shardings.params)
-            acc = abstract(jax.eval_shape(steps.zero, params), steps.acc_shardings)
-            steps.zero = steps.zero.lower(params).compile()
-            steps.apply = steps.apply.lower(abstract(self.state, shardings), acc).compile()
+        self._precompile(steps, **self._variants)
         self._borrowed = steps
+
+    def precompile(self, *, updates_per_round: int = 1, shared_params: bool = False) -> None:
+        """Compiles, now, every program a run calls on the learner's mesh: the accumulator, one
+        micro-step per micro-batch shape (and per old-log-prob source), the optimizer update.
+
+        Args:
+          updates_per_round: the schedule's updates per round S; with S > 1 and old_logprobs
+            "snapshot" the micro-steps of later updates also read a behaviour snapshot.
+          shared_params: publishing shares the learner's parameters with a colocated sampler
+            (learner.publish.DevicePutSync): the update after a publish keeps them.
+        """
+        self._variants = dict(
+            snapshot=updates_per_round > 1 and self.cfg.old_logprobs == "snapshot",
+            shared_params=shared_params,
+        )
+        self._precompile(self._home, **self._variants)
+
+    def _precompile(self, steps: _Steps, *, snapshot: bool, shared_params: bool) -> None:
+        def abstract(tree: Any, shardings: Any) -> Any:
+            return jax.tree.map(
+                lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings
+            )
+
+        with jax.set_mesh(steps.mesh), axis_rules(self.rules):
+            state = abstract(self.state, steps.shardings)
+            params = state.params
+            acc = abstract(steps.zero.eval_shape(params), steps.acc_shardings)
+            ref = None if self.ref_params is None else params
+            steps.zero.precompile(params)
+            steps.copy.precompile(params)  # a round's behaviour snapshot, set_params
+            for length in self.micro_batches.lengths:
+                shapes = self.micro_batches.abstract(length)
+                batch = abstract(shapes, self._batch_shardings(shapes, steps.mesh))
+                for behavior in (None, params) if snapshot else (None,):
+                    steps.accumulate.precompile(
+                        acc, params, batch, behavior_params=behavior, ref_params=ref
+                    )
+            steps.apply.precompile(state, acc)
+            if shared_params:
+                rest = dataclasses.replace(state, params=None)
+                steps.apply_keep_params.precompile(params, rest, acc)
 
     def borrow(self, devices: Sequence[Any], snapshot: BorrowSnapshot | None = None) -> None:
         """Reshards the TrainState (and the accumulator, behaviour and reference params) onto the

@@ -69,6 +69,11 @@ class DevicePutSync:
         self._devices = set(sampler_mesh.devices.flat)
         self._copy = jax.jit(functools.partial(_copy, dtype=self.dtype))
 
+    @property
+    def shares_params(self) -> bool:
+        """Publishing the learner's current parameters hands them over without a copy."""
+        return self.share_with is not None and self._colocated(self.share_with.params)
+
     def _overlaps(self, params: Any) -> bool:
         """Some parameter lives on a sampler device (device_put could keep its buffer)."""
         return any(

@@ -1,43 +1,189 @@
-"""Counting the programs jitted functions compile, through public API only.
+"""A compile budget: jitted programs compiled ahead at start, counted, timed, and warned about after.
 
 jax traces a jitted function once per new abstract signature (shapes, dtypes, static arguments),
 and compiles each trace once, so counting traces counts compiled programs; jax's own per-function
-cache counter is private. Benchmarks and tests use the counts to see that a steady state compiles
-nothing new.
+cache counter is private. A run draws every program's shapes from a small set fixed by its config
+and compiles them before its first round (`precompile`: `jit.lower(...).compile()` on abstract
+arguments, the executable kept and called for arguments of that signature); `start()` then marks
+the end of start-up, and any later compile is counted under `after_start` and warned about once per
+program, naming the program and the shapes that were new.
 
     compiles = CompileCounter()
     step = compiles.jit("step", fn, donate_argnums=(0,))
-    ...
-    compiles.counts()  # {"step": 1}
+    step.precompile(jax.ShapeDtypeStruct((8, 64), jnp.float32, sharding=s))  # ahead, at start
+    compiles.start()
+    step(x)                 # the precompiled executable: nothing compiles
+    compiles.counts()       # {"step": 1}
+    compiles.seconds()      # {"step": 0.41}: time spent tracing and compiling it
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import logging
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
+log = logging.getLogger(__name__)
 
-class CompileCounter:
-    """jax.jit that counts each function's traces (= compiled programs) under a name."""
 
-    def __init__(self) -> None:
-        self._counts: collections.Counter[str] = collections.Counter()
+def signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """What selects a compiled program: the arguments' tree structure and each leaf's shape/dtype.
 
-    def jit(self, name: str, fn: Callable[..., Any], **jit_kwargs: Any) -> Any:
-        """jax.jit(fn, **jit_kwargs), its traces counted under `name` (starting at 0)."""
-        self._counts[name] += 0
+    Leaves without a shape (Python scalars) count by type, as jax traces them (weakly typed).
+    """
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    return (
+        tree,
+        tuple(
+            (tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else type(x).__name__
+            for x in leaves
+        ),
+    )
+
+
+def describe(sig: tuple[Any, ...]) -> str:
+    """A signature's shapes, short: "f32[8,64] i32[8] ..." (at most 8 leaves)."""
+    parts = []
+    for leaf in sig[1][:8]:
+        if isinstance(leaf, str):
+            parts.append(leaf)
+        else:
+            shape, dtype = leaf
+            parts.append(f"{dtype}[{','.join(map(str, shape))}]")
+    more = len(sig[1]) - 8
+    return " ".join(parts) + (f" (+{more} leaves)" if more > 0 else "")
+
+
+class Program:
+    """One jitted function: its precompiled executables by signature, and a counted jit fallback."""
+
+    def __init__(self, counter: CompileCounter, name: str, fn: Callable[..., Any], **jit_kwargs):
+        self.name, self._counter = name, counter
 
         @functools.wraps(fn)
         def traced(*args: Any, **kwargs: Any) -> Any:
-            self._counts[name] += 1  # runs only while jax traces: once per new signature
+            counter._traced(name)  # runs only while jax traces: once per new signature
             return fn(*args, **kwargs)
 
-        return jax.jit(traced, **jit_kwargs)
+        self._fn = fn
+        self._jit = jax.jit(traced, **jit_kwargs)
+        self._compiled: dict[tuple[Any, ...], Any] = {}
+
+    def precompile(self, *args: Any, **kwargs: Any) -> None:
+        """Compiles the program for these (abstract or concrete) arguments now and keeps it.
+
+        Arguments are jax.ShapeDtypeStruct (with the sharding the real arrays will have) or
+        arrays; a later call whose arguments have the same signature runs this executable.
+        """
+        sig = signature(args, kwargs)
+        if sig in self._compiled:
+            return
+        start = time.perf_counter()
+        self._compiled[sig] = self._jit.lower(*args, **kwargs).compile()
+        self._counter._timed(self.name, time.perf_counter() - start, sig)
+
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        """The outputs' shapes and dtypes (jax.eval_shape of the function; compiles nothing)."""
+        return jax.eval_shape(self._fn, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._compiled:
+            compiled = self._compiled.get(signature(args, kwargs))
+            if compiled is not None:
+                return compiled(*args, **kwargs)
+        before = self._counter.counts()[self.name]
+        start = time.perf_counter()
+        out = self._jit(*args, **kwargs)
+        if self._counter.counts()[self.name] != before:  # this call traced and compiled
+            self._counter._timed(self.name, time.perf_counter() - start, signature(args, kwargs))
+        return out
+
+
+class CompileCounter:
+    """jax.jit that counts, times and budgets each function's compiled programs under a name."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._seconds: collections.Counter[str] = collections.Counter()
+        self._after_start: collections.Counter[str] = collections.Counter()
+        self._started = False
+        self._warned: set[str] = set()
+
+    def jit(self, name: str, fn: Callable[..., Any], **jit_kwargs: Any) -> Program:
+        """jax.jit(fn, **jit_kwargs) as a Program, its compiles counted under `name` (from 0)."""
+        with self._lock:
+            self._counts[name] += 0
+        return Program(self, name, fn, **jit_kwargs)
+
+    def start(self) -> None:
+        """Start-up is over: every later compile is counted in `after_start` and warned about."""
+        self._started = True
+
+    def _traced(self, name: str) -> None:
+        with self._lock:
+            self._counts[name] += 1
+            if self._started:
+                self._after_start[name] += 1
+
+    def _timed(self, name: str, seconds: float, sig: tuple[Any, ...]) -> None:
+        with self._lock:
+            self._seconds[name] += seconds
+            warn = self._started and name not in self._warned
+            if warn:
+                self._warned.add(name)
+        if warn:
+            log.warning(
+                "%s compiled after start (%.2f s) for new shapes %s; a run's programs should all "
+                "be compiled at start (rl/compiles.py). Further compiles of it are counted, not "
+                "warned about.",
+                name,
+                seconds,
+                describe(sig),
+            )
 
     def counts(self) -> dict[str, int]:
         """Programs compiled so far, by name."""
-        return dict(self._counts)
+        with self._lock:
+            return dict(self._counts)
+
+    def seconds(self) -> dict[str, float]:
+        """Seconds spent tracing and compiling, by name (precompiles and calls that compiled)."""
+        with self._lock:
+            return {name: float(self._seconds[name]) for name in self._counts}
+
+    def after_start(self) -> dict[str, int]:
+        """Programs compiled after `start()`, by name (a run's budget: all zero)."""
+        with self._lock:
+            return {name: self._after_start[name] for name in self._counts}
+
+
+def compile_stats(counters: dict[str, CompileCounter]) -> dict[str, dict[str, float]]:
+    """{"<owner>.<program>": {"programs", "seconds", "after_start"}} over named counters."""
+    out = {}
+    for owner, counter in counters.items():
+        seconds, late = counter.seconds(), counter.after_start()
+        for name, n in counter.counts().items():
+            out[f"{owner}.{name}"] = {
+                "programs": float(n),
+                "seconds": seconds[name],
+                "after_start": float(late[name]),
+            }
+    return out
+
+
+def round_compiles(now: dict[str, dict[str, float]], before: dict[str, dict[str, float]]):
+    """Per-round metrics from two compile_stats snapshots: programs compiled and their seconds
+    in between, programs compiled after start so far."""
+    total = lambda stats, key: sum(v[key] for v in stats.values())
+    return {
+        "compiles": total(now, "programs") - total(before, "programs"),
+        "compile_s": total(now, "seconds") - total(before, "seconds"),
+        "compiles_after_start": total(now, "after_start"),
+    }

@@ -37,7 +37,15 @@ MOVED = {
     "config.learner.temperature": (
         "config.sampling.temperature",
         "one temperature for sampling and the loss",
-    )
+    ),
+    "config.learner.max_length": (
+        "config.engine.max_length",
+        "the longest prompt + response, for the sampler's cache and the learner's row lengths",
+    ),
+    "config.learner.pack_max_length": (
+        "config.engine.max_length",
+        "packed rows are at most its power-of-two bucket long",
+    ),
 }
 
 
@@ -285,6 +293,12 @@ def check_config(config: Any) -> None:
                 config.learner,
                 total_updates=total or (warmup if isinstance(warmup, int) else 0) + 1,
                 temperature=sampling.temperature if sampling is not None else 1.0,
+                **(
+                    {"max_length": config.engine.max_length}
+                    if isinstance(config.get("engine", {}).get("max_length"), int)
+                    and config.engine.max_length >= 2
+                    else {}
+                ),
             ),
         )
         group = p.build(

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from rl.compiles import round_compiles
 from rl.config_check import check_config
 from rl.curves import read_metrics, write_learning_curve_png
 from rl.driver import driver_config_from
@@ -205,6 +206,8 @@ def _train(
         shown_from = None
     gantt_since = None
     t_rl, eval_at_rl = time.perf_counter(), phases["eval_s"]
+    runtime.start_compile_budget()  # from here on nothing should compile (rl/compiles.py)
+    compiled = runtime.compile_stats()
     try:
         for r in range(first_round, config.rounds):
             if r == shown_from:
@@ -216,7 +219,14 @@ def _train(
             finally:
                 bar.close()
             counts = _reward_counts(runtime.reward_stats()[0], reward_seen)
-            metrics = {"round": float(r), **result.metrics, **counts}
+            now = runtime.compile_stats()
+            metrics = {
+                "round": float(r),
+                **result.metrics,
+                **counts,
+                **round_compiles(now, compiled),
+            }
+            compiled = now
             # RL time so far without evaluation: the x axis of "time to reach X% held-out"
             metrics["rl_elapsed_s"] = time.perf_counter() - t_rl - (phases["eval_s"] - eval_at_rl)
             if config.eval.every_rounds and (r + 1) % config.eval.every_rounds == 0:
@@ -295,6 +305,8 @@ def _train(
         "reward_timeouts": rollout_stats["timeouts"],
         "reward_stats": {"rollout": rollout_stats, "eval": eval_stats},
         "data": data.counts,  # rows used and dropped (malformed, prompt too long, non-numeric)
+        # per program: compiled (at start, then after: the budget is 0), seconds compiling
+        "compiles": runtime.compile_stats(),
     }
     with open(os.path.join(config.workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

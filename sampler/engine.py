@@ -272,6 +272,11 @@ class Engine:
         itemsize = jnp.dtype(self.cache_dtype).itemsize
         return 2 * c.n_layers * self.cache_length * c.n_kv_heads * c.head_dim * itemsize
 
+    @property
+    def compiles(self) -> CompileCounter:
+        """The programs its jitted entry points compiled: counts, seconds, those after start."""
+        return self._compiles
+
     def compile_counts(self) -> dict[str, int]:
         """How many programs each jitted entry point has compiled (prefill: one per bucket)."""
         return self._compiles.counts()

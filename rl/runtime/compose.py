@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from rl.compiles import compile_stats
 from rl.models.build import build_model
 from rl.models.sharding import Rules, normalize_rules
 from rl.models.summary import tokenizer_from
@@ -95,6 +96,11 @@ def build_checked_model(config: Any, setup: Setup, mesh: Mesh | None) -> Any:
     return model
 
 
+def updates_per_round(config: Any) -> int:
+    """Optimizer updates per round (config.driver: groups per round / groups per update)."""
+    return max(1, config.driver.groups_per_round // max(1, config.driver.groups_per_update))
+
+
 def build_learner(
     config: Any, setup: Setup, model: Any, mesh: Mesh, *, total_updates: int
 ) -> Learner:
@@ -108,6 +114,7 @@ def build_learner(
         config.learner,
         total_updates=total_updates or config.learner.optimizer.warmup_steps + 1,
         temperature=setup.sampling.temperature,  # one temperature: the loss recomputes the sampler's
+        max_length=config.engine.max_length,  # the longest prompt + response it is given
     )
     return Learner(model, learner_cfg, mesh=mesh, rules=setup.rules)
 
@@ -330,6 +337,11 @@ class ThreadsRuntime:
             rules=setup.rules,
             share_with=self.learner,
         )
+        # Every learner program a run calls, compiled now (learner/learner.py precompile).
+        self.learner.precompile(
+            updates_per_round=updates_per_round(config),
+            shared_params=self.weight_sync.shares_params,
+        )
         self.reward, self.eval_reward = build_reward(config, setup), build_reward(config, setup)
         self._ckpt = None
         self.borrow = build_borrower(
@@ -393,6 +405,18 @@ class ThreadsRuntime:
     def reward_stats(self) -> tuple[dict[str, int], dict[str, int]]:
         """Counters of the rollout and the evaluation reward runners."""
         return self.reward.stats(), self.eval_reward.stats()
+
+    def compile_stats(self) -> dict[str, dict[str, float]]:
+        """Programs compiled, their seconds, and those after start, per program (rl/compiles.py)."""
+        counters = {"learner": self.learner.compiles}
+        for i, engine in enumerate(self.engines):
+            counters[f"engine{i}"] = engine.compiles
+        return compile_stats(counters)
+
+    def start_compile_budget(self) -> None:
+        """Start-up is over: a later learner compile is counted as after start, and warned about
+        once (the engines' compiles are counted, not yet budgeted: their shapes are not fixed)."""
+        self.learner.compiles.start()
 
     def checkpointer(self, directory: str) -> LocalCheckpoints:
         return LocalCheckpoints(directory, self.learner)

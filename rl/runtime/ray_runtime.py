@@ -261,6 +261,12 @@ class LearnerClient:
     def publish(self, version: int) -> Any:
         return self._call("publish", version)[0]
 
+    def compile_stats(self) -> dict[str, dict[str, float]]:
+        return self._call("compile_stats")
+
+    def start_compile_budget(self) -> None:
+        self._call("start_compile_budget")
+
     def export_hf(self, path: str) -> None:
         self._call("export_hf", path)
 
@@ -527,6 +533,13 @@ class RayRuntime:
             ):
                 total.update(part)
         return dict(out[0]), dict(out[1])
+
+    def compile_stats(self) -> dict[str, dict[str, float]]:
+        """The learner worker's programs: compiled, seconds, after start (rl/compiles.py)."""
+        return self.learner.compile_stats()
+
+    def start_compile_budget(self) -> None:
+        self.learner.start_compile_budget()
 
     def checkpointer(self, directory: str) -> RemoteCheckpoints:
         return RemoteCheckpoints(self.learner, directory)

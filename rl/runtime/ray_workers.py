@@ -149,7 +149,12 @@ class LearnerWorker:
 
         from learner.distributed import init_learner_group
         from rl.models.config import DTYPES
-        from rl.runtime.compose import Setup, build_checked_model, build_learner
+        from rl.runtime.compose import (
+            Setup,
+            build_checked_model,
+            build_learner,
+            updates_per_round,
+        )
 
         config = _config(self._config_dict)
         setup = Setup.from_config(config)
@@ -165,6 +170,7 @@ class LearnerWorker:
         self.group = group
         model = build_checked_model(config, setup, mesh)
         self.learner = build_learner(config, setup, model, mesh, total_updates=self._total_updates)
+        self.learner.precompile(updates_per_round=updates_per_round(config))
         self.config, self.setup = config, setup
         dtype = DTYPES[config.sampler_dtype] if config.sampler_dtype else None
         # The cast DevicePutSync makes, on the learner's devices: a replica gets the same bits.
@@ -193,6 +199,15 @@ class LearnerWorker:
     def devices(self) -> int:
         """The learner mesh's devices in this process."""
         return len(self.learner.mesh.devices.flat)
+
+    def compile_stats(self) -> dict[str, dict[str, float]]:
+        """The learner's programs: compiled, seconds, after start (rl/compiles.py)."""
+        from rl.compiles import compile_stats  # jax: imported in the actor, as everywhere here
+
+        return compile_stats({"learner": self.learner.compiles})
+
+    def start_compile_budget(self) -> None:
+        self.learner.compiles.start()
 
     def begin_round(self, updates: int) -> int:
         self.learner.begin_round(updates=updates)

@@ -90,9 +90,14 @@ def _typed_sections():
         ("mesh", MeshConfig, set()),
         # migration's fields: rl.elastic.migration.MigrationConfig (rl.runtime.compose)
         ("elastic", BorrowConfig, {"migration", "max_running_fraction", "min_tokens_left"}),
-        # temperature: config.sampling.temperature; loss: the losses' own configs (checked by
-        # the loss registry); distributed: learner/distributed.py (0 / -1 there mean "from $JAX_*")
-        ("learner", LearnerConfig, {"optimizer", "loss", "temperature", "distributed"}),
+        # temperature: config.sampling.temperature; max_length: config.engine.max_length; loss:
+        # the losses' own configs (checked by the loss registry); distributed:
+        # learner/distributed.py (0 / -1 there mean "from $JAX_*")
+        (
+            "learner",
+            LearnerConfig,
+            {"optimizer", "loss", "temperature", "max_length", "distributed"},
+        ),
         ("learner.optimizer", OptimizerConfig, set()),
         # the built-in losses' sections are their options dataclasses, checked one by one below
         ("learner.loss", LossConfig, {"custom", *BUILTIN_OPTIONS}),

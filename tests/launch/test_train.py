@@ -46,7 +46,13 @@ def test_default_run_trains_pipelined_rounds_and_writes_its_files(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if x["prefix"] == "train"] == list(range(config.rounds))
     assert [x["step"] for x in lines if x["prefix"] == "sft"] == [10, 20]
+    # The compile budget: every learner program compiled at start, none in the rounds.
+    train_rows = [x for x in lines if x["prefix"] == "train"]
+    assert all(x["compiles_after_start"] == 0 for x in train_rows)
     saved = json.loads((tmp_path / "summary.json").read_text())
+    learner_programs = {k: v for k, v in saved["compiles"].items() if k.startswith("learner.")}
+    assert learner_programs["learner.accumulate"]["programs"] >= 1
+    assert all(v["after_start"] == 0 for v in learner_programs.values()), learner_programs
     for key in ("heldout_acc_before", "heldout_acc_after"):
         assert 0.0 <= saved[key] <= 1.0
     assert saved["wall_s"] >= saved["sft_s"] + saved["rl_s"] > 0

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from learner.batching import first_fit, make_batch
+from learner.batching import MicroBatches, first_fit, make_batch
 from learner.config import LearnerConfig, OptimizerConfig
 from learner.learner import Learner
 from learner.mesh import MeshConfig, make_meshes
@@ -63,15 +63,51 @@ def test_packed_layout_holds_every_sequence_and_pads_less():
         make_batch(groups, advs, rows=8, pack=True, row_multiple=0)
 
 
-def test_packing_fills_rows_longer_than_the_longest_sequence():
-    """~20-token sequences in a 32 bucket: one per row wastes ~40%; packed rows of 64+ do not."""
-    groups = make_groups(8, g=8, seed=3, max_response=9, prompt_len=14)
-    advs = _advantages(groups)
-    plain = make_batch(groups, advs, rows=64, min_length_bucket=16)
-    packed = make_batch(groups, advs, rows=64, min_length_bucket=16, pack=True, row_multiple=1)
-    assert plain.padded_fraction > 0.3
-    assert packed.inputs.shape[1] > plain.inputs.shape[1]
-    assert packed.padded_fraction < 0.15  # 11.6%: rows round up to a quarter-octave count
+def _lengths(rng, n, cap):
+    """Long-tailed sequence lengths in [2, cap]: mostly short, a few near the cap."""
+    return [int(x) for x in np.clip(rng.lognormal(np.log(cap / 8), 1.0, n), 2, cap)]
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_micro_batches_place_every_sequence_once_on_the_fixed_shapes(pack):
+    shapes = MicroBatches.from_config(rows=4, min_length_bucket=16, max_positions=100, pack=pack)
+    assert shapes.lengths == (16, 32, 64, 128)
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        lengths = _lengths(rng, int(rng.integers(1, 60)), 100)
+        n, pending, placed = len(lengths), [], []
+        for k in range(0, n, 4):  # as Learner.add_groups: a plan after each group of 4
+            pending += list(range(k, min(k + 4, n)))
+            for final in (False, True) if k + 4 >= n else (False,):  # then the update's
+                for length, bins in shapes.plan([lengths[i] for i in pending], final=final):
+                    rows = shapes.rows_for(length)
+                    assert length in shapes.lengths and len(bins) <= rows
+                    assert rows * length == shapes.rows * 128  # one token budget
+                    assert sum(len(b) for b in bins) <= shapes.sequences(length)
+                    for b in bins:
+                        assert sum(lengths[pending[j]] for j in b) <= length
+                        assert pack or len(b) == 1
+                    chosen = [pending[j] for b in bins for j in b]
+                    placed += chosen
+                    # the shortest row length that holds the longest sequence it was given
+                    assert length == shapes.length_for(max(lengths[i] for i in chosen))
+                pending = [i for i in pending if i not in placed]
+        assert sorted(placed) == list(range(n)) and not pending
+    with pytest.raises(ValueError, match="longer than the learner's longest row"):
+        shapes.length_for(129)
+
+
+def test_packed_micro_batches_pad_little_on_long_tails():
+    """Mostly short sequences, a few long: one per row pads ~36% even sorted by length (one
+    update handed over at once), packed rows under 10% (1.6%)."""
+    rng = np.random.default_rng(1)
+    lengths = _lengths(rng, 512, 500)
+    packed, plain = (
+        MicroBatches.from_config(rows=16, min_length_bucket=64, max_positions=500, pack=p)
+        for p in (True, False)
+    )
+    assert 1 - sum(lengths) / plain.positions(lengths) > 0.3
+    assert 1 - sum(lengths) / packed.positions(lengths) < 0.10
 
 
 @pytest.mark.parametrize(

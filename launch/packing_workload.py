@@ -1,0 +1,207 @@
+"""Sequence packing over a run: packed vs unpacked learners on long-tailed lengths, compiles counted.
+
+    python -m launch.bench_learner --run_updates 200 --json /tmp/bench_learner.json  # runs it
+
+Two Learners of one model (the "tiny" preset widened to d_model 128, float32, one device), one with
+learner.packing (the default), one without (one sequence per row, padded to its power-of-two row
+length). Each compiles its programs at start (Learner.precompile: every micro-batch shape of the
+config's ladder, the optimizer update), timed; then `updates` updates, each on fresh random groups
+(groups x group_size completions, prompts of 16-48 tokens, responses drawn from a lognormal of
+median `median` and sigma `sigma`, clipped to [1, max_response]: the long tail of RL responses),
+packed and unpacked alternating on the same groups so the machine's load falls on both.
+Reported: warm tokens/s (loss tokens over the updates' wall time) and over the whole run including
+the start compiles, as packed / unpacked ratios; compiles after start (must be 0) and the distinct
+programs of each learner; the padded fraction of the model positions; the spread of per-update
+ratios over the run (min / median / max of 10-update windows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from learner.config import LearnerConfig, OptimizerConfig
+from learner.learner import Learner
+from learner.mesh import MeshConfig, make_meshes
+from rl.models import create_model, get_preset
+from rl.types import Completion, Group, Request, SamplingParams
+
+PROMPT_TOKENS = (16, 48)  # prompt lengths are drawn uniformly from this range
+
+
+def long_tail_groups(
+    rng: np.random.Generator,
+    *,
+    groups: int,
+    group_size: int,
+    vocab: int,
+    max_response: int,
+    median: float,
+    sigma: float,
+    uid: int,
+) -> list[Group]:
+    """Random complete groups with lognormal response lengths; log-probs near uniform's."""
+    out = []
+    for g in range(groups):
+        prompt = tuple(int(t) for t in rng.integers(1, vocab, rng.integers(*PROMPT_TOKENS)))
+        request = Request(
+            uid=uid + g, prompt=prompt, group_size=group_size, params=SamplingParams()
+        )
+        lengths = np.clip(np.round(rng.lognormal(math.log(median), sigma, group_size)), 1, None)
+        completions = tuple(
+            Completion(
+                uid=uid + g,
+                round=0,
+                sample=i,
+                versions=(0,) * min(int(n), max_response),
+                prompt=prompt,
+                tokens=tuple(int(t) for t in rng.integers(1, vocab, min(int(n), max_response))),
+                logprobs=tuple(
+                    float(x)
+                    for x in -math.log(vocab) + rng.normal(0, 0.1, min(int(n), max_response))
+                ),
+                reward=float(rng.integers(0, 2)),
+                finish_reason="stop",
+            )
+            for i, n in enumerate(np.minimum(lengths, max_response).astype(int))
+        )
+        out.append(Group(request=request, completions=completions))
+    return out
+
+
+def run_workload(
+    *,
+    updates: int,
+    groups: int = 16,
+    group_size: int = 8,
+    max_response: int = 448,
+    median: float = 24.0,
+    sigma: float = 1.0,
+    rows: int = 2,
+    min_length_bucket: int = 64,
+    d_model: int = 128,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Packed vs unpacked learners over `updates` updates of fresh long-tailed groups."""
+    preset = dataclasses.replace(get_preset("tiny"), d_model=d_model, dtype="float32")
+    model = create_model(preset, seed=seed)
+    mesh, _ = make_meshes(MeshConfig(learner_devices=1, learner_tp=1, colocated=True))
+    cfg = LearnerConfig(
+        optimizer=OptimizerConfig(lr=1e-4),
+        micro_batch_rows=rows,
+        min_length_bucket=min_length_bucket,
+        max_length=PROMPT_TOKENS[1] + max_response,
+        old_logprobs="sampler",
+    )
+    learners, start_s = {}, {}
+    for name, packing in (("packed", True), ("unpacked", False)):
+        learner = Learner(model, dataclasses.replace(cfg, packing=packing), mesh=mesh)
+        t = time.perf_counter()
+        learner.precompile(updates_per_round=1)
+        start_s[name] = time.perf_counter() - t
+        learner.compiles.start()
+        learner.begin_round(updates=1 << 30)
+        learners[name] = learner
+    rng = np.random.default_rng(seed)
+    seconds: dict[str, list[float]] = {"packed": [], "unpacked": []}
+    tokens: list[float] = []
+    positions = {"packed": 0, "unpacked": 0}
+    real = 0
+    for k in range(updates):
+        batch = long_tail_groups(
+            rng,
+            groups=groups,
+            group_size=group_size,
+            vocab=preset.vocab_size,
+            max_response=max_response,
+            median=median,
+            sigma=sigma,
+            uid=k * groups,
+        )
+        lengths = [len(c.prompt) + len(c.tokens) - 1 for g in batch for c in g.completions]
+        real += sum(lengths)
+        order = ("packed", "unpacked") if k % 2 == 0 else ("unpacked", "packed")
+        for name in order:
+            learner = learners[name]
+            positions[name] += learner.micro_batches.positions(lengths)
+            t = time.perf_counter()
+            learner.add_groups(batch)
+            metrics = learner.update()
+            seconds[name].append(time.perf_counter() - t)
+        tokens.append(metrics["tokens"])
+    total_tokens = sum(tokens)
+    warm = {n: total_tokens / sum(s) for n, s in seconds.items()}
+    whole = {n: total_tokens / (sum(s) + start_s[n]) for n, s in seconds.items()}
+    windows = [
+        sum(seconds["unpacked"][i : i + 10]) / sum(seconds["packed"][i : i + 10])
+        for i in range(0, updates - 9, 10)
+    ]
+    programs = {
+        n: sum(v for k, v in learner.compile_counts().items()) for n, learner in learners.items()
+    }
+    return {
+        "packing_speedup": warm["packed"] / warm["unpacked"],
+        "packing_speedup_with_compiles": whole["packed"] / whole["unpacked"],
+        "packing_speedup_windows": {
+            "min": min(windows, default=float("nan")),
+            "median": statistics.median(windows) if windows else float("nan"),
+            "max": max(windows, default=float("nan")),
+        },
+        "compiles_after_start": int(
+            sum(sum(lr.compiles.after_start().values()) for lr in learners.values())
+        ),
+        "learner_programs": programs,
+        "row_lengths": list(learners["packed"].micro_batches.lengths),
+        "padded_fraction": {n: 1.0 - real / p for n, p in positions.items()},
+        "tokens_per_s": warm,
+        "tokens_per_s_with_compiles": whole,
+        "start_compile_s": start_s,
+        "updates_s": {n: sum(s) for n, s in seconds.items()},
+        "loss_tokens": total_tokens,
+        "config": dict(
+            updates=updates,
+            groups=groups,
+            group_size=group_size,
+            max_response=max_response,
+            tail_median=median,
+            tail_sigma=sigma,
+            micro_batch_rows=rows,
+            min_length_bucket=min_length_bucket,
+            d_model=d_model,
+            seed=seed,
+            backend=jax.default_backend(),
+        ),
+    }
+
+
+def print_table(r: dict[str, Any]) -> None:
+    c = r["config"]
+    print(
+        f"workload: {c['updates']} updates x {c['groups']} groups x G={c['group_size']}, prompts "
+        f"{PROMPT_TOKENS[0]}-{PROMPT_TOKENS[1]} tokens, responses lognormal(median "
+        f"{c['tail_median']:g}, sigma {c['tail_sigma']:g}) <= {c['max_response']}; tiny d_model "
+        f"{c['d_model']}, {c['micro_batch_rows']} rows x {r['row_lengths']} positions"
+    )
+    print(
+        f"{'learner':<10}{'start compile s':>16}{'updates s':>11}{'tokens/s':>10}"
+        f"{'with compiles':>15}{'padded':>8}{'programs':>10}"
+    )
+    for n in ("packed", "unpacked"):
+        print(
+            f"{n:<10}{r['start_compile_s'][n]:>16.1f}{r['updates_s'][n]:>11.1f}"
+            f"{r['tokens_per_s'][n]:>10.0f}{r['tokens_per_s_with_compiles'][n]:>15.0f}"
+            f"{r['padded_fraction'][n]:>8.1%}{r['learner_programs'][n]:>10}"
+        )
+    w = r["packing_speedup_windows"]
+    print(
+        f"packed / unpacked: {r['packing_speedup']:.2f}x warm (10-update windows: min "
+        f"{w['min']:.2f} / median {w['median']:.2f} / max {w['max']:.2f}), "
+        f"{r['packing_speedup_with_compiles']:.2f}x with the start compiles; compiles after "
+        f"start: {r['compiles_after_start']}"
+    )
