@@ -158,6 +158,18 @@ class CompileCounter:
         with self._lock:
             return {name: float(self._seconds[name]) for name in self._counts}
 
+    def stats(self, owner: str) -> dict[str, dict[str, float]]:
+        """{"<owner>.<program>": {"programs", "seconds", "after_start"}} for every program."""
+        seconds, late = self.seconds(), self.after_start()
+        return {
+            f"{owner}.{name}": {
+                "programs": float(n),
+                "seconds": seconds[name],
+                "after_start": float(late[name]),
+            }
+            for name, n in self.counts().items()
+        }
+
     def after_start(self) -> dict[str, int]:
         """Programs compiled after `start()`, by name (a run's budget: all zero)."""
         with self._lock:
@@ -165,17 +177,8 @@ class CompileCounter:
 
 
 def compile_stats(counters: dict[str, CompileCounter]) -> dict[str, dict[str, float]]:
-    """{"<owner>.<program>": {"programs", "seconds", "after_start"}} over named counters."""
-    out = {}
-    for owner, counter in counters.items():
-        seconds, late = counter.seconds(), counter.after_start()
-        for name, n in counter.counts().items():
-            out[f"{owner}.{name}"] = {
-                "programs": float(n),
-                "seconds": seconds[name],
-                "after_start": float(late[name]),
-            }
-    return out
+    """CompileCounter.stats of several counters, by owner, in one dict."""
+    return {k: v for owner, counter in counters.items() for k, v in counter.stats(owner).items()}
 
 
 def round_compiles(now: dict[str, dict[str, float]], before: dict[str, dict[str, float]]):

@@ -202,9 +202,7 @@ class LearnerWorker:
 
     def compile_stats(self) -> dict[str, dict[str, float]]:
         """The learner's programs: compiled, seconds, after start (rl/compiles.py)."""
-        from rl.compiles import compile_stats  # jax: imported in the actor, as everywhere here
-
-        return compile_stats({"learner": self.learner.compiles})
+        return self.learner.compiles.stats("learner")
 
     def start_compile_budget(self) -> None:
         self.learner.compiles.start()
