@@ -11,11 +11,13 @@ one bad reward function or dataset row never stops the sampler and never floods 
 `workers` calls run at once, each on one worker lane. Two backends:
 
 - `backend="thread"` (default; any callable, closures and lambdas too): the call runs on a
-  thread. Python threads cannot be killed: a call past its timeout is abandoned, its thread
-  running on until the function returns, and a fresh thread takes its place at once, so capacity
-  is kept; the threads are daemons, so a hung call does not block interpreter exit. Stuck threads
-  still take their share of the GIL, so more than `max_stuck` of them at once fails the call with
-  a RuntimeError rather than letting them pile up.
+  thread. A call past its timeout is stopped: an exception is raised in its thread (CPython's
+  `PyThreadState_SetAsyncExc`), which ends a call running Python code (a sympy loop) at its next
+  bytecode, and a fresh thread takes its place at once, so capacity is kept. A call blocked inside
+  one long C function (a huge integer power) runs on until that returns: such calls count as
+  stuck (`stats()`), more than `max_stuck` of them at once fail the call with a RuntimeError, and
+  the threads are daemons, so they never block interpreter exit. The shipped verifiers bound
+  their own work (rl/rewards/symbolic.py), so none of their calls is stuck.
 - `backend="process"` (a picklable `fn`: a module-level function, e.g. a registered reward):
   each lane owns a worker process (started with "spawn", so no JAX state is forked). A call past
   its timeout kills the process and a fresh one replaces it, so a hung CPU-bound verifier (a
@@ -25,6 +27,7 @@ one bad reward function or dataset row never stops the sampler and never floods 
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import dataclasses
 import math
 import multiprocessing
@@ -54,29 +57,37 @@ class _Timeout(Exception):
     """A call ran past timeout_s (internal: turned into a 0.0 score)."""
 
 
+class _Stopped(BaseException):
+    """Raised inside a thread worker's call that ran past its timeout (see `_ThreadWorker.stop`)."""
+
+
 class _ThreadWorker:
-    """Runs calls on one daemon thread; a call past its timeout abandons the thread."""
+    """Runs calls on one daemon thread; a call past its timeout is stopped and the worker retired."""
 
     def __init__(self, runner: RewardRunner, name: str):
         self.runner = runner
         self.inbox: queue.SimpleQueue[tuple[_Job, concurrent.futures.Future] | None] = (
             queue.SimpleQueue()
         )
-        self.abandoned = False
-        threading.Thread(target=self._main, name=name, daemon=True).start()
+        self.retired = False
+        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self.thread.start()
 
     def _main(self) -> None:
         runner = self.runner
-        while (item := self.inbox.get()) is not None:
-            job, result = item
+        while not self.retired:
             try:
-                result.set_result(runner.fn(job.request, runner.decode(job.tokens)))
-            except BaseException as e:  # handed to the lane, which scores 0.0
-                result.set_exception(e)
-            with runner._lock:
-                if self.abandoned:  # a replacement already took this worker's place
-                    runner._stuck -= 1
-                    return
+                while (item := self.inbox.get()) is not None:
+                    job, result = item
+                    try:
+                        result.set_result(runner.fn(job.request, runner.decode(job.tokens)))
+                    except BaseException as e:  # handed to the lane, which scores 0.0
+                        result.set_exception(e)
+                    if self.retired:
+                        return
+                return
+            except _Stopped:  # delivered after the call had ended: the worker is retired
+                pass
 
     def call(self, job: _Job, timeout_s: float) -> Any:
         result: concurrent.futures.Future = concurrent.futures.Future()
@@ -86,8 +97,19 @@ class _ThreadWorker:
             raise _Timeout
         return result.result()
 
-    def stop(self) -> None:
+    def stop_call(self) -> None:
+        """Retires the worker and stops the call it runs: `_Stopped` is raised in its thread at
+        the thread's next Python bytecode (at once for Python code; a C call finishes first)."""
+        self.retired = True
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(self.thread.ident), ctypes.py_object(_Stopped)
+        )
+        self.inbox.put(None)  # wakes the thread if the call ended before the exception came
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Ends the thread once its queued calls are done; waits up to `timeout_s` for it."""
         self.inbox.put(None)
+        self.thread.join(timeout_s)
 
 
 def _process_main(conn: Any, fn: TextRewardFn) -> None:
@@ -188,8 +210,8 @@ class RewardRunner:
             decode: Turns a completion's tokens into the text `fn` reads.
             timeout_s: How long one call (decode and `fn`) may take before it scores 0.0.
             workers: Calls run at once (worker threads or processes).
-            max_stuck: thread backend: abandoned calls that may still be running at once before
-                a timeout raises.
+            max_stuck: thread backend: stopped calls that may still be running at once (inside a
+                C function) before a timeout raises.
             backend: "thread" or "process" (see the module docstring).
         """
         if not (timeout_s > 0 and math.isfinite(timeout_s)):
@@ -214,12 +236,17 @@ class RewardRunner:
         self.timeout_s, self.workers, self.max_stuck = timeout_s, workers, max_stuck
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._calls = self._errors = self._timeouts = self._stuck = self._replaced = 0
+        self._calls = self._errors = self._timeouts = self._replaced = 0
+        self._retired: list[_ThreadWorker] = []  # thread workers whose call was stopped
         self._logged: set[str] = set()
         self._closed = False
         self._spawned = 0
-        for i in range(workers):
-            threading.Thread(target=self._lane, name=f"reward-lane-{i}", daemon=True).start()
+        self._lanes = [
+            threading.Thread(target=self._lane, name=f"reward-lane-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for lane in self._lanes:
+            lane.start()
 
     # ------------------------------------------------------------------------------ the sampler
 
@@ -257,24 +284,30 @@ class RewardRunner:
         return self._timeouts
 
     def stats(self) -> dict[str, int]:
-        """Counters: calls, errors, timeouts, stuck (abandoned calls still running), replaced."""
+        """Counters: calls, errors, timeouts, stuck (stopped calls still running), replaced."""
         with self._lock:
             return {
                 "calls": self._calls,
                 "errors": self._errors,
                 "timeouts": self._timeouts,
-                "stuck": self._stuck,
+                "stuck": self._stuck(),
                 "replaced": self._replaced,  # workers started to stand in for stuck/killed ones
             }
 
     def close(self) -> None:
-        """Stops the workers once queued calls finish; never waits for stuck calls. Idempotent."""
+        """Stops the workers once queued calls finish (each within its timeout) and waits for
+        their threads and processes to end; a stuck call (see `max_stuck`) is waited for at most
+        one second. Idempotent."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        for _ in range(self.workers):
-            self._jobs.put(None)
+            closed, self._closed = self._closed, True
+        if not closed:
+            for _ in range(self.workers):
+                self._jobs.put(None)
+        for lane in self._lanes:
+            if lane is not threading.current_thread():
+                lane.join()
+        for worker in self._retired:
+            worker.thread.join(timeout=1.0)
 
     def __enter__(self) -> RewardRunner:
         return self
@@ -319,7 +352,7 @@ class RewardRunner:
                     worker = None
         finally:
             if worker is not None:
-                worker.stop()
+                worker.stop()  # an idle worker: ends at once
 
     def _score(self, worker: _ThreadWorker | _ProcessWorker, job: _Job) -> float:
         """The call's score: its value, or 0.0 (counted) for an error or an invalid value."""
@@ -347,17 +380,13 @@ class RewardRunner:
     def _replace(
         self, worker: _ThreadWorker | _ProcessWorker, job: _Job
     ) -> _ThreadWorker | _ProcessWorker | None:
-        """Counts a timeout and replaces the worker that ran past it (killed or abandoned)."""
+        """Counts a timeout and replaces the worker that ran past it (killed or stopped)."""
         with self._lock:
             self._timeouts += 1
             first = "timeout" not in self._logged
             self._logged.add("timeout")
         if first:
-            how = (
-                "the worker process killed"
-                if self.backend == "process"
-                else "the call abandoned (its thread runs on: threads cannot be killed)"
-            )
+            how = "the worker process killed" if self.backend == "process" else "the call stopped"
             logging.warning(
                 "Reward %s took over timeout_s=%s on request uid=%d round=%d; scored 0.0 and %s. "
                 "Later timeouts are only counted: see RewardRunner.stats().",
@@ -370,19 +399,25 @@ class RewardRunner:
         if isinstance(worker, _ProcessWorker):
             worker.kill()
         else:
+            worker.stop_call()
             with self._lock:
-                if self._stuck >= self.max_stuck:
+                self._retired.append(worker)
+                if self._stuck() > self.max_stuck:
                     raise RuntimeError(
-                        f"Reward {self.name}: {self._stuck + 1} calls are stuck past timeout_s="
-                        f"{self.timeout_s} (threads cannot be killed); expected at most "
-                        f"max_stuck={self.max_stuck}. The last was request uid={job.request.uid}."
+                        f"Reward {self.name}: {self._stuck()} calls are stuck past timeout_s="
+                        f"{self.timeout_s} (each inside a C function that a thread cannot "
+                        f"interrupt); expected at most max_stuck={self.max_stuck}. The last was "
+                        f"request uid={job.request.uid}; backend='process' kills such calls."
                     )
-                worker.abandoned = True
-                self._stuck += 1
         with self._lock:
             self._replaced += 1
             closed = self._closed
         return None if closed else self._worker()
+
+    def _stuck(self) -> int:
+        """Stopped calls whose thread still runs (the caller holds the lock)."""
+        self._retired = [w for w in self._retired if w.thread.is_alive()]
+        return len(self._retired)
 
     def _count_error(self, kind: str, message: str, request: Request, detail: Any) -> None:
         with self._lock:

@@ -222,3 +222,32 @@ def test_process_backend_needs_a_picklable_function():
         RewardRunner(lambda r, t: 1.0, decode=decode, backend="process")
     with pytest.raises(ValueError, match=r"backend='gpu'; expected one of \('thread', 'process'\)"):
         RewardRunner(_spin, decode=decode, backend="gpu")
+
+
+def test_a_call_running_python_code_is_stopped_at_its_timeout():
+    before = threading.active_count()
+    run = RewardRunner(_spin, decode=decode, timeout_s=0.2, workers=2)
+    try:
+        assert run(_request(), _completion("spin")) == 0.0
+        deadline = time.monotonic() + 2.0
+        while run.stats()["stuck"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert run.stats()["stuck"] == 0  # the call stopped: it costs nothing after its timeout
+        assert run.stats()["timeouts"] == 1
+        assert run(_request(), _completion("ok")) == 2.0
+    finally:
+        run.close()
+    assert threading.active_count() == before
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_close_ends_every_thread_and_process(backend):
+    import multiprocessing
+
+    before = threading.active_count()
+    run = RewardRunner(_spin, decode=decode, timeout_s=0.5, workers=3, backend=backend)
+    futures = [run.submit(_request(), _completion(t)) for t in ("ok", "spin", "ok", "ok")]
+    assert [f.result() for f in futures] == [2.0, 0.0, 2.0, 2.0]
+    run.close()
+    assert threading.active_count() == before
+    assert multiprocessing.active_children() == []

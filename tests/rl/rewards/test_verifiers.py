@@ -128,6 +128,34 @@ def test_math_reward_symbolic():
     assert v.math_reward("\\boxed{}", "\\sqrt{2}") == 0.0
 
 
+# Short answers on which sympy would compute for hours (or run out of memory) if evaluated.
+HOSTILE = [
+    "9^{9^{9^{9}}}",
+    "2^{10^{10}}",
+    "(10^{9})!",
+    "100000000!",
+    "\\binom{10^{9}}{5\\cdot 10^{8}}",
+    "(x+1)^{100000}",
+    "2^{-10^{10}}",
+    "(" * 400 + "1" + ")" * 400,
+]
+
+
+@pytest.mark.parametrize("answer", HOSTILE)
+def test_math_reward_bounds_what_a_hostile_answer_costs(answer):
+    for reference in ("2", "x^2+1"):
+        t = time.perf_counter()
+        assert v.math_reward(f"\\boxed{{{answer}}}", reference) == 0.0
+        assert time.perf_counter() - t < 2.0
+
+
+def test_math_reward_keeps_large_real_answers():
+    assert v.math_reward("\\boxed{2^{2014}}", "2^{2014}") == 1.0
+    assert v.math_reward("\\boxed{2^{2014}}", "2^{2015}") == 0.0
+    assert v.math_reward("\\boxed{100!}", "100!") == 1.0
+    assert v.math_reward("\\boxed{(x+1)^{3}}", "x^3+3x^2+3x+1") == 1.0
+
+
 def test_gsm8k_reward():
     assert v.gsm8k_reward("3 + 4 = 7\n#### 7", "7") == 1.0
     assert v.gsm8k_reward("#### 1,000 dollars.\nExtra 5", "Steps...\n#### 1000") == 1.0
