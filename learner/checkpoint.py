@@ -175,6 +175,7 @@ class Checkpointer:
         # other method waits for it first, so one thread at a time uses the manager.
         self._finisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt")
         self._pending: concurrent.futures.Future | None = None
+        self._closed = False
         self.damaged: list[tuple[int, str]] = []  # (step, what) found by the last restore
         # Barrier names of a multi-process save: unique per directory and per call, the same in
         # every process (each process makes the same saves in the same order).
@@ -440,7 +441,11 @@ class Checkpointer:
         self._mngr.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for pending saves (checksums included) and releases the manager's resources."""
+        """Waits for pending saves (checksums included) and releases the manager's resources.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self._finish_pending()
         finally:

@@ -314,6 +314,16 @@ def _rewind_tensorboard(logdir: str, upto: Mapping[str, int]) -> None:
                 os.replace(path + ".tmp", path)
 
 
+class _NoProgress:
+    """The progress bar of a writer with stdout off: shows nothing, starts nothing."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class MetricsWriter:
     """Writes metrics to workdir/metrics.jsonl, TensorBoard (workdir/tb) and stdout.
 
@@ -408,10 +418,12 @@ class MetricsWriter:
         return " | ".join([head] + [f"{k} {fmt(values[k])}" for k in SUMMARY_KEYS if k in values])
 
     def progress(self, total: int, desc: str) -> Any:
-        """A tqdm progress bar (disabled when stdout is off); call .update(n) and .close()."""
+        """A tqdm progress bar (none when stdout is off); call .update(n) and .close()."""
+        if not self.stdout:  # a disabled tqdm bar still starts tqdm's monitor thread, for good
+            return _NoProgress()
         from tqdm import tqdm
 
-        return tqdm(total=total, desc=desc, disable=not self.stdout, leave=False, file=sys.stdout)
+        return tqdm(total=total, desc=desc, leave=False, file=sys.stdout)
 
     def close(self) -> None:
         """Flushes and closes the JSONL file and the TensorBoard writer."""

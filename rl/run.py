@@ -6,6 +6,7 @@ summary = rl.run.train(smoke.get_config())   # also from a Colab cell
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -128,13 +129,14 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
     driver_cfg = driver_config_from(
         config.driver, sampling=setup.sampling, epoch_size=len(data.train)
     )
-    runtime = make_runtime(
-        config, setup, total_updates=config.rounds * driver_cfg.updates_per_round
-    )
-    try:
-        return _train(config, start, setup, data, driver_cfg, runtime, resume, stdout)
-    finally:
-        runtime.close()
+    # Everything the run starts (workers, threads, processes, actors, files) ends with it, when it
+    # returns or raises: each is closed by `run`, newest first.
+    with contextlib.ExitStack() as run:
+        runtime = make_runtime(
+            config, setup, total_updates=config.rounds * driver_cfg.updates_per_round
+        )
+        run.callback(runtime.close)
+        return _train(config, start, setup, data, driver_cfg, runtime, resume, stdout, run)
 
 
 def _train(
@@ -146,6 +148,7 @@ def _train(
     runtime: Any,
     resume: bool,
     stdout: bool,
+    run: contextlib.ExitStack,
 ) -> dict[str, Any]:
     learner, sync = runtime.learner, runtime.weight_sync
     if getattr(runtime, "mesh_plan", None) is not None and stdout:  # config.mesh.split="plan"
@@ -154,6 +157,7 @@ def _train(
     reward_seen: dict[str, int] = {}
     os.makedirs(config.workdir, exist_ok=True)
     ckpt = runtime.checkpointer(os.path.join(config.workdir, "ckpt"))
+    run.callback(ckpt.close)
     first_round, version, planner_state, logged = 0, 0, None, None
     if resume:  # the newest intact checkpoint; a damaged newer one is reported and set aside
         meta = ckpt.restore(strict=config.get("resume_strict", False))
@@ -162,11 +166,10 @@ def _train(
         planner_state = meta["planner"]
         logged = meta.get("metrics")  # prefix -> last step logged when the checkpoint was taken
         if first_round >= config.rounds:  # a finished run: nothing to run, nothing rewritten
-            ckpt.close()
             return {"rounds": [], "first_round": first_round, "state": learner.state}
     # A resumed run cuts metrics.jsonl and TensorBoard back to its checkpoint: rounds run again
     # after it get one row each.
-    writer = MetricsWriter(config.workdir, stdout=stdout, rewind_to=logged)
+    writer = run.enter_context(MetricsWriter(config.workdir, stdout=stdout, rewind_to=logged))
     heldout = data.heldout
     phases = {"setup_s": time.perf_counter() - start, "sft_s": 0.0, "eval_s": 0.0, "rl_s": 0.0}
 
@@ -197,6 +200,7 @@ def _train(
         rounds=config.rounds,  # async plans no round past the run's last
         barrier_every=config.checkpoint_every,  # async: nothing in flight at a checkpoint
     )
+    run.callback(driver.close)
     if planner_state is not None:
         driver.planner.load_state_dict(planner_state)
     rounds = []

@@ -210,3 +210,29 @@ def test_countdown_smoke_run_scores_every_response_without_reward_errors(tmp_pat
     # The verifier raises on a record without its numbers and target: such calls count as errors.
     assert summary["reward_errors"] == 0 and summary["data"]["too_long"] == 0
     assert (tmp_path / "learning_curve.png").exists()
+
+
+def test_train_ends_every_thread_and_process_it_started_when_it_returns_or_raises(
+    tmp_path, monkeypatch
+):
+    import multiprocessing
+    import threading
+
+    from rl import run
+
+    before = threading.active_count()
+    c = smoke.get_config()
+    c.workdir, c.rounds, c.sft.max_steps = str(tmp_path / "returns"), 1, 0
+    run.train(c, stdout=False)
+    assert threading.active_count() == before, threading.enumerate()
+    assert multiprocessing.active_children() == []
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(run.MetricsWriter, "write", fail)
+    c.workdir = str(tmp_path / "raises")
+    with pytest.raises(RuntimeError, match="injected"):
+        run.train(c, stdout=False)
+    assert threading.active_count() == before, threading.enumerate()
+    assert multiprocessing.active_children() == []
