@@ -17,7 +17,8 @@ finish: killed, or an empty directory), a missing or truncated file, or a file w
 differs (a flipped bit) is damaged: `restore()` of the latest step logs one line naming the step
 and the file, moves the step to `<directory>/damaged/` and falls back to the newest intact step
 (older steps are kept for this reason); with `strict=True`, or for an explicit step, it raises
-`CheckpointDamagedError` with that line instead.
+`CheckpointDamagedError` with that line instead. When every step is damaged it raises
+`NoIntactCheckpointError` (a run then starts over: rl/run.py).
 
 A multi-process learner (learner/distributed.py) makes the same calls in every process, on one
 directory they all see: orbax writes each process's shards and process 0 the metadata; process 0
@@ -44,13 +45,18 @@ from jax.experimental import multihost_utils
 from learner.state import TrainState
 
 BARRIER_TIMEOUT_S = 600  # a multi-process save: how long processes wait for process 0's checksums
-_NO_STEP, _DAMAGED = -1, -2  # a multi-process restore: what process 0 found instead of a step
+# A multi-process restore: what process 0 found instead of a step.
+_NO_STEP, _DAMAGED, _NONE_INTACT = -1, -2, -3
 CHECKSUMS = "checksums.json"  # in each step directory: {"files": {relative path: [bytes, sha256]}}
 DAMAGED = "damaged"  # damaged steps are moved to <directory>/damaged/<step>
 
 
 class CheckpointDamagedError(ValueError):
     """A checkpoint step is incomplete or corrupt; the message names the step and the file."""
+
+
+class NoIntactCheckpointError(CheckpointDamagedError):
+    """Every step of a checkpoint directory was damaged (each was moved to `damaged/`)."""
 
 
 def _is_key(x: Any) -> bool:
@@ -290,6 +296,8 @@ class Checkpointer:
                 found = self._find_intact(step, strict)
             except FileNotFoundError as e:
                 error = e
+            except NoIntactCheckpointError as e:
+                found, error = _NONE_INTACT, e
             except CheckpointDamagedError as e:
                 found, error = _DAMAGED, e
         found = int(multihost_utils.broadcast_one_to_all(np.int32(found)))
@@ -300,6 +308,11 @@ class Checkpointer:
                 f"Process 0 found no checkpoint {'' if step is None else f'for step {step} '}"
                 f"in {self.directory}; expected one (the directory must be shared by every "
                 "process of the learner)."
+            )
+        if found == _NONE_INTACT:
+            raise NoIntactCheckpointError(
+                f"Process 0 found every step in {self.directory} damaged (its error names them); "
+                "expected an intact step."
             )
         if found == _DAMAGED:
             raise CheckpointDamagedError(
@@ -334,11 +347,12 @@ class Checkpointer:
             moved = self._quarantine(s)
             logging.warning("%s; moved it to %s and falling back to an older step.", where, moved)
         else:
-            raise CheckpointDamagedError(
+            self._mngr.reload()  # every step was moved: the directory is empty for orbax
+            raise NoIntactCheckpointError(
                 f"No intact checkpoint in {self.directory}: every step was damaged ("
                 + "; ".join(f"step {s}: {p}" for s, p in self.damaged)
                 + f"; moved to {os.path.join(self.directory, DAMAGED)}). Expected at least one "
-                "intact step; start a fresh run in another workdir, or with overwrite."
+                "intact step."
             )
         if self.damaged:
             self._mngr.reload()  # orbax forgets the moved steps; saves continue after step s

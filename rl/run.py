@@ -15,7 +15,9 @@ from typing import Any
 
 import jax
 import numpy as np
+from absl import logging
 
+from learner.checkpoint import NoIntactCheckpointError, saved_steps
 from rl.compiles import round_compiles
 from rl.config_check import check_config
 from rl.curves import read_metrics, write_learning_curve_png
@@ -43,24 +45,33 @@ def _prepare_workdir(config: Any) -> bool:
 
     Returns:
       True to resume from workdir/ckpt (config.resume, not config.overwrite, a checkpoint there).
+      A run killed before its first checkpoint (config.resume, results but no summary.json and no
+      checkpoint step) starts over: False, its metrics log and TensorBoard files removed.
 
     Raises:
       ValueError: a fresh run, without config.overwrite, into a workdir holding a previous run's
         results (named); nothing is changed.
     """
-    from learner.checkpoint import saved_steps
-
     workdir = config.workdir
-    if config.resume and not config.get("overwrite", False):
-        if saved_steps(os.path.join(workdir, "ckpt")):
-            return True
+    overwrite = config.get("overwrite", False)
+    if config.resume and not overwrite and saved_steps(os.path.join(workdir, "ckpt")):
+        return True
     found = [
         name
         for name in RESULTS
         if os.path.isfile(os.path.join(workdir, name))
         or (os.path.isdir(os.path.join(workdir, name)) and os.listdir(os.path.join(workdir, name)))
     ]
-    if found and not config.get("overwrite", False):
+    if found and config.resume and not overwrite and "summary.json" not in found:
+        # A run killed before its first checkpoint was written: it starts over.
+        logging.warning(
+            "%s holds an unfinished run with no checkpoint (it stopped before its first save "
+            "finished); starting it over from round 0.",
+            workdir,
+        )
+        found = [name for name in found if name != "ckpt"]  # its leftovers, damaged steps: kept
+        overwrite = True
+    if found and not overwrite:
         why = "no checkpoint to resume from" if config.resume else "config.resume is False"
         raise ValueError(
             f"{workdir} holds a previous run's results ({', '.join(found)}) and {why}; expected "
@@ -159,8 +170,14 @@ def _train(
     ckpt = runtime.checkpointer(os.path.join(config.workdir, "ckpt"))
     run.callback(ckpt.close)
     first_round, version, planner_state, logged = 0, 0, None, None
-    if resume:  # the newest intact checkpoint; a damaged newer one is reported and set aside
-        meta = ckpt.restore(strict=config.get("resume_strict", False))
+    try:  # the newest intact checkpoint; a damaged newer one is reported and set aside
+        meta = ckpt.restore(strict=config.get("resume_strict", False)) if resume else None
+    except NoIntactCheckpointError as e:
+        if config.get("resume_strict", False):
+            raise
+        logging.warning("%s The run starts over from round 0.", e)
+        meta, logged = None, {}  # the metrics log is rewound to nothing
+    if meta is not None:
         first_round, version = meta["round"], meta["version"]
         prompts.set_state(meta["data"])
         planner_state = meta["planner"]

@@ -199,6 +199,43 @@ def test_kill_during_the_last_save_resumes_exactly_with_one_metrics_row_per_roun
         assert (workdir / "ckpt" / "damaged" / "3").is_dir()
 
 
+
+@pytest.mark.parametrize("killed", ["before_any_checksums", "before_the_first_save"])
+def test_a_run_killed_with_no_intact_checkpoint_starts_over_on_a_plain_rerun(
+    straight_run, tmp_path, killed
+):
+    """kill -9 after orbax wrote every step but before its checksums.json, or before the first
+    save at all: the rerun needs no hand, it starts over and ends as the uninterrupted run."""
+    import json
+    import shutil
+
+    import numpy as np
+
+    from rl.run import train
+
+    workdir = tmp_path / "killed"
+    shutil.copytree(straight_run["workdir"], workdir)
+    for name in ("summary.json", "timeline.json", "timeline.png", "learning_curve.png"):
+        (workdir / name).unlink(missing_ok=True)
+    if killed == "before_any_checksums":
+        for checksums in (workdir / "ckpt").glob("*/checksums.json"):
+            checksums.unlink()
+    else:
+        shutil.rmtree(workdir / "ckpt")
+
+    resumed = train(straight_run["config"](workdir), stdout=False)
+
+    assert resumed["first_round"] == 0 and len(resumed["rounds"]) == 3
+    for a, b in zip(
+        _leaves(straight_run["summary"]["state"]), _leaves(resumed["state"]), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["prefix"] == "train"] == [0, 1, 2]
+    assert _tb_steps(workdir / "tb", "train/reward_mean") == [0, 1, 2]
+    if killed == "before_any_checksums":
+        assert sorted(p.name for p in (workdir / "ckpt" / "damaged").iterdir()) == ["1", "2", "3"]
+
 def test_countdown_smoke_run_scores_every_response_without_reward_errors(tmp_path):
     from configs import countdown
     from rl.run import train

@@ -207,6 +207,9 @@ def test_killed_learner_stops_the_run_and_resume_reproduces(ray_cluster, threads
     summary = train(config, stdout=False)  # resumes from the newest intact checkpoint
     assert 1 <= summary["first_round"] <= killed_at
     assert_same_params(summary["state"].params, threads_run[1])
+    for role in ("queue", "learner", "replica0"):  # every actor the run started ended with it
+        with pytest.raises(ValueError, match="Failed to look up actor"):
+            ray.get_actor(actor_name(config, role))
 
 
 def test_launch_train_joins_a_cluster_and_keeps_ray_logs_off_the_console(ray_cluster, tmp_path):
