@@ -50,3 +50,18 @@ def test_faulty_reward_is_counted_and_the_run_completes(name, fn, counter, tmp_p
     assert saved[counter] == samples * config.rounds and saved[other] == 0
     assert saved["reward_stats"]["rollout"]["calls"] == samples * config.rounds
     assert saved["reward_stats"]["eval"][counter.removeprefix("reward_")] > 0  # eval: its own
+
+
+def test_bench_rewards_prints_its_table_and_hostile_answers_cost_no_timeout():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, "-m", "launch.bench_rewards", "--calls=32", "--backends=thread"]
+    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("thread")]
+    assert [row[1] for row in rows] == ["0%", "10%", "50%"]
+    for row in rows:
+        assert row[4:] == ["0", "0", "as", "expected"]  # no timeout, nothing stuck, right scores

@@ -5,6 +5,7 @@ from fractions import Fraction
 
 import pytest
 
+from launch.bench_rewards import HOSTILE
 from rl import rewards
 from rl.rewards import verifiers as v
 from rl.types import Request
@@ -126,19 +127,6 @@ def test_math_reward_symbolic():
     # no box: only numbers are read from free text, so a symbolic reference scores 0
     assert v.math_reward("the answer is pi/2", "\\pi/2") == 0.0
     assert v.math_reward("\\boxed{}", "\\sqrt{2}") == 0.0
-
-
-# Short answers on which sympy would compute for hours (or run out of memory) if evaluated.
-HOSTILE = [
-    "9^{9^{9^{9}}}",
-    "2^{10^{10}}",
-    "(10^{9})!",
-    "100000000!",
-    "\\binom{10^{9}}{5\\cdot 10^{8}}",
-    "(x+1)^{100000}",
-    "2^{-10^{10}}",
-    "(" * 400 + "1" + ")" * 400,
-]
 
 
 @pytest.mark.parametrize("answer", HOSTILE)
