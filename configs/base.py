@@ -148,6 +148,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.timeline_rounds = 3
     config.resume = True  # continue from the newest intact checkpoint in workdir/ckpt, if any
     config.resume_strict = False  # a damaged newest checkpoint stops the run (no fall-back)
+    # driver.mode=async at a checkpoint: "exact" drains the pipeline first (a resume continues the
+    # exact trajectory; a bubble every checkpoint_every rounds); "no_bubble" keeps sampling and
+    # records the prompts in flight, which a resume samples again first (each trained once).
+    config.async_resume = "exact"
     # A fresh run into a workdir holding a previous run's results (summary.json, metrics.jsonl,
     # tb/, ckpt/, pictures) replaces them only with overwrite; otherwise it stops before any work.
     config.overwrite = False

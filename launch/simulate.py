@@ -147,6 +147,12 @@ _MIG_FRACTION = flags.DEFINE_float(
 _MIG_MIN_LEFT = flags.DEFINE_integer(
     "migration_min_left", 0, "Migration: requests with fewer tokens to go stay put."
 )
+_CHECKPOINTS = flags.DEFINE_list(
+    "checkpoint_every",
+    [],
+    "Add the async checkpoint block: throughput of the async --modes with a checkpoint every k "
+    "rounds (exact: a barrier, nothing in flight; no_bubble), for each k given, vs none.",
+)
 _GANTT_DIR = flags.DEFINE_string("gantt_dir", "", "Write simulated Gantt PNGs of setup R=32 here.")
 
 
@@ -419,6 +425,49 @@ def borrowing(model: StageModel, slots: int, out: dict[str, Any]) -> None:
                     )
 
 
+def checkpoint_barriers(model: StageModel, slots: int, out: dict[str, Any]) -> None:
+    """Async checkpoints every k rounds: "exact" drains the pipeline (a barrier), "no_bubble" holds
+    only the learner (config.async_resume); groups/s of each vs no checkpoint."""
+    workload = workload_config()
+    replicas = 1 if _PROFILE.value else _SAMPLER_GPUS.value // _SAMPLER_TP.value
+    modes = [m for m in _MODES.value if m.startswith("async")]
+    intervals = list(map(int, _CHECKPOINTS.value))
+    out["checkpoint_barriers"] = {}
+    print(
+        f"\nasync checkpoints (groups/s; vs no checkpoint; G={_GROUP_SIZE.value}, "
+        f"U={_PER_UPDATE.value}, {_ROUNDS.value} rounds; the save itself is not modelled):"
+    )
+    print(
+        f"  {'setup':<8}{'mode':<22}{'none':>8}"
+        + "".join(f"{f'{kind} /{k}':>19}" for k in intervals for kind in ("exact", "no_bubble"))
+    )
+    for r in map(int, _SETUPS.value):
+        fields = setup_fields(r, replicas, slots)
+        runs = {"none": run_modes(modes, model, workload, rounds=_ROUNDS.value, **fields)}
+        for k in intervals:
+            for kind in ("exact", "no_bubble"):
+                runs[f"{kind}/{k}"] = run_modes(
+                    modes,
+                    model,
+                    workload,
+                    rounds=_ROUNDS.value,
+                    checkpoint_every=k,
+                    keep_sampling=kind == "no_bubble",
+                    **fields,
+                )
+        out["checkpoint_barriers"][f"R{r}"] = {
+            m: {name: rows[m]["groups_per_s"] for name, rows in runs.items()} for m in modes
+        }
+        for m in modes:
+            none = runs["none"][m]["groups_per_s"]
+            cells = [
+                f"{rows[m]['groups_per_s']:>8.3f} {rows[m]['groups_per_s'] / none:>5.2f}x"
+                for name, rows in runs.items()
+                if name != "none"
+            ]
+            print(f"  R={r:<6}{m:<22}{none:>8.3f}" + "".join(f"{c:>19}" for c in cells))
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -432,6 +481,8 @@ def main(argv: list[str]) -> None:
         comparison(model, slots, out)
     if _MIGRATION.value != "off":
         migration_block(model, slots, out)
+    if _CHECKPOINTS.value:
+        checkpoint_barriers(model, slots, out)
     if _PLAN.value:
         planning(out)
     if _BORROWING.value:

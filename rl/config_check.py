@@ -33,6 +33,8 @@ class ConfigError(ValueError):
 
 
 # Fields that are not where a user may look for them: path -> (the field to set instead, why).
+# config.async_resume: how driver.mode=async checkpoints (rl/schedules/asynchronous.py)
+ASYNC_RESUME = ("exact", "no_bubble")
 MOVED = {
     "config.learner.temperature": (
         "config.sampling.temperature",
@@ -218,6 +220,8 @@ def check_config(config: Any) -> None:
     for name in ("resume", "resume_strict", "overwrite"):
         if name in config and not isinstance(config[name], bool):
             p.add(f"config.{name}={config[name]!r}; expected True or False.")
+    if config.get("async_resume", "exact") not in ASYNC_RESUME:
+        p.add(f"config.async_resume={config.async_resume!r}; expected one of {ASYNC_RESUME}.")
     if not str(config.get("workdir") or "").strip():
         p.add(f"config.workdir={config.get('workdir')!r}; expected a directory path.")
     sampler_dtype = config.get("sampler_dtype", "")

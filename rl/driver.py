@@ -110,6 +110,8 @@ class Driver:
       rounds: the run's last round + 1, if known (`async` plans no round past it).
       barrier_every: `async`: after every this many rounds nothing of a later round is in flight
         when run_round returns (pass the checkpoint interval: a resume then continues exactly).
+      keep_sampling: `async`: at those rounds only the learner waits; later rounds keep sampling
+        and `schedule.in_flight()` names their prompts (config.async_resume = "no_bubble").
       sampler: emits complete groups onto `queue` and records into `timeline`; started here,
         with the weights of `version`.
       Others: the components (learner, weight sync, prompt source); rl.runtime.threads and
@@ -130,6 +132,7 @@ class Driver:
         version: int = 0,
         rounds: int | None = None,
         barrier_every: int = 0,
+        keep_sampling: bool = False,
         borrower: LearnerBorrower | None = None,
         lender: SamplerLender | None = None,
     ):
@@ -156,6 +159,7 @@ class Driver:
             version=version,
             rounds=rounds,
             barrier_every=barrier_every,
+            keep_sampling=keep_sampling,
         )
         self.timeline = Timeline() if timeline is None else timeline
         self.clock = clock

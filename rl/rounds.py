@@ -170,6 +170,15 @@ class RoundCuts:
         return out, abort, refused
 
 
+def prompt_to_json(p: Prompt) -> dict[str, Any]:
+    """A prompt as JSON-serializable data (a checkpoint's meta); `prompt_from_json` inverts it."""
+    return {"uid": p.uid, "tokens": list(p.tokens), "meta": p.meta}
+
+
+def prompt_from_json(d: dict[str, Any]) -> Prompt:
+    return Prompt(uid=int(d["uid"]), tokens=tuple(d["tokens"]), meta=dict(d["meta"]))
+
+
 class RoundPlanner:
     """Plans rounds over a prompt source; see the module docstring.
 
@@ -197,6 +206,7 @@ class RoundPlanner:
         self.prompts = prompts
         self.epoch_size = epoch_size
         self._queue: collections.deque[Prompt] = collections.deque()
+        self._replay: collections.deque[Prompt] = collections.deque()  # drawn before the source
         self._drawn = 0  # fresh prompts drawn in the current epoch
         self._draining = False  # the epoch's fresh prompts are all drawn; the queue drains first
         self._exhausted = False  # the source raised StopIteration
@@ -276,17 +286,25 @@ class RoundPlanner:
             response_eta=self.cfg.response_eta,
         )
 
+    def replay(self, prompts: Iterable[Prompt]) -> None:
+        """Draws `prompts` again, first and in order, before the source's next ones: prompts a
+        checkpoint recorded in flight (rl.schedules.asynchronous, keep_sampling). They were
+        counted in the epoch when first drawn."""
+        self._replay.extendleft(reversed(list(prompts)))
+
     def _draw(self, n: int, *, bounded: bool) -> list[Prompt]:
+        out = [self._replay.popleft() for _ in range(min(n, len(self._replay)))]
+        n -= len(out)
         if bounded and self.epoch_size is not None:
             n = min(n, self.epoch_size - self._drawn)
-        out = []
+        replayed = len(out)
         for _ in range(n):
             try:
                 out.append(next(self.prompts))
             except StopIteration:
                 self._exhausted = True
                 break
-        self._drawn += len(out)
+        self._drawn += len(out) - replayed
         return out
 
     def refill(self, plan: RoundPlan, n: int) -> RoundPlan:
@@ -381,9 +399,8 @@ class RoundPlanner:
                 "rounds."
             )
         state = {
-            "queue": [
-                {"uid": p.uid, "tokens": list(p.tokens), "meta": p.meta} for p in self._queue
-            ],
+            "queue": [prompt_to_json(p) for p in self._queue],
+            "replay": [prompt_to_json(p) for p in self._replay],
             "drawn": self._drawn,
             "draining": self._draining,
             "exhausted": self._exhausted,
@@ -399,16 +416,16 @@ class RoundPlanner:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores `state_dict()`'s output (tuples in meta come back as lists)."""
-        expected = {"queue", "drawn", "draining", "exhausted"}
+        expected = {"queue", "replay", "drawn", "draining", "exhausted"}
+        if isinstance(state, dict) and set(state) == expected - {"replay"}:
+            state = {**state, "replay": []}  # a checkpoint from before replays existed
         if not isinstance(state, dict) or set(state) != expected:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
                 f"RoundPlanner state must have keys {sorted(expected)}; received {got}."
             )
-        self._queue = collections.deque(
-            Prompt(uid=int(p["uid"]), tokens=tuple(p["tokens"]), meta=dict(p["meta"]))
-            for p in state["queue"]
-        )
+        self._queue = collections.deque(map(prompt_from_json, state["queue"]))
+        self._replay = collections.deque(map(prompt_from_json, state["replay"]))
         self._drawn = int(state["drawn"])
         self._draining = bool(state["draining"])
         self._exhausted = bool(state["exhausted"])

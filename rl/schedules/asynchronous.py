@@ -18,9 +18,18 @@ tail batching is not combined with async.
 
 Checkpoints: with `barrier_every` = k (the runtime passes its checkpoint interval), a round
 r with (r + 1) % k == 0 is a barrier: no prompt of a later round is drawn or submitted before the
-runtime begins round r + 1 (after round r is trained and checkpointed). A checkpoint taken there has nothing in flight (the data iterator has drawn exactly
-the rounds up to r), and since the uninterrupted run has the same barriers, a resume from it
-continues the exact trajectory. The price is a pipeline bubble every k rounds.
+runtime begins round r + 1 (after round r is trained and checkpointed). A checkpoint taken there
+has nothing in flight (the data iterator has drawn exactly the rounds up to r), and since the
+uninterrupted run has the same barriers, a resume from it continues the exact trajectory. The
+price is a pipeline bubble every k rounds: the sampler drains round r's tail with nothing to do.
+
+With `keep_sampling` (config.async_resume = "no_bubble") only the learner waits at a barrier:
+later rounds are drawn and sampled as usual (within the staleness bound), but no update of a
+later round starts before the runtime begins round r + 1, so the checkpoint holds exactly the
+rounds up to r, and `in_flight()` names the prompts of the later rounds already drawn. A resume
+samples those first, under the restored policy (rl.rounds.RoundPlanner.replay): every prompt is
+trained once, in the same rounds, on-policy within the bound, though not bitwise as the
+uninterrupted run (whose in-flight samples came from older versions).
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ from rl.schedules.base import (
     Submit,
     Update,
 )
-from rl.types import Group, Request
+from rl.types import Group, Prompt, Request
 
 
 @dataclasses.dataclass
@@ -87,10 +96,11 @@ class AsyncSchedule:
         rounds: int | None = None,
         make_former: object = None,  # unused: async releases batches in logical order itself
         barrier_every: int = 0,
+        keep_sampling: bool = False,
     ):
         if barrier_every < 0:
             raise ValueError(f"barrier_every must be >= 0 (0: none); received {barrier_every}.")
-        self.barrier_every = barrier_every
+        self.barrier_every, self.keep_sampling = barrier_every, keep_sampling
         self.cfg = cfg
         self.u: int = cfg.groups_per_update  # type: ignore[attr-defined]
         self.s: int = cfg.max_staleness  # type: ignore[attr-defined]
@@ -128,10 +138,22 @@ class AsyncSchedule:
             raise RuntimeError(
                 f"begin({round}) skips rounds; expected round {self._next_round} or an earlier one."
             )
-        out = self._fill()
+        out = self._fill() + self._release()
         if round >= self._next_round:  # not planned: the source ran out or the run's end
             raise StopIteration
         return out
+
+    def in_flight(self) -> list[Prompt]:
+        if any(rnd.updates for rnd in self._rounds.values()):
+            raise RuntimeError(
+                "in_flight() while a round is partly trained; call it between rounds."
+            )
+        return [p for r in sorted(self._rounds) for p in self._rounds[r].plan.prompts]
+
+    def _held(self, round: int) -> bool:
+        """Whether round `round` waits behind a barrier (round - 1's) for the runtime's begin."""
+        every = self.barrier_every
+        return bool(every) and round % every == 0 and round > self._wanted
 
     # ------------------------------------------------------------------ what may be submitted
 
@@ -139,7 +161,7 @@ class AsyncSchedule:
         r = self._next_round
         if self._exhausted or r is None or (self.stop is not None and r >= self.stop):
             return False
-        if self.barrier_every and r % self.barrier_every == 0 and r > self._wanted:
+        if self._held(r) and not self.keep_sampling:
             return False  # round r - 1 is a barrier: round r waits for the runtime's begin(r)
         try:
             plan = self.planner.plan(r)
@@ -199,7 +221,7 @@ class AsyncSchedule:
         if self._outstanding is not None or self._publishing or k not in self._need:
             return []
         round, missing = self._need[k]
-        if missing:
+        if missing or self._held(round):  # (held: keep_sampling's barrier, the learner's side)
             return []
         del self._need[k]
         batch = tuple(sorted(self._buf.pop(k, {}).values(), key=lambda g: g.request.index))

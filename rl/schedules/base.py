@@ -23,7 +23,7 @@ from typing import Protocol
 
 from rl.registry import Registry
 from rl.rounds import RoundCut, RoundPlan, RoundPlanner
-from rl.types import Group, Request
+from rl.types import Group, Prompt, Request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +89,10 @@ class Schedule(Protocol):
     def version(self) -> int:
         """The newest published version."""
 
+    def in_flight(self) -> list[Prompt]:
+        """Between rounds: prompts drawn for rounds not yet trained, in draw order (a checkpoint
+        records them; a resume samples them first). Empty unless async keeps sampling."""
+
 
 MakeSchedule = Callable[..., Schedule]
 SCHEDULES: Registry[MakeSchedule] = Registry("schedule")
@@ -103,6 +107,7 @@ def make_schedule(
     rounds: int | None = None,
     make_former: Callable[..., object] | None = None,
     barrier_every: int = 0,
+    keep_sampling: bool = False,
 ) -> Schedule:
     """The schedule of `cfg.mode` (a rl.schedules.ScheduleConfig or a subclass).
 
@@ -116,10 +121,15 @@ def make_schedule(
         whose registry holds the built-in and user-registered formers.
       barrier_every: async: every this many rounds nothing of a later round is in flight (the
         runtime's checkpoint interval, so a resume is exact); round schedules always are.
+      keep_sampling: async: at those barriers only the learner waits (no update of a later round
+        starts before the runtime begins it); later rounds keep sampling, and `in_flight` names
+        their prompts (a checkpoint without a pipeline bubble).
     """
     kw: dict[str, object] = {} if make_former is None else {"make_former": make_former}
     if barrier_every:
         kw["barrier_every"] = barrier_every
+    if keep_sampling:
+        kw["keep_sampling"] = keep_sampling
     return SCHEDULES.get(cfg.mode)(  # type: ignore[attr-defined]
         cfg, planner=planner, requests_of=requests_of, version=version, rounds=rounds, **kw
     )

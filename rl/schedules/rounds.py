@@ -44,7 +44,7 @@ from rl.schedules.base import (
     Submit,
     Update,
 )
-from rl.types import Group
+from rl.types import Group, Prompt
 
 
 @dataclasses.dataclass
@@ -105,6 +105,9 @@ class RoundSchedule(abc.ABC):
     @property
     def version(self) -> int:
         return self._version
+
+    def in_flight(self) -> list[Prompt]:
+        return []  # one round at a time: nothing is drawn past the round being trained
 
     @property
     def open_round(self) -> int | None:

@@ -59,6 +59,8 @@ class SimConfig(ScheduleConfig):
     slots: int = 256  # slots per replica
     routing: str = "shared"  # shared | round_robin (rl/sim/sampler.py)
     migration: MigrationConfig = MigrationConfig()  # long-tail migration between replicas
+    checkpoint_every: int = 0  # async: a barrier every this many rounds (the run's checkpoints)
+    keep_sampling: bool = False  # async: at those barriers only the learner waits (no_bubble)
 
     def __post_init__(self):
         super().__post_init__()
@@ -208,7 +210,13 @@ class Simulator:
         self._stop_after = rounds
         kw = {} if self.make_batches is None else {"make_former": self.make_batches}
         self.schedule = make_schedule(
-            self.cfg, planner=self.planner, requests_of=self._requests, rounds=rounds, **kw
+            self.cfg,
+            planner=self.planner,
+            requests_of=self._requests,
+            rounds=rounds,
+            barrier_every=self.cfg.checkpoint_every,
+            keep_sampling=self.cfg.keep_sampling,
+            **kw,
         )
         t = self._publish_span(0.0, 0.0 + self.model.publish_s(), version=0, round=-1)
         self._at(t, lambda t: self._begin(0, t))

@@ -225,13 +225,55 @@ def test_async_checkpoint_rounds_leave_nothing_in_flight_and_a_resume_continues_
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def _with_barrier(max_staleness, version=0, skip=0):
+def test_async_no_bubble_checkpoints_keep_sampling_and_a_resume_trains_each_prompt_once():
+    """keep_sampling: at the checkpoint after round 1 round 2 is already drawn and sampling (no
+    bubble) but untrained; a driver rebuilt from (params, version, data position, in-flight
+    prompts) samples those again first and trains round 2 on the same prompts, once."""
+    full = _with_barrier(max_staleness=2, keep_sampling=True)
+    try:
+        full.run_round(0)
+        full.run_round(1)
+        in_flight = full.schedule.in_flight()
+        assert [p.uid for p in in_flight] == [8, 9, 10, 11]  # round 2: drawn, not trained
+        assert full.learner.step == 4  # rounds 0 and 1 only: the learner waited at the barrier
+        assert full.planner.state_dict()["drawn"] == 12
+        version, state = full.version, full.learner.state
+    finally:
+        full.close()
+    resumed = _with_barrier(max_staleness=2, keep_sampling=True, version=version, skip=12)
+    try:
+        resumed.learner.state = state
+        resumed.sampler.set_params(resumed._publish(version, round=-1), version)
+        resumed.planner.load_state_dict(full.planner.state_dict())
+        resumed.planner.replay(in_flight)
+        result = resumed.run_round(2)
+    finally:
+        resumed.close()
+    assert [g.request.uid for g in result.groups] == [8, 9, 10, 11]
+    assert resumed.learner.step == 6
+    exact = _with_barrier(max_staleness=2)
+    try:
+        exact.run_round(0)
+        exact.run_round(1)
+        assert exact.schedule.in_flight() == []  # exact: nothing drawn past the barrier
+    finally:
+        exact.close()
+
+
+def _with_barrier(max_staleness, version=0, skip=0, keep_sampling=False):
     """An async driver with barrier_every=2 (build's pieces; the prompt source can skip ahead)."""
 
     class Barrier(Driver):
         def __init__(self, cfg, **kw):
             kw["prompts"] = itertools.islice(kw["prompts"], skip, None)
-            super().__init__(cfg, **kw, version=version, rounds=3, barrier_every=2)
+            super().__init__(
+                cfg,
+                **kw,
+                version=version,
+                rounds=3,
+                barrier_every=2,
+                keep_sampling=keep_sampling,
+            )
 
     return build("async", U=2, max_staleness=max_staleness, driver_cls=Barrier)
 
