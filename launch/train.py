@@ -13,7 +13,9 @@ traceback is in run.log, and `--verbose` prints it (and the library logging) on 
 
 import importlib.util
 import os
+import signal
 import sys
+import threading
 import traceback
 
 from absl import app, flags
@@ -85,6 +87,23 @@ def _parse_flags(argv: list[str]) -> list[str]:
     sys.exit(f"launch.train: {_one_line(message)}")
 
 
+def _stop_on_sigterm() -> threading.Event:
+    """An Event set by SIGTERM (a preempted pod): the run saves at its next safe point and exits 0.
+
+    A second SIGTERM stops at once (exit 143); the run resumes from its last checkpoint.
+    """
+    stop = threading.Event()
+
+    def handler(signum: int, frame: object) -> None:
+        if stop.is_set():
+            sys.exit(128 + signum)
+        stop.set()
+        print("launch.train: SIGTERM: stopping at the next safe point", file=sys.stderr)
+
+    signal.signal(signal.SIGTERM, handler)
+    return stop
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -114,7 +133,7 @@ def main(argv: list[str]) -> None:
             print(f"greedy decode: {s['greedy_continuation']!r}")
             print(f"done in {s['seconds']:.1f} s")
             return
-        summary = train(config)
+        summary = train(config, stop=_stop_on_sigterm())
     except _STOPS as e:  # the message says what was received and what was expected
         to_file_only(f"launch.train stopped:\n{traceback.format_exc()}")
         if _VERBOSE.value:
@@ -123,6 +142,16 @@ def main(argv: list[str]) -> None:
         sys.exit(
             f"launch.train: {str(e).strip() or type(e).__name__} [{type(e).__name__}; {where}]"
         )
+    if summary.get("stopped_at") is not None:
+        print(
+            f"stopped by SIGTERM after round {summary['stopped_at'] - 1} of {config.rounds}; "
+            + (
+                f"checkpoint {summary['stopped_at']} saved: rerun the same command to resume"
+                if config.checkpoint_every
+                else "config.checkpoint_every is 0: nothing saved"
+            )
+        )
+        return
     if not summary["rounds"]:
         print(
             f"nothing to run: the checkpoint in {config.workdir} is at round "

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import shutil
+import threading
 import time
 from typing import Any
 
@@ -24,6 +25,7 @@ from rl.curves import read_metrics, write_learning_curve_png
 from rl.driver import driver_config_from
 from rl.logs import flush_held_to
 from rl.metrics import MetricsWriter
+from rl.rounds import prompt_from_json, prompt_to_json
 from rl.runtime.compose import Setup, check_runtime_config, make_runtime
 from rl.tasks.data import load_task
 
@@ -119,8 +121,15 @@ def _sft(config: Any, sft: Any, learner: Any, heldout_accuracy: Any, writer: Met
     return done
 
 
-def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
+def train(
+    config: Any, *, stdout: bool = True, stop: threading.Event | None = None
+) -> dict[str, Any]:
     """Runs `config.rounds` rounds of the configured pipeline; writes metrics and the timeline.
+
+    `stop` (launch.train sets it on SIGTERM, a preempted pod) ends the run early at its next safe
+    point: the end of the current round (`async`: of the next checkpoint barrier), where it saves
+    a checkpoint (with checkpoint_every > 0) and returns with `stopped_at` set; a rerun resumes
+    there. The final evaluation and the pictures are skipped.
 
     The components come from the composition root (rl.runtime.compose) for config.runtime:
     `threads` (one process) or `ray` (a learner worker and sampler replica actors).
@@ -147,7 +156,7 @@ def train(config: Any, *, stdout: bool = True) -> dict[str, Any]:
             config, setup, total_updates=config.rounds * driver_cfg.updates_per_round
         )
         run.callback(runtime.close)
-        return _train(config, start, setup, data, driver_cfg, runtime, resume, stdout, run)
+        return _train(config, start, setup, data, driver_cfg, runtime, resume, stdout, run, stop)
 
 
 def _train(
@@ -160,6 +169,7 @@ def _train(
     resume: bool,
     stdout: bool,
     run: contextlib.ExitStack,
+    stop: threading.Event | None,
 ) -> dict[str, Any]:
     learner, sync = runtime.learner, runtime.weight_sync
     if getattr(runtime, "mesh_plan", None) is not None and stdout:  # config.mesh.split="plan"
@@ -169,7 +179,7 @@ def _train(
     os.makedirs(config.workdir, exist_ok=True)
     ckpt = runtime.checkpointer(os.path.join(config.workdir, "ckpt"))
     run.callback(ckpt.close)
-    first_round, version, planner_state, logged = 0, 0, None, None
+    first_round, version, planner_state, logged, in_flight = 0, 0, None, None, []
     try:  # the newest intact checkpoint; a damaged newer one is reported and set aside
         meta = ckpt.restore(strict=config.get("resume_strict", False)) if resume else None
     except NoIntactCheckpointError as e:
@@ -181,6 +191,7 @@ def _train(
         first_round, version = meta["round"], meta["version"]
         prompts.set_state(meta["data"])
         planner_state = meta["planner"]
+        in_flight = meta.get("in_flight", [])  # async_resume="no_bubble": drawn, not trained
         logged = meta.get("metrics")  # prefix -> last step logged when the checkpoint was taken
         if first_round >= config.rounds:  # a finished run: nothing to run, nothing rewritten
             return {"rounds": [], "first_round": first_round, "state": learner.state}
@@ -215,11 +226,13 @@ def _train(
         prompts=prompts,
         version=version,
         rounds=config.rounds,  # async plans no round past the run's last
-        barrier_every=config.checkpoint_every,  # async: nothing in flight at a checkpoint
+        barrier_every=config.checkpoint_every,  # async: nothing in flight at a checkpoint...
+        keep_sampling=config.get("async_resume", "exact") == "no_bubble",  # ...or recorded
     )
     run.callback(driver.close)
     if planner_state is not None:
         driver.planner.load_state_dict(planner_state)
+        driver.planner.replay(map(prompt_from_json, in_flight))  # sampled again, first
     rounds = []
     # timeline.png draws rounds from `shown_from` on (timeline_rounds 0: the whole run)
     shown_from = max(first_round, config.rounds - config.timeline_rounds)
@@ -229,6 +242,7 @@ def _train(
     t_rl, eval_at_rl = time.perf_counter(), phases["eval_s"]
     runtime.start_compile_budget()  # from here on nothing should compile (rl/compiles.py)
     compiled = runtime.compile_stats()
+    stopped_at = None
     try:
         for r in range(first_round, config.rounds):
             if r == shown_from:
@@ -257,20 +271,40 @@ def _train(
                     metrics[f"heldout_pass@{pass_k}"] = evaluated[f"pass@{pass_k}"]
             writer.write(r, metrics, prefix="train")
             rounds.append(result.metrics)
-            if config.checkpoint_every and (
-                (r + 1) % config.checkpoint_every == 0 or r + 1 == config.rounds
-            ):
+            every = config.checkpoint_every
+            barrier = every and ((r + 1) % every == 0 or r + 1 == config.rounds)
+            # Where a stop may end the run: a checkpoint barrier (async), any round's end (else).
+            if stop is not None and stop.is_set() and (barrier or driver_cfg.mode != "async"):
+                stopped_at = r + 1
+            if barrier or (every and stopped_at is not None):
                 meta = {
                     "round": r + 1,
                     "version": driver.version,
                     "data": prompts.get_state(),
                     "planner": driver.planner.state_dict(),  # the long-prompt queue
+                    "in_flight": [prompt_to_json(p) for p in driver.schedule.in_flight()],
                     "metrics": writer.last_steps,  # where a resume cuts the metrics log back to
                 }
                 ckpt.save(r + 1, meta)
+            if stopped_at is not None:
+                break
     finally:
         driver.close()
         ckpt.close()
+    if stopped_at is not None and stopped_at < config.rounds:
+        logging.warning(
+            "Stopped on request after round %d of %d%s.",
+            stopped_at - 1,
+            config.rounds,
+            f"; checkpoint {stopped_at} saved: a rerun resumes there" if every else "",
+        )
+        writer.close()
+        return {
+            "rounds": rounds,
+            "first_round": first_round,
+            "state": learner.state,
+            "stopped_at": stopped_at,
+        }
     eval_in_rl = phases["eval_s"]
     eval_after = heldout_eval(learner.params)
     acc_after = eval_after["accuracy"]
