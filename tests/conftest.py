@@ -1,7 +1,10 @@
 """Test setup: 8 fake CPU devices (set before jax is imported) and strict numpy semantics."""
 
+import logging
 import os
 import tempfile
+
+import pytest
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -21,3 +24,31 @@ jax.config.update(
 )
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+# One local Ray cluster (2 CPUs) for the whole pytest session: its startup is paid once.
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    # The workers' JAX matches this process's (tests/conftest.py): CPU, 8 fake devices, strict
+    # rank promotion, the same compilation cache. rl.runtime.ray_runtime.worker_env passes JAX_*
+    # and XLA_* variables on to them.
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ.setdefault(
+        "JAX_COMPILATION_CACHE_DIR",
+        os.environ.get(
+            "ROLLOUTPIPE_JAX_CACHE", os.path.join(tempfile.gettempdir(), "rolloutpipe-jax-cache")
+        ),
+    )
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+    os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level=logging.WARNING,
+        namespace="rolloutpipe-tests",
+    )
+    yield ray
+    ray.shutdown()

@@ -199,7 +199,6 @@ def test_kill_during_the_last_save_resumes_exactly_with_one_metrics_row_per_roun
         assert (workdir / "ckpt" / "damaged" / "3").is_dir()
 
 
-
 @pytest.mark.parametrize("killed", ["before_any_checksums", "before_the_first_save"])
 def test_a_run_killed_with_no_intact_checkpoint_starts_over_on_a_plain_rerun(
     straight_run, tmp_path, killed
@@ -235,6 +234,7 @@ def test_a_run_killed_with_no_intact_checkpoint_starts_over_on_a_plain_rerun(
     assert _tb_steps(workdir / "tb", "train/reward_mean") == [0, 1, 2]
     if killed == "before_any_checksums":
         assert sorted(p.name for p in (workdir / "ckpt" / "damaged").iterdir()) == ["1", "2", "3"]
+
 
 def test_countdown_smoke_run_scores_every_response_without_reward_errors(tmp_path):
     from configs import countdown
