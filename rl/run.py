@@ -273,8 +273,10 @@ def _train(
             rounds.append(result.metrics)
             every = config.checkpoint_every
             barrier = every and ((r + 1) % every == 0 or r + 1 == config.rounds)
-            # Where a stop may end the run: a checkpoint barrier (async), any round's end (else).
-            if stop is not None and stop.is_set() and (barrier or driver_cfg.mode != "async"):
+            # Where a stop may end the run: a checkpoint barrier (async with checkpoints), any
+            # round's end (else).
+            safe = barrier or driver_cfg.mode != "async" or not every
+            if stop is not None and stop.is_set() and safe:
                 stopped_at = r + 1
             if barrier or (every and stopped_at is not None):
                 meta = {
