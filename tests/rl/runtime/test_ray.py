@@ -204,8 +204,10 @@ def test_killed_learner_stops_the_run_and_resume_reproduces(ray_cluster, threads
         killer.join()
     killed_at = max(saved_steps(str(ckpt)))
     assert 1 <= killed_at < ROUNDS
-    summary = train(config, stdout=False)  # resumes from the newest intact checkpoint
-    assert 1 <= summary["first_round"] <= killed_at
+    # resumes from the newest intact checkpoint; from round 0 if the kill came before the first
+    # step's checksums were written (the step is then damaged)
+    summary = train(config, stdout=False)
+    assert 0 <= summary["first_round"] <= killed_at
     assert_same_params(summary["state"].params, threads_run[1])
     for role in ("queue", "learner", "replica0"):  # every actor the run started ended with it
         with pytest.raises(ValueError, match="Failed to look up actor"):
