@@ -401,14 +401,14 @@ class RewardRunner:
         else:
             worker.stop_call()
             with self._lock:
-                self._retired.append(worker)
-                if self._stuck() > self.max_stuck:
+                if self._stuck() >= self.max_stuck:  # (this one not counted: the run stops)
                     raise RuntimeError(
-                        f"Reward {self.name}: {self._stuck()} calls are stuck past timeout_s="
+                        f"Reward {self.name}: {self._stuck() + 1} calls are stuck past timeout_s="
                         f"{self.timeout_s} (each inside a C function that a thread cannot "
                         f"interrupt); expected at most max_stuck={self.max_stuck}. The last was "
                         f"request uid={job.request.uid}; backend='process' kills such calls."
                     )
+                self._retired.append(worker)
         with self._lock:
             self._replaced += 1
             closed = self._closed
