@@ -58,7 +58,7 @@ class _Timeout(Exception):
 
 
 class _Stopped(BaseException):
-    """Raised inside a thread worker's call that ran past its timeout (see `_ThreadWorker.stop`)."""
+    """Raised inside a thread worker's call that ran past its timeout (`_ThreadWorker.stop_call`)."""
 
 
 class _ThreadWorker:
@@ -106,10 +106,12 @@ class _ThreadWorker:
         )
         self.inbox.put(None)  # wakes the thread if the call ended before the exception came
 
-    def stop(self, timeout_s: float | None = None) -> None:
-        """Ends the thread once its queued calls are done; waits up to `timeout_s` for it."""
+    def stop(self) -> None:
+        """Ends the thread once its queued calls are done and waits for it; a retired worker
+        (its call stopped, maybe still inside a C function) is not waited for."""
         self.inbox.put(None)
-        self.thread.join(timeout_s)
+        if not self.retired:
+            self.thread.join()
 
 
 def _process_main(conn: Any, fn: TextRewardFn) -> None:

@@ -251,3 +251,20 @@ def test_close_ends_every_thread_and_process(backend):
     run.close()
     assert threading.active_count() == before
     assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize("max_stuck", [0, 32], ids=["limit_hit", "within_limit"])
+def test_close_does_not_wait_for_a_call_stuck_inside_a_c_function(max_stuck):
+    def sleeps(request: Request, text: str) -> float:
+        time.sleep(30.0)  # one C call: the stop lands only when it returns
+        return 1.0
+
+    run = RewardRunner(sleeps, decode=decode, timeout_s=0.1, workers=1, max_stuck=max_stuck)
+    if max_stuck:
+        assert run(_request(), _completion("a")) == 0.0
+    else:
+        with pytest.raises(RuntimeError, match="1 calls are stuck"):
+            run(_request(), _completion("a"))
+    t = time.monotonic()
+    run.close()
+    assert time.monotonic() - t < 5.0
