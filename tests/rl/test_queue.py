@@ -5,10 +5,12 @@ import time
 
 import pytest
 
+from rl import queue as queue_lib
 from rl.queue import GroupQueue, Queue, QueueClosed
 from rl.types import Completion, Group, Request
 
-PROMPT = 1.0  # seconds: the most a blocked call may take to wake (generous on shared machines)
+# Seconds a woken thread may take to end: only a hang reaches it, so a loaded machine never does.
+JOIN_S = 60.0
 
 
 def _group(uid: int, round: int = 0) -> Group:
@@ -21,7 +23,7 @@ def _group(uid: int, round: int = 0) -> Group:
 
 
 def _start(fn) -> tuple[threading.Thread, dict]:
-    """Runs fn in a daemon thread; the dict gets 'result' or 'error' and 'done' (monotonic)."""
+    """Runs fn in a daemon thread; the dict gets 'result' or 'error', then 'done'."""
     out: dict = {}
 
     def run():
@@ -29,11 +31,32 @@ def _start(fn) -> tuple[threading.Thread, dict]:
             out["result"] = fn()
         except BaseException as e:  # the test inspects it
             out["error"] = e
-        out["done"] = time.monotonic()
+        out["done"] = True
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t, out
+
+
+@pytest.fixture
+def blocked(monkeypatch):
+    """`blocked(n)` returns once n calls have blocked inside the test's GroupQueues (each entered a
+    wait on the queue's condition, so the queue's lock is free for the test's next call): a test
+    acts on a call that is waiting, where a sleep would only guess that it is."""
+    waits = threading.Semaphore(0)
+
+    class Condition(threading.Condition):
+        def wait(self, timeout=None):
+            waits.release()
+            return super().wait(timeout)
+
+    monkeypatch.setattr(queue_lib, "Condition", Condition)  # the queues made after this point
+
+    def wait_for(n: int) -> None:
+        for i in range(n):
+            assert waits.acquire(timeout=JOIN_S), f"{i} of {n} calls blocked on the queue"
+
+    return wait_for
 
 
 def test_fifo_order_and_counters():
@@ -47,15 +70,15 @@ def test_fifo_order_and_counters():
     assert q.gets == 5 and q.qsize() == 0 and not q.closed
 
 
-def test_put_blocks_while_full_until_a_get():
+def test_put_blocks_while_full_until_a_get(blocked):
     q = GroupQueue(maxsize=2)
     q.put(_group(0))
     q.put(_group(1))
     t, out = _start(lambda: q.put(_group(2)))
-    time.sleep(0.05)
+    blocked(1)
     assert "done" not in out and q.qsize() == 2  # backpressure: the third put waits
     assert q.get().request.uid == 0
-    t.join(PROMPT)
+    t.join(JOIN_S)
     assert not t.is_alive() and "error" not in out
     assert [q.get().request.uid for _ in range(2)] == [1, 2]
     assert q.max_depth == 2 and q.put_wait_s > 0
@@ -84,10 +107,10 @@ def test_threads_lose_and_duplicate_nothing_with_a_slow_consumer(consumers):
     for t in cs + ps:
         t.start()
     for t in ps:
-        t.join(10)
+        t.join(JOIN_S)
     q.close()
     for t in cs:
-        t.join(10)
+        t.join(JOIN_S)
     assert not any(t.is_alive() for t in cs + ps)
     keys = [g.request.key for part in got for g in part]
     expected = [(p, i) for p in range(producers) for i in range(per_producer)]
@@ -113,35 +136,34 @@ def test_close_drains_then_raises():
     assert issubclass(QueueClosed, RuntimeError)
 
 
-def test_close_wakes_blocked_get_and_put():
+def test_close_wakes_blocked_get_and_put(blocked):
     empty, full = GroupQueue(), GroupQueue(maxsize=1)
     full.put(_group(0))
     tg, outg = _start(empty.get)
     tp, outp = _start(lambda: full.put(_group(1, round=2)))
-    time.sleep(0.05)
+    blocked(2)  # both wait (no timeout): only the close can end them
     empty.close()
     full.close()
-    tg.join(PROMPT)
-    tp.join(PROMPT)
+    tg.join(JOIN_S)
+    tp.join(JOIN_S)
     assert isinstance(outg.get("error"), QueueClosed)
     assert isinstance(outp.get("error"), QueueClosed) and "(2, 1)" in str(outp["error"])
     assert full.get().request.uid == 0  # what was queued still drains
 
 
-def test_fail_wakes_blocked_get_and_put_promptly_with_the_error():
+def test_fail_wakes_blocked_get_and_put_with_the_error(blocked):
     empty, full = GroupQueue(), GroupQueue(maxsize=1)
     full.put(_group(0))
     tg, outg = _start(empty.get)
     tp, outp = _start(lambda: full.put(_group(1)))
-    time.sleep(0.05)
+    blocked(2)  # both wait (no timeout): only the fail can end them
     boom = ValueError("sampler crashed")
-    t0 = time.monotonic()
     empty.fail(boom)
     full.fail(boom)
-    tg.join(PROMPT)
-    tp.join(PROMPT)
+    tg.join(JOIN_S)
+    tp.join(JOIN_S)
+    assert not tg.is_alive() and not tp.is_alive()  # woken, not left waiting
     assert outg.get("error") is boom and outp.get("error") is boom
-    assert outg["done"] - t0 < PROMPT and outp["done"] - t0 < PROMPT
     assert full.closed and full.error is boom
     with pytest.raises(ValueError, match="sampler crashed"):
         full.get()  # a failed queue does not drain: the queued group is not handed on
@@ -161,16 +183,24 @@ def test_fail_after_close_stops_draining():
 
 
 def test_timeouts():
+    # A timeout is a lower bound on the caller's wait (load only lengthens it; 1 ms is left for
+    # the rounding of clock readings). The wait counters are only checked to be counted: the queue
+    # starts counting after it reads the clock for its deadline, and a loaded machine may stall
+    # the thread in between.
     q = GroupQueue(maxsize=1)
+    start = time.monotonic()
     with pytest.raises(TimeoutError, match="empty"):
         q.get(timeout=0.02)
+    assert time.monotonic() - start >= 0.019
     with pytest.raises(TimeoutError, match="empty"):
         q.get(timeout=0)
-    assert q.get_wait_s >= 0.015
+    assert q.get_wait_s > 0
     q.put(_group(0), timeout=0)
+    start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"\(0, 1\).*full"):
         q.put(_group(1), timeout=0.02)
-    assert q.put_wait_s >= 0.015 and q.qsize() == 1
+    assert time.monotonic() - start >= 0.019
+    assert q.put_wait_s > 0 and q.qsize() == 1
     assert q.get(timeout=0).request.uid == 0
     with pytest.raises(ValueError, match="received -1"):
         q.get(timeout=-1)
