@@ -1,7 +1,7 @@
 """RewardRunner: errors and timeouts score 0.0, are counted and logged once; capacity is kept."""
 
 import threading
-import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -9,6 +9,13 @@ import pytest
 from rl.rewards import RewardRunner, get_reward
 from rl.rewards import runner as runner_lib
 from rl.types import Completion, Request
+
+# The timeout of the tests where a call must start, or end, before it runs out: 1 s, far above the
+# time even a loaded machine takes to schedule a woken thread. A test pays it once per call that
+# it times out on purpose. Calls that must time out block on an event until the test ends.
+TIMEOUT_S = 1.0
+# Seconds a thread, a blocked call or a barrier is waited for: only a hang reaches it.
+WAIT_S = 60.0
 
 
 def decode(tokens) -> str:
@@ -31,6 +38,22 @@ def _completion(text: str) -> Completion:
         versions=(0,) * len(tokens),
         finish_reason="stop",
     )
+
+
+@pytest.fixture(autouse=True)
+def every_thread_ends():
+    """Every thread a test started has ended after it (joined here: a stopped call released at
+    the end of a test may still be unwinding), so none outlives its test into the next one."""
+    before = set(threading.enumerate())
+    yield
+    started = [t for t in threading.enumerate() if t not in before]
+    for t in started:
+        t.join(WAIT_S)
+    assert [t for t in started if t.is_alive()] == []
+
+
+def _started_since(before: set[threading.Thread]) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t not in before]
 
 
 @pytest.fixture
@@ -93,59 +116,69 @@ def test_numeric_values(value, expected):
         assert reward == expected and type(reward) is float and run.errors == 0
 
 
-def test_timeout_scores_zero_quickly_and_keeps_capacity(warnings):
+def test_timeout_scores_zero_without_waiting_for_the_call_and_keeps_capacity(warnings):
+    release, ended = threading.Event(), threading.Event()
+
     def slow(request: Request, text: str) -> float:
         if text == "slow":
-            time.sleep(2.0)
+            release.wait(WAIT_S)
+            ended.set()
         return 1.0
 
     # One worker: without a replacement for the stuck one, the next calls would time out too.
-    with RewardRunner(slow, decode=decode, timeout_s=0.2, workers=1) as run:
-        start = time.monotonic()
-        assert run(_request(uid=21), _completion("slow")) == 0.0
-        assert run(_request(uid=22), _completion("slow")) == 0.0
-        assert time.monotonic() - start < 2.0  # neither waited for its sleep to end
-        for _ in range(3):
-            assert run(_request(), _completion("fast")) == 1.0
-        stats = run.stats()
+    with RewardRunner(slow, decode=decode, timeout_s=TIMEOUT_S, workers=1) as run:
+        try:
+            assert run(_request(uid=21), _completion("slow")) == 0.0
+            assert run(_request(uid=22), _completion("slow")) == 0.0
+            assert not ended.is_set()  # neither was waited for: they end only on `release`
+            for _ in range(3):
+                assert run(_request(), _completion("fast")) == 1.0
+            stats = run.stats()
+        finally:
+            release.set()
     assert stats["calls"] == 5 and stats["timeouts"] == 2 and stats["errors"] == 0
     assert stats["replaced"] == 2
-    assert len(warnings) == 1 and "uid=21" in warnings[0] and "timeout_s=0.2" in warnings[0]
+    assert len(warnings) == 1 and "uid=21" in warnings[0]
+    assert f"timeout_s={TIMEOUT_S}" in warnings[0]
 
 
 def test_abandoned_thread_leaves_when_its_call_returns():
-    release = threading.Event()
+    release, hung = threading.Event(), []
 
     def hang(request: Request, text: str) -> float:
         if text == "hang":
-            release.wait(10.0)
+            hung.append(threading.current_thread())
+            release.wait(WAIT_S)
         return 1.0
 
-    run = RewardRunner(hang, decode=decode, timeout_s=0.1, workers=2)
+    run = RewardRunner(hang, decode=decode, timeout_s=TIMEOUT_S, workers=2)
     try:
         assert run(_request(), _completion("hang")) == 0.0
+        assert len(hung) == 1, "the call did not start within its timeout"
         assert run.stats()["stuck"] == 1
         assert run(_request(), _completion("ok")) == 1.0
         release.set()
-
-        def workers() -> int:
-            return sum(".hang-" in t.name for t in threading.enumerate())
-
-        deadline = time.monotonic() + 5.0
-        while (run.stats()["stuck"] or workers() > 2) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        hung[0].join(WAIT_S)
+        assert not hung[0].is_alive()  # the stuck thread left once its call returned
         assert run.stats()["stuck"] == 0
-        assert workers() == 2  # the replacement and the other worker; the stuck one has left
+        # the replacement and the other worker; the stuck one has left
+        assert sum(".hang-" in t.name for t in threading.enumerate()) == 2
     finally:
         release.set()
         run.close()
 
 
 def test_too_many_stuck_calls_raise():
-    release = threading.Event()
-    run = RewardRunner(lambda r, t: release.wait(10.0), decode=decode, timeout_s=0.05, max_stuck=1)
+    release, started = threading.Event(), threading.Event()
+
+    def hang(request: Request, text: str) -> float:
+        started.set()
+        return release.wait(WAIT_S)
+
+    run = RewardRunner(hang, decode=decode, timeout_s=TIMEOUT_S, max_stuck=1)
     try:
         assert run(_request(uid=31), _completion("a")) == 0.0
+        assert started.is_set(), "the call did not start within its timeout"
         with pytest.raises(
             RuntimeError, match=r"2 calls are stuck .* expected at most max_stuck=1"
         ):
@@ -167,30 +200,49 @@ def test_close_and_arguments():
         RewardRunner(lambda r, t: 1.0, decode=decode, workers=0)
 
 
-def _sleep_20ms(request: Request, text: str) -> float:
-    time.sleep(0.02)
-    return 1.0
-
-
 def test_submit_returns_at_once_and_calls_run_in_parallel():
-    with RewardRunner(_sleep_20ms, decode=decode, timeout_s=5.0, workers=4) as run:
-        run(_request(), _completion("warm"))  # the lanes are up
-        start = time.monotonic()
+    gate, wave = threading.Event(), threading.Barrier(4, timeout=WAIT_S)
+
+    def gated(request: Request, text: str) -> float:
+        gate.wait(WAIT_S)
+        wave.wait()  # trips only with 4 calls running at once (else raises: an error, 0.0)
+        return 1.0
+
+    with RewardRunner(gated, decode=decode, timeout_s=WAIT_S, workers=4) as run:
         futures = [run.submit(_request(uid=i), _completion("a")) for i in range(8)]
-        submitted = time.monotonic() - start
-        assert [f.result() for f in futures] == [1.0] * 8
-        elapsed = time.monotonic() - start
-    assert submitted < 0.02  # no submit waited for a call
-    assert elapsed < 8 * 0.02  # 4 lanes: two waves of 20 ms, not eight calls in a row
+        assert not any(f.done() for f in futures)  # every submit returned, no call could end
+        gate.set()
+        assert [f.result() for f in futures] == [1.0] * 8  # 4 lanes: two waves of 4
+        assert run.errors == run.timeouts == 0
 
 
 def test_the_timeout_starts_when_a_worker_takes_the_call():
-    # One lane, six 20 ms calls queued at once: the last waits 100 ms, past timeout_s, yet each
-    # call takes only 20 ms of it, so none times out.
-    with RewardRunner(_sleep_20ms, decode=decode, timeout_s=0.08, workers=1) as run:
-        futures = [run.submit(_request(uid=i), _completion("a")) for i in range(6)]
-        assert [f.result() for f in futures] == [1.0] * 6
-        assert run.timeouts == 0
+    # One lane. "first" holds it while the test queues three calls; "stuck" then holds it for the
+    # whole timeout_s (it times out), so "a" and "bb" wait in the queue for longer than timeout_s.
+    # Their clocks start only when the lane takes them, so neither times out.
+    first_runs, first_ends, stuck_ends = threading.Event(), threading.Event(), threading.Event()
+
+    def fn(request: Request, text: str) -> float:
+        if text == "first":
+            first_runs.set()
+            first_ends.wait(WAIT_S)
+        elif text == "stuck":
+            stuck_ends.wait(WAIT_S)
+        return float(len(text))
+
+    with RewardRunner(fn, decode=decode, timeout_s=TIMEOUT_S, workers=1) as run:
+        try:
+            first = run.submit(_request(uid=0), _completion("first"))
+            assert first_runs.wait(WAIT_S)
+            texts = ("stuck", "a", "bb")
+            rest = [run.submit(_request(uid=i), _completion(t)) for i, t in enumerate(texts, 1)]
+            first_ends.set()
+            assert first.result() == 5.0
+            assert [f.result() for f in rest] == [0.0, 1.0, 2.0]
+            assert run.timeouts == 1  # "stuck" only
+        finally:
+            first_ends.set()
+            stuck_ends.set()
 
 
 def _spin(request: Request, text: str) -> float:
@@ -203,11 +255,12 @@ def _spin(request: Request, text: str) -> float:
 
 
 def test_process_backend_kills_a_hung_cpu_bound_call_and_keeps_capacity(warnings):
-    with RewardRunner(_spin, decode=decode, timeout_s=0.5, workers=1, backend="process") as run:
+    with RewardRunner(
+        _spin, decode=decode, timeout_s=TIMEOUT_S, workers=1, backend="process"
+    ) as run:
         assert run(_request(), _completion("ab")) == 2.0
-        start = time.monotonic()
-        assert run(_request(uid=41), _completion("spin")) == 0.0
-        assert time.monotonic() - start < 5.0
+        # "spin" never returns: only the kill can end the call (the bound is against a hang)
+        assert run.submit(_request(uid=41), _completion("spin")).result(WAIT_S) == 0.0
         # the one lane's process was killed and replaced: the next calls are served
         assert run(_request(), _completion("abc")) == 3.0
         assert run(_request(uid=42), _completion("boom")) == 0.0
@@ -224,47 +277,68 @@ def test_process_backend_needs_a_picklable_function():
         RewardRunner(_spin, decode=decode, backend="gpu")
 
 
+def _recording_spin(spinning: list[threading.Thread]) -> Callable[[Request, str], float]:
+    """`_spin` for the thread backend, recording the threads that run a "spin" call."""
+
+    def spin(request: Request, text: str) -> float:
+        if text == "spin":
+            spinning.append(threading.current_thread())
+        return _spin(request, text)
+
+    return spin
+
+
 def test_a_call_running_python_code_is_stopped_at_its_timeout():
-    before = threading.active_count()
-    run = RewardRunner(_spin, decode=decode, timeout_s=0.2, workers=2)
+    before, spinning = set(threading.enumerate()), []
+    run = RewardRunner(_recording_spin(spinning), decode=decode, timeout_s=TIMEOUT_S, workers=2)
     try:
         assert run(_request(), _completion("spin")) == 0.0
-        deadline = time.monotonic() + 2.0
-        while run.stats()["stuck"] and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert len(spinning) == 1, "the call did not start within its timeout"
+        spinning[0].join(WAIT_S)  # "spin" never returns: only the stop can end its thread
+        assert not spinning[0].is_alive()
         assert run.stats()["stuck"] == 0  # the call stopped: it costs nothing after its timeout
         assert run.stats()["timeouts"] == 1
         assert run(_request(), _completion("ok")) == 2.0
     finally:
         run.close()
-    assert threading.active_count() == before
+    assert _started_since(before) == []
 
 
 @pytest.mark.parametrize("backend", ["thread", "process"])
 def test_close_ends_every_thread_and_process(backend):
     import multiprocessing
 
-    before = threading.active_count()
-    run = RewardRunner(_spin, decode=decode, timeout_s=0.5, workers=3, backend=backend)
+    before, spinning = set(threading.enumerate()), []
+    fn = _spin if backend == "process" else _recording_spin(spinning)
+    run = RewardRunner(fn, decode=decode, timeout_s=TIMEOUT_S, workers=3, backend=backend)
     futures = [run.submit(_request(), _completion(t)) for t in ("ok", "spin", "ok", "ok")]
     assert [f.result() for f in futures] == [2.0, 0.0, 2.0, 2.0]
+    assert backend == "process" or len(spinning) == 1, "the call did not start within its timeout"
     run.close()
-    assert threading.active_count() == before
+    # Every lane and worker has ended; a stopped call's thread (close waits for it at most 1 s)
+    # may still be unwinding, and is then joined by `every_thread_ends`.
+    assert [t for t in _started_since(before) if t not in spinning] == []
     assert multiprocessing.active_children() == []
 
 
 @pytest.mark.parametrize("max_stuck", [0, 32], ids=["limit_hit", "within_limit"])
 def test_close_does_not_wait_for_a_call_stuck_inside_a_c_function(max_stuck):
-    def sleeps(request: Request, text: str) -> float:
-        time.sleep(30.0)  # one C call: the stop lands only when it returns
+    release, ended = threading.Event(), threading.Event()
+
+    def blocks(request: Request, text: str) -> float:
+        release.wait(WAIT_S)  # one C call (a lock's acquire): the stop lands only when it returns
+        ended.set()
         return 1.0
 
-    run = RewardRunner(sleeps, decode=decode, timeout_s=0.1, workers=1, max_stuck=max_stuck)
-    if max_stuck:
-        assert run(_request(), _completion("a")) == 0.0
-    else:
-        with pytest.raises(RuntimeError, match="1 calls are stuck"):
-            run(_request(), _completion("a"))
-    t = time.monotonic()
-    run.close()
-    assert time.monotonic() - t < 5.0
+    run = RewardRunner(blocks, decode=decode, timeout_s=0.1, workers=1, max_stuck=max_stuck)
+    try:
+        if max_stuck:
+            assert run(_request(), _completion("a")) == 0.0
+        else:
+            with pytest.raises(RuntimeError, match="1 calls are stuck"):
+                run(_request(), _completion("a"))
+        run.close()
+        assert not ended.is_set()  # close returned while the call still ran
+    finally:
+        release.set()
+        run.close()
