@@ -163,9 +163,7 @@ def test_sigterm_saves_at_the_next_round_and_exits_0_then_a_rerun_continues(tmp_
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)  # during round 1 (or at its start)
-    t = time.monotonic()
-    out = _finish(proc, timeout=120)
-    assert time.monotonic() - t < 60  # the rest of one round and a save
+    out = _finish(proc, timeout=120)  # the rest of one round and a save (the bound: not hung)
     assert "stopped by SIGTERM after round" in out
     stopped = int(out.split("stopped by SIGTERM after round ")[1].split()[0]) + 1
     assert stopped < ROUNDS

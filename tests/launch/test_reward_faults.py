@@ -58,7 +58,12 @@ def test_bench_rewards_prints_its_table_and_hostile_answers_cost_no_timeout():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cmd = [sys.executable, "-m", "launch.bench_rewards", "--calls=32", "--backends=thread"]
+    # A timeout far above any call's cost (the bench's 2 s default is one a loaded machine can
+    # reach with 4 calls sharing the GIL): no timeout then means that no answer hangs a worker.
+    cmd = [
+        sys.executable, "-m", "launch.bench_rewards", "--calls=32", "--backends=thread",
+        "--timeout_s=30",
+    ]  # fmt: skip
     out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.startswith("thread")]

@@ -131,10 +131,13 @@ def test_math_reward_symbolic():
 
 @pytest.mark.parametrize("answer", HOSTILE)
 def test_math_reward_bounds_what_a_hostile_answer_costs(answer):
+    # Each takes under 0.25 s on a 2-core CPU; unbounded, the worst of them would never end. The
+    # bound only tells those apart (a loaded machine stays far below it); what each answer costs
+    # is measured by `python -m launch.bench_rewards`.
     for reference in ("2", "x^2+1"):
         t = time.perf_counter()
         assert v.math_reward(f"\\boxed{{{answer}}}", reference) == 0.0
-        assert time.perf_counter() - t < 2.0
+        assert time.perf_counter() - t < 30.0
 
 
 def test_math_reward_keeps_large_real_answers():
