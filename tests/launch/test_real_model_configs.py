@@ -9,14 +9,12 @@ import json
 import pathlib
 
 import pytest
+import torch  # in setup.py's [test] extras: if missing or broken, fail (never skip)
+import transformers  # in setup.py's [test] extras: if missing or broken, fail (never skip)
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
-
-from configs import gsm8k_qwen, math_qwen  # noqa: E402
-from rl.run import train  # noqa: E402
+from configs import gsm8k_qwen, math_qwen
+from rl.run import train
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

@@ -6,17 +6,15 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tokenizers
+import torch  # in setup.py's [test] extras: if missing or broken, fail (never skip)
+import transformers  # in setup.py's [test] extras: if missing or broken, fail (never skip)
+from flax import nnx
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
-
-from flax import nnx  # noqa: E402
-
-from configs import smoke  # noqa: E402
-from rl.models import create_model, get_preset  # noqa: E402
-from rl.models.export import export_hf  # noqa: E402
-from rl.models.tokenizer import load_tokenizer  # noqa: E402
+from configs import smoke
+from rl.models import create_model, get_preset
+from rl.models.export import export_hf
+from rl.models.tokenizer import load_tokenizer
 
 TOL = 1e-4  # max abs logit difference, float32
 

@@ -9,6 +9,7 @@ from typing import Any
 import jinja2
 import pytest
 import tokenizers
+import transformers  # in setup.py's [test] extras: if missing or broken, fail (never skip)
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from rl.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
@@ -158,7 +159,6 @@ def _qwen_config(template: Any = QWEN_TEMPLATE) -> dict[str, Any]:
 
 
 def _hf(path: pathlib.Path) -> Any:
-    transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(str(path))
 
 
