@@ -1,4 +1,8 @@
-"""Test setup: 8 fake CPU devices (set before jax is imported) and strict numpy semantics."""
+"""Test setup: 8 fake CPU devices (set before jax is imported) and strict numpy semantics.
+
+Both are set in the environment too, so the processes the tests start (`launch.train` runs, Ray
+workers, the kill and multi-host tests) run under the same rules as this one.
+"""
 
 import logging
 import os
@@ -10,6 +14,7 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"  # (CONVENTIONS §9)
 
 import jax  # noqa: E402
 
@@ -32,8 +37,8 @@ def ray_cluster():
     import ray
 
     # The workers' JAX matches this process's (tests/conftest.py): CPU, 8 fake devices, strict
-    # rank promotion, the same compilation cache. rl.runtime.ray_runtime.worker_env passes JAX_*
-    # and XLA_* variables on to them.
+    # rank promotion (set above), the same compilation cache. rl.runtime.ray_runtime.worker_env
+    # passes JAX_* and XLA_* variables on to them.
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ.setdefault(
         "JAX_COMPILATION_CACHE_DIR",
@@ -42,7 +47,6 @@ def ray_cluster():
         ),
     )
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
-    os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"
     ray.init(
         num_cpus=2,
         include_dashboard=False,
