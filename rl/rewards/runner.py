@@ -61,6 +61,13 @@ class _Stopped(BaseException):
     """Raised inside a thread worker's call that ran past its timeout (`_ThreadWorker.stop_call`)."""
 
 
+def _async_raise(ident: int | None, exc: type[BaseException] | None) -> None:
+    """Raises `exc` in thread `ident` at its next Python bytecode; None clears a pending one."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(ident or 0), None if exc is None else ctypes.py_object(exc)
+    )
+
+
 class _ThreadWorker:
     """Runs calls on one daemon thread; a call past its timeout is stopped and the worker retired."""
 
@@ -70,24 +77,33 @@ class _ThreadWorker:
             queue.SimpleQueue()
         )
         self.retired = False
+        # `_in_call` under `_lock`: a stop is sent only while fn runs, and a stop sent but not yet
+        # delivered when fn returns is cleared, so it can never land after the call (in
+        # threading's own code, or in another thread that reuses this one's id).
+        self._lock = threading.Lock()
+        self._in_call = False
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
         self.thread.start()
 
+    def _run(self, job: _Job) -> Any:
+        with self._lock:
+            self._in_call = True
+        try:
+            return self.runner.fn(job.request, self.runner.decode(job.tokens))
+        finally:
+            with self._lock:
+                self._in_call = False
+                _async_raise(threading.get_ident(), None)  # a stop not yet delivered: cleared
+
     def _main(self) -> None:
-        runner = self.runner
-        while not self.retired:
+        while (item := self.inbox.get()) is not None:
+            job, result = item
             try:
-                while (item := self.inbox.get()) is not None:
-                    job, result = item
-                    try:
-                        result.set_result(runner.fn(job.request, runner.decode(job.tokens)))
-                    except BaseException as e:  # handed to the lane, which scores 0.0
-                        result.set_exception(e)
-                    if self.retired:
-                        return
+                result.set_result(self._run(job))
+            except BaseException as e:  # handed to the lane, which scores 0.0 (or _Stopped)
+                result.set_exception(e)
+            if self.retired:
                 return
-            except _Stopped:  # delivered after the call had ended: the worker is retired
-                pass
 
     def call(self, job: _Job, timeout_s: float) -> Any:
         result: concurrent.futures.Future = concurrent.futures.Future()
@@ -101,10 +117,10 @@ class _ThreadWorker:
         """Retires the worker and stops the call it runs: `_Stopped` is raised in its thread at
         the thread's next Python bytecode (at once for Python code; a C call finishes first)."""
         self.retired = True
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(
-            ctypes.c_ulong(self.thread.ident), ctypes.py_object(_Stopped)
-        )
-        self.inbox.put(None)  # wakes the thread if the call ended before the exception came
+        with self._lock:
+            if self._in_call:
+                _async_raise(self.thread.ident, _Stopped)
+        self.inbox.put(None)  # wakes the thread if the call ended before the stop
 
     def stop(self) -> None:
         """Ends the thread once its queued calls are done and waits for it; a retired worker
