@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from configs import base
-from rl.runtime.compose import build_driver
+from rl.runtime.factory import build_driver
 
 ROUNDS = 3
 
@@ -125,7 +125,7 @@ def test_tail_batching_cuts_rounds_across_replicas(ray_cluster, threads_tail_run
     assert sum(runtime.router.routed.values()) == 6 + 6 + 4
     if replicas == 2:
         assert min(runtime.router.routed.values()) > 0
-    assert runtime.router._routing.outstanding == {}  # the cut prompts were aborted, not re-sampled
+    assert runtime.router.routing.outstanding == {}  # the cut prompts were aborted, not re-sampled
 
 
 def kill_replica_after_submit(round, replica):
@@ -269,7 +269,8 @@ def sft_run(runtime_name, workdir):
 
     from rl.metrics import MetricsWriter
     from rl.run import _sft
-    from rl.runtime.compose import Setup, make_runtime
+    from rl.runtime.compose import Setup
+    from rl.runtime.factory import make_runtime
     from rl.tasks.data import load_task
 
     config = tiny_config(runtime_name)
