@@ -10,8 +10,9 @@ from rl.runtime.factory import build_driver
 ROUNDS = 3
 
 
-def tiny_config(runtime="threads", replicas=1, **ray_fields):
+def tiny_config(runtime="threads", replicas=1, routing="round_robin", **ray_fields):
     config = base.get_config("smoke")
+    config.mesh.sampler_routing = routing
     config.sft.max_steps = 0
     config.driver.mode, config.driver.batching = "cgp", "ordered"
     config.driver.groups_per_round = 4
