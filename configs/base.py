@@ -50,7 +50,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.mesh.sampler_replicas = 1
     config.mesh.sampler_routing = "round_robin"  # request -> replica: round_robin | least_loaded
     config.mesh.colocated = False  # learner and sampler share devices (one GPU, Colab, CPU)
-    # fixed: the device counts above; plan: open, rl/plan.py picks learner_devices and
+    # fixed: the device counts above; plan: open, rl/device_split.py picks learner_devices and
     # sampler_devices (leave both 0) from config.elastic.stage_model (README "Elastic devices")
     config.mesh.split = "fixed"
 
@@ -229,7 +229,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # prompts in their place until the round has R informative groups
     config.driver.dynamic_sampling = False
     config.driver.max_oversample = 3.0  # dynamic sampling: prompts drawn per round <= this * R
-    config.driver.tail = ml_collections.ConfigDict()  # tail batching (RollPacker), rl/rounds.py
+    config.driver.tail = (
+        ml_collections.ConfigDict()
+    )  # tail batching (RollPacker), rl/round_planner.py
     config.driver.tail.enabled = (
         False  # short rounds over-provision; long prompts wait for long rounds
     )

@@ -64,7 +64,7 @@ from learner.batching import Batch, make_batch
 from learner.config import LearnerConfig, OptimizerConfig
 from learner.learner import Learner
 from learner.mesh import MeshConfig, make_meshes
-from learner.state import create_train_state, make_optimizer, make_schedule
+from learner.state import create_train_state, make_lr_schedule, make_optimizer
 from learner.step import accumulate, apply, train_step, zero_accum
 from rl.advantages import get_advantage_estimator
 from rl.losses import PpoClipOptions
@@ -350,7 +350,7 @@ def fixed_batch() -> dict[str, Any]:
         float(mini["loss"])
 
     # --- the learner's own step functions, jitted here, on the mesh batch: breakdown and pieces.
-    ltx, schedule = make_optimizer(opt_cfg), make_schedule(opt_cfg)
+    ltx, schedule = make_optimizer(opt_cfg), make_lr_schedule(opt_cfg)
     with jax.set_mesh(mesh):
         state, _ = create_train_state(jax.tree.map(jnp.copy, params0), ltx, mesh=mesh)
     own: dict[str, Any] = dict(state=state)

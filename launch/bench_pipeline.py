@@ -20,7 +20,7 @@ Modes:
                          U groups form a batch (fifo: the next U to complete; ordered: the logical
                          batch k), while the rest of the round still decodes.
   sync+tail, cgp+frontier+tail
-                         tail batching (rl/rounds.py): short rounds launch ceil(--eta * R) prompts
+                         tail batching (rl/round_planner.py): short rounds launch ceil(--eta * R) prompts
                          and train the first R to complete, the rest wait in the long-prompt queue
                          until R of them make a long round; the epoch ends with a flush round.
                          cgp+frontier+tail forms batches in completion order (stream trainer).
@@ -79,8 +79,9 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from rl.driver import Driver, DriverConfig, RoundResult  # noqa: E402
-from rl.rounds import TailConfig  # noqa: E402
-from rl.runtime.compose import Setup, ThreadsRuntime  # noqa: E402
+from rl.round_planner import TailConfig  # noqa: E402
+from rl.runtime.compose import Setup
+from rl.runtime.threads import ThreadsRuntime  # noqa: E402
 from rl.schedules import mode_fields  # noqa: E402
 from rl.types import Completion, Prompt, Request, SamplingParams  # noqa: E402
 
@@ -186,7 +187,7 @@ def prompts(seed: int) -> Iterator[Prompt]:
     for uid in itertools.count():
         n = int(rng.integers(_PROMPT_MIN.value, _PROMPT_MAX.value + 1))
         tokens = tuple(int(t) for t in rng.integers(0, 256, n))
-        # each prompt's drawn response length caps its requests (rl.rounds.RoundPlan.requests)
+        # each prompt's drawn response length caps its requests (rl.round_planner.RoundPlan.requests)
         yield Prompt(uid=uid, tokens=tokens, max_new_tokens=response_length(uid))
 
 

@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from configs import base  # noqa: E402
-from rl.runtime.compose import build_driver  # noqa: E402
+from rl.runtime.factory import build_driver  # noqa: E402
 
 MODES = {
     "sync": ("sync", "ordered"),

@@ -46,7 +46,8 @@ from rl.driver import DriverConfig
 from rl.models import get_preset
 from rl.models.build import model_config_from
 from rl.models.config import ModelConfig
-from rl.runtime.compose import Setup, ThreadsRuntime
+from rl.runtime.compose import Setup
+from rl.runtime.threads import ThreadsRuntime
 from rl.schedules import mode_fields
 from rl.types import Completion, Group, Prompt, Request, SamplingParams
 

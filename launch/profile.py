@@ -41,7 +41,8 @@ from flax import nnx  # noqa: E402
 
 from learner.learner import Learner  # noqa: E402
 from rl.admission import FCFS  # noqa: E402
-from rl.runtime.compose import Setup, ThreadsRuntime, build_engine  # noqa: E402
+from rl.runtime.compose import Setup, build_engine
+from rl.runtime.threads import ThreadsRuntime  # noqa: E402
 from rl.sim.calibrate import Measurements, fit_stage_model  # noqa: E402
 from rl.types import Completion, Group, Request, SamplingParams  # noqa: E402
 from sampler.engine import Engine  # noqa: E402

@@ -40,7 +40,7 @@ migration (rl/elastic/migration.py, thresholds --migration_fraction and --migrat
 move costs StageModel.migrate_s: the request's KV bytes over NVLink plus a fixed 10 ms in the GPU
 presets): throughput (groups/s) and the sampler replica-seconds busy, each vs the static split.
 
---plan_budgets runs rl/plan.py on each budget: the planner's split beside every split's simulated
+--plan_budgets runs rl/device_split.py on each budget: the planner's split beside every split's simulated
 time per round.
 
 --borrowing compares BiDiRL's bidirectional borrowing (rl/elastic/borrowing.py, carried out by
@@ -63,9 +63,10 @@ from typing import Any
 
 from absl import app, flags
 
+from rl.device_split import Split, compare, format_table
 from rl.elastic.migration import MIGRATION_POLICIES, MigrationConfig
-from rl.plan import Split, compare, format_table
-from rl.rounds import TailConfig
+from rl.elastic.stage import StageModel
+from rl.round_planner import TailConfig
 from rl.sim.compare import (
     balance_learner,
     compare_borrowing,
@@ -76,7 +77,6 @@ from rl.sim.compare import (
 )
 from rl.sim.presets import gpu_preset
 from rl.sim.simulator import SimResult
-from rl.sim.stage import StageModel
 from rl.sim.workload import Workload, WorkloadConfig
 from rl.sim.workload import summarize as summarize_lengths
 from rl.types import Request, SamplingParams

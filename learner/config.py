@@ -10,7 +10,7 @@ from rl.advantages import ADVANTAGE_ESTIMATORS
 from rl.aggregation import AGGREGATIONS
 from rl.losses import POLICY_LOSSES, LossConfig, loss_config_from
 
-SCHEDULES = ("constant", "cosine")
+LR_SCHEDULES = ("constant", "cosine")
 OLD_LOGPROBS = ("snapshot", "sampler")
 
 
@@ -30,8 +30,8 @@ class OptimizerConfig:
     def __post_init__(self):
         if not self.lr > 0:
             raise ValueError(f"optimizer.lr must be > 0; received {self.lr}.")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"optimizer.schedule={self.schedule!r}; expected one of {SCHEDULES}.")
+        if self.schedule not in LR_SCHEDULES:
+            raise ValueError(f"optimizer.schedule={self.schedule!r}; expected one of {LR_SCHEDULES}.")
         if self.warmup_steps < 0 or self.grad_clip_norm < 0 or self.weight_decay < 0:
             raise ValueError(
                 "optimizer.warmup_steps, grad_clip_norm and weight_decay must be >= 0; received "

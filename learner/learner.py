@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from learner.batching import Batch, MicroBatches, Seq, sequences_of
 from learner.config import LearnerConfig
 from learner.distributed import put_global
-from learner.state import create_train_state, make_optimizer, make_schedule, state_shardings
+from learner.state import create_train_state, make_lr_schedule, make_optimizer, state_shardings
 from learner.step import (
     MAX_KEYS,
     Accum,
@@ -114,7 +114,7 @@ class Learner:
         _check_rows(cfg, mesh)
         self.graphdef, params = nnx.split(model)
         self.tx = make_optimizer(cfg.optimizer)
-        self.schedule = make_schedule(cfg.optimizer)
+        self.lr_schedule = make_lr_schedule(cfg.optimizer)
         with jax.set_mesh(mesh), axis_rules(self.rules):
             self.state, shardings = create_train_state(params, self.tx, mesh=mesh, rules=self.rules)
         self.ref_params = None
@@ -181,7 +181,7 @@ class Learner:
             ),
             apply=jit(
                 "apply" + tag,
-                functools.partial(apply, tx=self.tx, schedule=self.schedule),
+                functools.partial(apply, tx=self.tx, schedule=self.lr_schedule),
                 donate_argnums=(0,),
                 out_shardings=(shardings, rep),
             ),
@@ -194,7 +194,7 @@ class Learner:
                     dataclasses.replace(rest, params=params),
                     acc,
                     tx=self.tx,
-                    schedule=self.schedule,
+                    schedule=self.lr_schedule,
                 ),
                 donate_argnums=(1,),
                 out_shardings=(shardings, rep),
@@ -351,7 +351,7 @@ class Learner:
             shapes = self._home.apply.eval_shape(self.state, self._acc)[1]  # metric names
             self._acc = None
             metrics = dict.fromkeys(shapes, 0.0)
-            metrics.update(lr=float(self.schedule(step)), nonfinite_leaf=-1.0)
+            metrics.update(lr=float(self.lr_schedule(step)), nonfinite_leaf=-1.0)
         else:
             with self._on_mesh():
                 if self._params_shared:  # the sampler reads these params: no donation

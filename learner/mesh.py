@@ -10,6 +10,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from rl.runtime.routing import ROUTINGS
+
 SPLITS = ("fixed", "plan")
 
 
@@ -24,10 +26,9 @@ class MeshConfig:
     sampler_replicas: int = 1  # sampler replicas (an Engine + SamplerLoop each), disjoint devices
     sampler_routing: str = "round_robin"  # request -> replica: round_robin | least_loaded
     colocated: bool = False  # both sides on the same devices, time-sliced (one GPU, Colab, CPU)
-    split: str = "fixed"  # fixed: the counts above; plan: rl.elastic.planning.plan_mesh picks them
+    split: str = "fixed"  # fixed: the counts above; plan: rl.runtime.mesh_plan.plan_mesh picks them
 
     def __post_init__(self):
-        from rl.runtime.routing import ROUTINGS
 
         if self.split not in SPLITS:
             raise ValueError(f"mesh.split={self.split!r}; expected one of {SPLITS}.")
@@ -58,7 +59,7 @@ def make_meshes(cfg: MeshConfig, devices: Sequence[Any] | None = None) -> tuple[
     if cfg.split != "fixed":
         raise ValueError(
             f"make_meshes needs mesh.split='fixed'; received {cfg.split!r} (an open split: "
-            "rl.elastic.planning.plan_mesh turns it into the fixed one first)."
+            "rl.runtime.mesh_plan.plan_mesh turns it into the fixed one first)."
         )
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)

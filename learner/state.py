@@ -22,7 +22,7 @@ class TrainState:
     step: jax.Array  # int32 scalar: optimizer updates applied
 
 
-def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+def make_lr_schedule(cfg: OptimizerConfig) -> optax.Schedule:
     """Linear warmup to cfg.lr, then constant or cosine decay to cfg.lr * cfg.end_lr_ratio."""
     if cfg.schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(
@@ -43,7 +43,7 @@ def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW on the schedule."""
     adamw = optax.adamw(
-        make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay
+        make_lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay
     )
     if cfg.grad_clip_norm == 0:
         return adamw

@@ -18,6 +18,31 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from configs import base
+from learner.config import LearnerConfig, OptimizerConfig, learner_config_from
+from learner.distributed import distributed_config_from
+from learner.mesh import MeshConfig, make_meshes
+from rl.driver import DriverConfig, driver_config_from
+from rl.elastic.borrowing import BorrowConfig
+from rl.losses import LOSS_OPTIONS, LossConfig
+from rl.models.build import model_config_from
+from rl.models.config import DTYPES
+from rl.models.sharding import normalize_rules
+from rl.models.summary import tokenizer_from
+from rl.overlong import OverlongPenalty
+from rl.rewards import get_reward
+from rl.rewards.runner import BACKENDS as REWARD_BACKENDS
+from rl.round_planner import TailConfig
+from rl.runtime.compose import migration_config_from
+from rl.runtime.factory import RUNTIMES
+from rl.runtime.ray_config import RayConfig, check_ray_config
+from rl.tasks.data import data_config_from
+from rl.tasks.registry import TASKS
+from rl.types import SamplingParams
+from sampler.engine import EngineConfig
+
+RAY_SECTIONS = ("ray", "mesh", "elastic", "sft")  # the sections check_ray_config reads
+
 
 class ConfigError(ValueError):
     """Bad config fields: `problems` holds one line per field."""
@@ -102,15 +127,6 @@ def _unknown_fields(config: Any, schema: Mapping[str, Any], where: str = "config
 
 def _schema() -> dict[str, Any]:
     """Known field names: configs/base.py's fields and every field of the typed configs."""
-    from configs import base
-    from learner.config import LearnerConfig, OptimizerConfig
-    from learner.mesh import MeshConfig
-    from rl.driver import DriverConfig
-    from rl.losses import LOSS_OPTIONS, LossConfig
-    from rl.rounds import TailConfig
-    from rl.tasks.registry import TASKS
-    from rl.types import SamplingParams
-    from sampler.engine import EngineConfig
 
     def names(cls: type, *drop: str) -> dict[str, Any]:
         return {f.name: None for f in dataclasses.fields(cls) if f.name not in drop}
@@ -127,6 +143,7 @@ def _schema() -> dict[str, Any]:
         "sampling": names(SamplingParams, "stop_token_ids"),
         "engine": names(EngineConfig, "seed"),
         "mesh": names(MeshConfig),
+        "ray": names(RayConfig),
         "learner": names(LearnerConfig, "temperature"),  # set from sampling.temperature
     }
     for section, fields in typed.items():
@@ -184,21 +201,6 @@ def check_config(config: Any) -> None:
     Raises:
       ConfigError: one line per bad field (what it received, what it expects).
     """
-    from learner.config import learner_config_from
-    from learner.distributed import distributed_config_from
-    from learner.mesh import MeshConfig, make_meshes
-    from rl.driver import driver_config_from
-    from rl.models.build import model_config_from
-    from rl.models.config import DTYPES
-    from rl.models.sharding import normalize_rules
-    from rl.models.summary import tokenizer_from
-    from rl.overlong import OverlongPenalty
-    from rl.rewards import get_reward
-    from rl.rewards.runner import BACKENDS as REWARD_BACKENDS
-    from rl.tasks.data import data_config_from
-    from rl.tasks.registry import TASKS
-    from rl.types import SamplingParams
-    from sampler.engine import EngineConfig
 
     p = _Problems()
     unknown = _unknown_fields(config, _schema())
@@ -316,11 +318,12 @@ def check_config(config: Any) -> None:
                 f"learner) with config.runtime={runtime!r}; expected 1: the threads runtime runs "
                 "the learner and the sampler in one process."
             )
+        if runtime not in RUNTIMES:
+            p.add(f"config.runtime={runtime!r}; expected one of {RUNTIMES}.")
+        elif runtime == "ray" and all(k in config and clean(k) for k in RAY_SECTIONS):
+            p.build("ray", lambda: check_ray_config(config))
     elastic = None
     if clean("elastic") and "elastic" in config:
-        from rl.elastic.borrowing import BorrowConfig
-        from rl.runtime.compose import migration_config_from
-
         p.build("elastic", lambda: migration_config_from(config))
         elastic = p.build("elastic", lambda: BorrowConfig.from_section(config.elastic))
         if elastic is not None and elastic.borrowing != "off" and not elastic.stage_model:

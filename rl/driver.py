@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from rl.metrics import migration_metrics, replica_metrics, round_metrics, staleness_metrics
-from rl.rounds import RoundPlan, RoundPlanner, TailConfig
+from rl.round_planner import RoundPlan, RoundPlanner, TailConfig
 from rl.schedules import (
     Action,
     Add,
@@ -48,7 +48,7 @@ from rl.types import Group, Prompt, Request, SamplingParams
 
 if TYPE_CHECKING:
     from learner.learner import Learner
-    from rl.elastic.lending import LearnerBorrower, SamplerLender
+    from rl.runtime.lending import LearnerBorrower, SamplerLender
     from rl.runtime.protocols import Queue, Sampler, WeightSync
 
 
@@ -95,7 +95,7 @@ def driver_config_from(
 @dataclasses.dataclass
 class RoundResult:
     round: int
-    kind: str  # plain | short | long | flush (rl.rounds)
+    kind: str  # plain | short | long | flush (rl.round_planner)
     version: int  # the policy version that sampled this round
     groups: list[Group]  # trained groups, in training order
     updates: list[dict[str, float]]  # the learner's metrics per update

@@ -17,6 +17,7 @@ from rl.types import Group, Request, SamplingParams
 if TYPE_CHECKING:
     from sampler.engine import Engine
     from sampler.loop import RewardFn
+from sampler.loop import SamplerLoop
 
 EVAL_ROUND = 2**31 - 1  # evaluation streams never coincide with a training round's
 
@@ -48,7 +49,6 @@ def evaluate(
     Returns:
       {"accuracy": fraction correct greedily, "pass@k": mean unbiased pass@k (k > 1)}.
     """
-    from sampler.loop import SamplerLoop
 
     if not records:
         raise ValueError("evaluate received no records; expected a held-out split.")

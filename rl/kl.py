@@ -11,7 +11,7 @@ from jax.typing import ArrayLike
 from rl.registry import Registry
 
 
-def _valid(mask_BxT: ArrayLike, shape: tuple[int, ...], where: str) -> jax.Array:
+def checked_mask(mask_BxT: ArrayLike, shape: tuple[int, ...], where: str) -> jax.Array:
     """Returns the mask as bool after checking its shape."""
     mask_BxT = jnp.asarray(mask_BxT)
     if mask_BxT.shape != shape:
@@ -82,6 +82,6 @@ def kl_penalty(
         )
     if mask_BxT is None:
         return fn(logp_BxT - ref_logp_BxT)
-    valid_BxT = _valid(mask_BxT, logp_BxT.shape, "kl_penalty")
+    valid_BxT = checked_mask(mask_BxT, logp_BxT.shape, "kl_penalty")
     d_BxT = jnp.where(valid_BxT, logp_BxT - ref_logp_BxT, 0.0)
     return jnp.where(valid_BxT, fn(d_BxT), 0.0)

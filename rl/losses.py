@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from rl.aggregation import masked_mean
-from rl.kl import KL_ESTIMATORS, _valid, kl_penalty
+from rl.kl import KL_ESTIMATORS, checked_mask, kl_penalty
 from rl.loss_config import (
     LOSS_OPTIONS,
     DecoupledPpoOptions,
@@ -114,7 +114,7 @@ def _check_inputs(
             f"shape (B,); received logp_BxT {logp_BxT.shape}, old_logp_BxT "
             f"{old_logp_BxT.shape}, adv_B {adv_B.shape}."
         )
-    return logp_BxT, old_logp_BxT, adv_B, _valid(mask_BxT, logp_BxT.shape, "Policy loss")
+    return logp_BxT, old_logp_BxT, adv_B, checked_mask(mask_BxT, logp_BxT.shape, "Policy loss")
 
 
 def _clipped_objective(

@@ -33,7 +33,7 @@ moved), migrated_sequences, migrated_bytes (decode state moved) and migration_s 
 Borrowing (rl.elastic.borrowing, config.elastic.borrowing): a round the policy decided in carries
 borrow_{d} (1 moved, 0 not), borrow_{d}_gain_s (the predicted seconds saved), borrow_{d}_switch_cost_s
 (the estimate it was weighed against) and borrow_{d}_measured_s (the switch there and back, NaN if
-none), d = learner | sampler (Decision.metrics, rl.elastic.lending). The switches are spans too:
+none), d = learner | sampler (Decision.metrics, rl.runtime.lending). The switches are spans too:
 "borrow" and "give_back" on the learner lane (learner busy: counted in trainer_compute_s, not in
 first_dispatch_s), "lend" on the "elastic" lane.
 """

@@ -25,8 +25,9 @@ from rl.curves import read_metrics, write_learning_curve_png
 from rl.driver import driver_config_from
 from rl.logs import flush_held_to
 from rl.metrics import MetricsWriter
-from rl.rounds import prompt_from_json, prompt_to_json
-from rl.runtime.compose import Setup, check_runtime_config, make_runtime
+from rl.round_planner import prompt_from_json, prompt_to_json
+from rl.runtime.compose import Setup
+from rl.runtime.factory import check_runtime_config, make_runtime
 from rl.tasks.data import load_task
 
 # What a run writes into its workdir; a fresh run replaces them only with config.overwrite.

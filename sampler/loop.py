@@ -45,7 +45,7 @@ import numpy as np
 from rl.admission import AdmissionPolicy
 from rl.elastic.migration import ReplicaView, RunningView
 from rl.queue import QueueClosed
-from rl.rounds import RoundCut, RoundCuts
+from rl.round_planner import RoundCut, RoundCuts
 from rl.types import Completion, Group, Request
 from sampler.engine import Engine, SlotState
 

@@ -6,6 +6,7 @@
   simulator, rl.sim.sampler, both execute its moves).
 - `borrowing`: BiDiRL bidirectional borrowing, a pure policy that lends the idle pool's devices to
   the bottleneck when the stage-time models predict a gain above the measured switch cost (the
-  driver with learner.Learner.borrow, rl.elastic.lending, and the simulator, rl.sim.borrow).
-- `planning`: the planner in the run (config.mesh.split = "plan"): rl/plan.py's static split.
+  driver with learner.Learner.borrow, rl.runtime.lending, and the simulator, rl.sim.borrow).
+- `stage`: the stage-time model (StageModel) the policies predict with; the simulator, the
+  device-split planner (rl.device_split) and the in-run planner (rl.runtime.mesh_plan) run on it.
 """

@@ -1,7 +1,7 @@
 """Bidirectional device borrowing (BiDiRL): lend the idle pool's devices to the bottleneck.
 
 A pure, clock-free policy shared by the runtime (rl/driver.py) and the simulator (rl/sim). Given the
-stage-time model (rl.sim.stage.StageModel: one sampler replica, a learner of `model_learner_devices`)
+stage-time model (rl.elastic.stage.StageModel: one sampler replica, a learner of `model_learner_devices`)
 and what remains of the round (`PoolState`), it predicts the round's remaining time with and
 without the move and moves only when the gain beats the switch cost (a running mean of the
 measured switches of that direction; `switch_cost_s` before the first).
@@ -29,7 +29,7 @@ import dataclasses
 import math
 from typing import Any
 
-from rl.sim.stage import StageModel
+from rl.elastic.stage import StageModel
 
 MODES = ("off", "learner", "sampler", "both")
 DIRECTIONS = ("learner", "sampler")
@@ -43,7 +43,9 @@ class BorrowConfig:
     borrowing: str = "off"  # off | learner | sampler | both
     switch_cost_s: float = 1.0  # prior cost of one switch (there and back) before any is measured
     margin: float = 1.0  # move only when predicted gain > margin * switch cost
-    stage_model: str = ""  # a launch.profile JSON or "preset:<model>:<gpu>" (rl/elastic/planning)
+    stage_model: str = (
+        ""  # a launch.profile JSON or "preset:<model>:<gpu>" (rl/runtime/mesh_plan.py)
+    )
     median_tokens: float = 0.0  # the planner's workload: median response length; 0: cap / 4
 
     def __post_init__(self):

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from fractions import Fraction
 from operator import add, mul, sub, truediv
 
+from rl.rewards.symbolic import parse_latex, symbolic_equal
+
 Number = int | float | Fraction
 
 _DECIMAL = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|[-+]?\.\d+"
@@ -146,7 +148,6 @@ def math_reward(response_text: str, answer: str | Number) -> float:
         ValueError: If `answer` is neither a number nor a parsable LaTeX expression.
     """
     # Imported here: sympy and the LaTeX parser take a second, which numeric tasks never need.
-    from rl.rewards.symbolic import parse_latex, symbolic_equal
 
     boxed = extract_boxed(response_text)
     if _as_value(answer)[0] is None:

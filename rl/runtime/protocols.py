@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from learner.publish import Published, WeightSync
 from rl.queue import Queue
-from rl.rounds import RoundCut
+from rl.round_planner import RoundCut
 from rl.types import Request
 
 __all__ = ["Published", "Queue", "Sampler", "WeightSync"]

@@ -33,15 +33,33 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from rl.elastic.migration import MigrationPolicy
-from rl.timeline import replica_lane
-
-if TYPE_CHECKING:
-    from rl.runtime.ray_router import ReplicaRouter
+from rl.runtime.routing import Routing
+from rl.timeline import Timeline
+from rl.types import Request
 
 Key = tuple[int, int]
+
+
+class Router(Protocol):
+    """What the migrator uses of rl.runtime.ray_router.ReplicaRouter."""
+
+    routing: Routing  # request -> replica; guarded by `lock`
+    lock: threading.RLock
+    timeline: Timeline
+
+    @property
+    def alive(self) -> list[int]: ...
+
+    def each(self, method: str, *args: Any, replicas: Any = None) -> dict: ...
+
+    def lane(self, name: str, i: int) -> str: ...
+
+    def submit(self, requests: list[Request]) -> None: ...
+
+    def fail(self, error: BaseException) -> None: ...
 
 
 class RayMigrator:
@@ -57,7 +75,7 @@ class RayMigrator:
 
     def __init__(
         self,
-        router: ReplicaRouter,
+        router: Router,
         policy: MigrationPolicy,
         *,
         poll_s: float,
@@ -94,7 +112,7 @@ class RayMigrator:
     def _one(self, i: int, method: str, *args: Any) -> tuple[bool, Any]:
         """(whether replica i answered, its answer) to `method`; a dead one's requests are the
         router's to handle."""
-        out = self.router._each(method, *args, replicas=[i])
+        out = self.router.each(method, *args, replicas=[i])
         return i in out, out.get(i)
 
     def step(self) -> int:
@@ -103,7 +121,7 @@ class RayMigrator:
         alive = list(router.alive)
         if len(alive) < 2:
             return 0
-        views = router._each("view", replicas=alive)
+        views = router.each("view", replicas=alive)
         ids = [i for i in alive if i in views]
         if len(ids) < 2:
             return 0
@@ -151,10 +169,10 @@ class RayMigrator:
             self._give_back(p)
             return 0
         with router.lock:
-            if router._routing.owner(key) != src:  # forgotten (a full cut) or re-sampled
+            if router.routing.owner(key) != src:  # forgotten (a full cut) or re-sampled
                 ours = False
             else:
-                router._routing.move(key, dst)
+                router.routing.move(key, dst)
                 ours = True
         if not ours:
             self._give_back(p)
@@ -168,16 +186,16 @@ class RayMigrator:
             return 0
         if not adopted:  # its state went with its source: sample it again from scratch
             with router.lock:
-                request = router._routing.outstanding.get(key, (None, None))[1]
+                request = router.routing.outstanding.get(key, (None, None))[1]
                 if request is not None:
-                    router._routing.deliver(key)
+                    router.routing.deliver(key)
             if request is not None:
                 self.resampled += 1
                 router.submit([request])
             return 0
         self.moves += 1
         router.timeline.span(
-            replica_lane("sampler/migrate", src, router._offset[src]),
+            router.lane("sampler/migrate", src),
             "migrate",
             t0,
             self.clock(),

@@ -25,10 +25,12 @@ import ray
 from ray.exceptions import RayActorError
 
 from rl.elastic.migration import Off
-from rl.rounds import RoundCut
+from rl.round_planner import RoundCut
+from rl.runtime.ray_migration import RayMigrator
 from rl.runtime.routing import RoutedCuts, Routing
 from rl.timeline import Timeline, replica_lane
 from rl.types import Group, Request
+from sampler.loop import SamplerStats
 
 __all__ = ["QueueClient", "ReplicaRouter"]
 
@@ -103,18 +105,16 @@ class ReplicaRouter:
         self._slots = dict(enumerate(ray.get([r.num_slots.remote() for r in replicas])))
         self._offset = [sum(list(self._slots.values())[:i]) for i in range(len(replicas))]
         self._next_offset = sum(self._slots.values())
-        self._routing = Routing(routing, len(replicas))
+        self.routing = Routing(routing, len(replicas))
         # Routing is shared with the migrator's thread (rl.runtime.ray_migration)
         self.lock = threading.RLock()
         self._params: tuple[Any, int] | None = None  # the latest weights, for a replica added
         self._error: BaseException | None = None
-        self._cuts = RoutedCuts(self._routing)  # tail batching: which groups of a short round train
+        self._cuts = RoutedCuts(self.routing)  # tail batching: which groups of a short round train
         self._stats: dict[int, Any] = {}  # the last counters of each replica (a dead one's stay)
         self.resampled = 0  # requests re-submitted after their replica died
         self.migrator = None
         if migration is not None and not isinstance(migration, Off):
-            from rl.runtime.ray_migration import RayMigrator
-
             self.migrator = RayMigrator(self, migration, poll_s=migration_poll_s)
 
     @property
@@ -131,7 +131,7 @@ class ReplicaRouter:
         weights and starts at once. Returns its index."""
         slots = ray.get(handle.num_slots.remote())
         with self.lock:
-            i = self._routing.add()
+            i = self.routing.add()
             self.replicas.append(handle)
             assert len(self.replicas) == i + 1
             self._slots[i] = slots
@@ -151,26 +151,31 @@ class ReplicaRouter:
             if len(self.alive) == 1:
                 raise ValueError(f"Replica {i} is the last one; a sampler needs one replica.")
         self._collect([i])  # its last spans and counters, before it stops
-        for err in self._each("close", replicas=[i]).values():
+        for err in self.each("close", replicas=[i]).values():
             if err is not None:
                 raise err
         with self.lock:
-            lost = self._routing.remove(i)
+            lost = self.routing.remove(i)
             del self._slots[i]
         if lost:
             self.submit(lost)
 
     @property
     def alive(self) -> list[int]:
-        return self._routing.alive
+        return self.routing.alive
 
     @property
     def routed(self) -> collections.Counter[int]:
         """Requests routed to each replica."""
-        return self._routing.routed
+        return self.routing.routed
 
-    def _each(self, method: str, *args: Any, replicas: Iterable[int] | None = None) -> dict:
-        """Calls `method` on replicas (default: the live ones); handles the dead ones."""
+    def lane(self, name: str, i: int) -> str:
+        """Replica i's timeline lane `name` (its slots offset among all replicas')."""
+        return replica_lane(name, i, self._offset[i])
+
+    def each(self, method: str, *args: Any, replicas: Iterable[int] | None = None) -> dict:
+        """Calls `method` on replicas (default: the live ones); answers of those that answered,
+        by index; a dead one is handled (its requests re-sampled or the run stopped)."""
         idx = list(self.alive if replicas is None else replicas)
         refs = {i: getattr(self.replicas[i], method).remote(*args) for i in idx}
         out = {}
@@ -185,7 +190,7 @@ class ReplicaRouter:
         with self.lock:
             if i not in self.alive:
                 return
-            lost = self._routing.remove(i)
+            lost = self.routing.remove(i)
         why = f"sampler replica {i} died ({type(e).__name__}: {str(e).splitlines()[0]})"
         if self.on_failure == "stop" or not self.alive:
             if self._error is None:
@@ -202,7 +207,7 @@ class ReplicaRouter:
 
     @property
     def error(self) -> BaseException | None:
-        for err in self._each("error").values():
+        for err in self.each("error").values():
             if err is not None and self._error is None:
                 self._error = err
         return self._error
@@ -214,33 +219,31 @@ class ReplicaRouter:
 
     def _collect(self, replicas: Iterable[int] | None = None) -> None:
         """Merges replicas' (default: the live ones) new timeline events and keeps their counters."""
-        for i, (stats, spans, instants) in self._each("stats", replicas=replicas).items():
+        for i, (stats, spans, instants) in self.each("stats", replicas=replicas).items():
             self._merge(i, spans, instants)
             self._stats[i] = stats
 
     @property
     def stats(self) -> Any:
-        from sampler.loop import SamplerStats
-
         self._collect()
         with self.lock:
             return self._cuts.settle(SamplerStats.total(self._stats.values()))
 
     def _merge(self, i: int, spans: list[Any], instants: list[Any]) -> None:
         for s in spans:
-            lane = replica_lane(s.lane, i, self._offset[i])
+            lane = self.lane(s.lane, i)
             self.timeline.span(lane, s.name, s.start, s.end, **s.args, replica=i)
         for t in instants:
             self.timeline.instant(t.lane, t.name, t.t, **t.args, replica=i)
 
     def start(self) -> None:
-        self._each("start")
+        self.each("start")
         if self.migrator is not None:
             self.migrator.start()
 
     def set_params(self, params: Any, version: int) -> None:
         self._params = (params, version)
-        self._each("set_params", params, version)
+        self.each("set_params", params, version)
 
     def submit(self, requests: Iterable[Request], cut: RoundCut | None = None) -> None:
         """Routes requests to replicas; with `cut` (one round's requests), the router keeps the
@@ -253,7 +256,7 @@ class ReplicaRouter:
             if cut is not None:
                 self._cuts.add(cut, requests)
             for r in requests:
-                by_replica[self._routing.route(r)].append(r)
+                by_replica[self.routing.route(r)].append(r)
         for i, rs in by_replica.items():
             try:
                 ray.get(self.replicas[i].submit.remote(rs))
@@ -266,17 +269,17 @@ class ReplicaRouter:
         with self.lock:  # the migrator's thread reads who owns a request under it
             keep, abort = self._cuts.deliver(group)
         if abort:
-            self._each("abort", abort)
+            self.each("abort", abort)
         return keep
 
     def request_stop(self) -> None:
         if self.migrator is not None:
             self.migrator.stop()
-        self._each("request_stop")
+        self.each("request_stop")
 
     def close(self) -> None:
         if self.migrator is not None:
             self.migrator.stop()
-        for err in self._each("close").values():
+        for err in self.each("close").values():
             if err is not None:
                 raise err

@@ -49,76 +49,30 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import jax
+import ml_collections
 import ray
 from ray.exceptions import RayActorError
 
+import rl
+from learner.publish import Published
+from rl.driver import Driver
 from rl.elastic.borrowing import BorrowConfig
 from rl.elastic.migration import make_migration_policy
 from rl.runtime.compose import build_borrower, build_lender, migration_config_from
+from rl.runtime.mesh_plan import plan_mesh
+from rl.runtime.ray_config import check_ray_config
 from rl.runtime.ray_router import QueueClient, ReplicaRouter
-from rl.runtime.routing import ROUTINGS
+from rl.runtime.ray_workers import LearnerWorker, QueueActor, SamplerReplica
 from rl.timeline import Timeline
 from rl.types import Group
 
-ON_REPLICA_FAILURE = ("resample", "stop")
-
-
-def check_ray_config(config: Any) -> None:
-    """config.ray's fields, with what was received and what is expected."""
-    r, mesh = config.ray, config.mesh
-    if mesh.sampler_routing not in ROUTINGS:
-        raise ValueError(
-            f"config.mesh.sampler_routing={mesh.sampler_routing!r}; expected one of {ROUTINGS}."
-        )
-    if not isinstance(mesh.sampler_replicas, int) or mesh.sampler_replicas < 1:
-        raise ValueError(
-            f"config.mesh.sampler_replicas must be an int >= 1; received {mesh.sampler_replicas!r}."
-        )
-    if not isinstance(r.migration_poll_s, (int, float)) or not r.migration_poll_s > 0:
-        raise ValueError(
-            f"config.ray.migration_poll_s must be a number > 0; received {r.migration_poll_s!r}."
-        )
-    if config.elastic.borrowing != "off" and r.learner_workers > 1:
-        raise ValueError(
-            f"config.elastic.borrowing={config.elastic.borrowing!r} with config.ray."
-            f"learner_workers={r.learner_workers}: borrowing pairs a one-process learner worker "
-            "with the replicas (lent replicas run in it; lending replicas join its "
-            "jax.distributed job); expected config.ray.learner_workers=1."
-        )
-    if mesh.split == "plan" and r.learner_workers > 1:
-        raise ValueError(
-            f"config.mesh.split='plan' with config.ray.learner_workers={r.learner_workers}: the "
-            "planner sizes a one-process learner worker; expected config.ray.learner_workers=1, "
-            "or mesh.split='fixed'."
-        )
-    if r.on_replica_failure not in ON_REPLICA_FAILURE:
-        raise ValueError(
-            f"config.ray.on_replica_failure={r.on_replica_failure!r}; expected one of "
-            f"{ON_REPLICA_FAILURE}."
-        )
-    for name in ("learner_workers",):
-        if not isinstance(r[name], int) or r[name] < 1:
-            raise ValueError(f"config.ray.{name} must be an int >= 1; received {r[name]!r}.")
-    for name in ("num_cpus", "learner_cpus", "replica_cpus", "learner_gpus", "replica_gpus"):
-        if not isinstance(r[name], (int, float)) or r[name] < 0:
-            raise ValueError(f"config.ray.{name} must be a number >= 0; received {r[name]!r}.")
-    if config.sft.max_steps and r.learner_workers > 1:
-        raise ValueError(
-            f"config.sft.max_steps={config.sft.max_steps} with config.ray.learner_workers="
-            f"{r.learner_workers}: the SFT warm start runs on a one-process learner; expected "
-            "config.ray.learner_workers=1, or config.sft.max_steps=0."
-        )
-
 
 def planned_config(config: Any) -> tuple[Any, Any]:
-    """config with the planner's split fixed in (config.mesh.split="plan"; rl.elastic.planning),
+    """config with the planner's split fixed in (config.mesh.split="plan"; rl.runtime.mesh_plan),
     and the plan. The devices split are the cluster's GPUs (the learner worker then gets
     learner_devices of them, each replica sampler_devices), or, on a CPU cluster, the devices each
     worker process sees (every worker takes its first ones)."""
-    import jax
-    import ml_collections
-
-    from rl.elastic.planning import plan_mesh
 
     gpus = int(ray.cluster_resources().get("GPU", 0))
     mesh, plan = plan_mesh(config, gpus or len(jax.devices()))
@@ -133,7 +87,6 @@ def planned_config(config: Any) -> tuple[Any, Any]:
 def worker_env() -> dict[str, Any]:
     """runtime_env for the workers: this checkout's code first on their path, and this process's
     JAX/XLA settings (platform, fake CPU device count, compilation cache)."""
-    import rl
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(rl.__file__)))
     env = {k: v for k, v in os.environ.items() if k.startswith(("JAX_", "XLA_"))}
@@ -349,7 +302,6 @@ class ObjectStoreSync:
     """
 
     def publish(self, params: Any, version: int) -> Any:
-        from learner.publish import Published
 
         if not isinstance(params, RemoteParams):
             raise TypeError(
@@ -387,7 +339,7 @@ class RayRuntime:
     """The learner worker, the sampler replicas and the queue actor of one run.
 
     Attributes:
-      mesh_plan: the planner's choice (rl.elastic.planning.MeshPlan) when config.mesh.split is
+      mesh_plan: the planner's choice (rl.runtime.mesh_plan.MeshPlan) when config.mesh.split is
         "plan" (the workers are built on its split), else None.
       learner: LearnerClient.
       weight_sync: ObjectStoreSync.
@@ -396,7 +348,6 @@ class RayRuntime:
     """
 
     def __init__(self, config: Any, setup: Any, *, total_updates: int):
-        from rl.runtime.ray_workers import LearnerWorker, QueueActor, SamplerReplica
 
         check_ray_config(config)
         self._owns_ray = connect(config.ray)
@@ -477,7 +428,6 @@ class RayRuntime:
 
     def driver(self, cfg: Any, **kwargs: Any) -> Any:
         """A Driver over the replicas (ReplicaRouter) and the queue actor; kwargs go to it."""
-        from rl.driver import Driver
 
         timeline = kwargs.pop("timeline", None) or Timeline()
         r = self.config.ray

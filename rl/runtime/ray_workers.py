@@ -14,14 +14,49 @@ rank 0's answer, and collectives (publishing, fetching the state) run in every w
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import threading
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import ml_collections
 import ray
+from flax import nnx
+
+from learner.checkpoint import Checkpointer
+from learner.distributed import (
+    DistributedConfig,
+    coordinator_address_here,
+    gather_to_host,
+    init_learner_group,
+    initialize,
+)
+from learner.mesh import MeshConfig, lent_meshes, make_meshes
+from learner.publish import DevicePutSync
+from rl.admission import make_policy
+from rl.models.build import create_model, model_config_from
+from rl.models.config import DTYPES
+from rl.queue import GroupQueue
+from rl.runtime.compose import (
+    Setup,
+    build_checked_model,
+    build_engine,
+    build_learner,
+    build_reward,
+    build_sft,
+    evaluate_heldout,
+    export_policy,
+    rollout_reward,
+    updates_per_round,
+)
+from rl.timeline import Timeline
+from sampler.loop import SamplerLoop
+from sampler.transfer import from_host, to_host
 
 
 def _config(config_dict: dict[str, Any]) -> Any:
-    import ml_collections
 
     return ml_collections.ConfigDict(config_dict)
 
@@ -30,9 +65,6 @@ def local_mesh(config: Any, side: str, devices: list[Any] | None = None) -> Any:
     """The `side` ("learner" | "sampler") mesh over this process's first config.mesh.<side>_devices
     devices (0: every device the process sees) with config.mesh.<side>_tp; `devices`: another
     process's instead (a lending replica names the learner worker's mesh so)."""
-    import jax
-
-    from learner.mesh import MeshConfig, make_meshes
 
     devices = jax.local_devices() if devices is None else devices
     n = config.mesh[f"{side}_devices"] or len(devices)
@@ -48,7 +80,6 @@ def local_mesh(config: Any, side: str, devices: list[Any] | None = None) -> Any:
 
 def job_devices(ids: list[int]) -> list[Any]:
     """The jax devices of the learner's jax.distributed job with these ids (every process's)."""
-    import jax
 
     by_id = {d.id: d for d in jax.devices()}
     return [by_id[i] for i in ids]
@@ -58,7 +89,6 @@ def join_job(config: Any, job: tuple[str, int, int]) -> None:
     """Joins the learner's jax.distributed job (coordinator, processes, rank) that the learner
     worker (rank 0) and the replicas lending it their devices form (elastic.borrowing learner /
     both); the job outlives a replica that dies."""
-    from learner.distributed import DistributedConfig, initialize
 
     coordinator, processes, rank = job
     initialize(
@@ -86,7 +116,6 @@ class QueueActor:
     """
 
     def __init__(self, maxsize: int):
-        from rl.queue import GroupQueue
 
         self.queue = GroupQueue(maxsize)
 
@@ -135,7 +164,6 @@ class LearnerWorker:
 
     def coordinator(self) -> str:
         """A "host:port" on this worker's node for the job's coordinator (rank 0 serves it)."""
-        from learner.distributed import coordinator_address_here
 
         return coordinator_address_here(ray.util.get_node_ip_address())
 
@@ -144,17 +172,6 @@ class LearnerWorker:
         job at `coordinator` first, its mesh over every worker's devices. With `lenders` (group
         1), the job is this worker and that many replicas that lend it their devices (rank 0
         here; ReplicaCore's `job`). Returns the step."""
-        import jax
-        import jax.numpy as jnp
-
-        from learner.distributed import init_learner_group
-        from rl.models.config import DTYPES
-        from rl.runtime.compose import (
-            Setup,
-            build_checked_model,
-            build_learner,
-            updates_per_round,
-        )
 
         config = _config(self._config_dict)
         setup = Setup.from_config(config)
@@ -184,9 +201,6 @@ class LearnerWorker:
 
     def _to_host(self, tree: Any) -> Any:
         """`tree` as host arrays; with several processes a collective every worker joins."""
-        import jax
-
-        from learner.distributed import gather_to_host
 
         return gather_to_host(tree) if self.group > 1 else jax.device_get(tree)
 
@@ -226,7 +240,6 @@ class LearnerWorker:
 
     def sft_begin(self, records: list[Any]) -> None:
         """Starts the SFT warm start (rl.runtime.compose.build_sft) on `records`."""
-        from rl.runtime.compose import build_sft
 
         self.sft = build_sft(self.config, self.setup, self.learner, records)
 
@@ -244,12 +257,10 @@ class LearnerWorker:
         return self._to_host(self.learner.state)
 
     def export_hf(self, path: str) -> None:
-        from rl.runtime.compose import export_policy
 
         export_policy(self.config, self.setup, self.learner, path)
 
     def open_checkpoints(self, directory: str) -> None:
-        from learner.checkpoint import Checkpointer
 
         self.ckpt = Checkpointer(directory)
 
@@ -290,7 +301,6 @@ class LearnerWorker:
         learner devices, putting groups on `queue`; returns how many (ray_runtime.LentReplica
         addresses them by number). They are built once and kept, so a later lend compiles
         nothing. The driver holds the learner's work while they decode."""
-        from learner.mesh import lent_meshes
 
         if not self.lendable:
             devices = list(self.learner.mesh.devices.flat)
@@ -343,21 +353,6 @@ class ReplicaCore:
         mesh: Any = None,
         job: tuple[str, int, int] | None = None,
     ):
-        import threading
-
-        from flax import nnx
-
-        from learner.publish import DevicePutSync
-        from rl.admission import make_policy
-        from rl.runtime.compose import (
-            Setup,
-            build_checked_model,
-            build_engine,
-            build_reward,
-            rollout_reward,
-        )
-        from rl.timeline import Timeline
-        from sampler.loop import SamplerLoop
 
         config = _config(config_dict)
         if job is not None:  # before any other jax work
@@ -428,7 +423,6 @@ class ReplicaCore:
 
     def stats(self) -> tuple[Any, list[Any], list[Any]]:
         """(SamplerStats, the timeline's spans and instants since the last call)."""
-        import dataclasses
 
         stats = dataclasses.replace(self.loop.stats)
         return stats, *self.timeline.take()
@@ -437,7 +431,6 @@ class ReplicaCore:
         return self.reward.stats(), self.eval_reward.stats()
 
     def evaluate(self, params: Any, records: list[Any], k: int) -> dict[str, float]:
-        from rl.runtime.compose import evaluate_heldout
 
         published = self.sync.publish(params, -1).params
         return evaluate_heldout(
@@ -455,12 +448,8 @@ class ReplicaCore:
         them here: its arrays hold no shard until a borrow), the same model structure and
         optimizer over `total_updates`, its extended mesh's steps compiled (`ids`: every lender's
         devices, as the learner worker names them)."""
-        from rl.models.build import create_model, model_config_from
-        from rl.runtime.compose import build_learner
 
         if self.learner is None:
-            import jax
-
             home = local_mesh(
                 self.config, "learner", [d for d in jax.devices() if d.process_index == 0]
             )
@@ -517,7 +506,6 @@ class ReplicaCore:
 
     def _boundary(self) -> None:
         """On the loop's thread between decode steps: the asked-for handoffs."""
-        from sampler.transfer import to_host
 
         with self._migration:
             asked, self._asked = sorted(self._asked), set()
@@ -533,7 +521,6 @@ class ReplicaCore:
         """Takes over a request another replica handed off (take_handoffs' [ref, ...]) into
         slots `reserve` gave, one per running sample; False (slots given back) when its state cannot be fetched: it was
         lost with its source."""
-        from sampler.transfer import from_host
 
         try:
             host = ray.get(handoff[0])

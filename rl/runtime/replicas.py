@@ -14,7 +14,7 @@ imports them before its next decode step; the group completes there. Each move i
 bytes, src, dst); rl.metrics.migration_metrics sums them per round. A replica left with nothing
 to do takes queued work at its next step, or is idle (`idle_replicas`).
 
-Tail batching (rl.rounds): a round's RoundCut is decided where the replicas' groups meet, in
+Tail batching (rl.round_planner): a round's RoundCut is decided where the replicas' groups meet, in
 `emit`, on the shared Routing (rl.runtime.routing.RoutedCuts, as the Ray router): the first
 `cut.target` groups of the round emitted go on; the one that fills the cut forgets the round's
 other requests (never re-sampled) and aborts them on every live replica, at once; a copy emitted
@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from rl.elastic.migration import MigrationPolicy, Off
-from rl.rounds import RoundCut
+from rl.round_planner import RoundCut
 from rl.runtime.routing import RoutedCuts, Routing
 from rl.timeline import SLOT_PREFIX, replica_lane
 from rl.types import Group, Request
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from rl.admission import AdmissionPolicy
     from sampler.engine import Engine
     from sampler.loop import SamplerLoop, SamplerStats
+from sampler.loop import SamplerLoop, SamplerStats
 
 
 class ReplicaTimeline:
@@ -103,8 +104,8 @@ class ReplicaSampler:
         engines = list(engines)
         if not engines:
             raise ValueError("ReplicaSampler needs at least one engine; received none.")
-        self._routing = Routing(routing, max(1, len(engines)))
-        self._cuts = RoutedCuts(self._routing)  # tail batching's round cuts over the replicas
+        self.routing = Routing(routing, max(1, len(engines)))
+        self._cuts = RoutedCuts(self.routing)  # tail batching's round cuts over the replicas
         self._make_admission, self._reward_fn, self._emit = make_admission, reward_fn, emit
         self._group_atomic, self._recompute_kv = group_atomic, recompute_kv
         self.migration = Off() if migration is None else migration
@@ -124,7 +125,6 @@ class ReplicaSampler:
     # ------------------------------------------------------------------------------ replicas
 
     def _build(self, i: int, engine: Engine) -> SamplerLoop:
-        from sampler.loop import SamplerLoop
 
         offset, self._next_offset = (
             self._next_offset,
@@ -156,7 +156,7 @@ class ReplicaSampler:
         """Starts another replica on `engine` (with the latest weights); returns its index."""
         with self._topology:
             with self._lock:
-                i = self._routing.add()
+                i = self.routing.add()
             loop = self._build(i, engine)
             if self._started:
                 loop.start()
@@ -173,7 +173,7 @@ class ReplicaSampler:
                 loop = self.loops.pop(i)
                 self._removed.append(loop)
                 # re-routed at once: a round cut filling meanwhile forgets and aborts them too
-                self._route(self._routing.remove(i))
+                self._route(self.routing.remove(i))
         loop.close()  # outside the locks: its thread may be emitting a group
 
     def pending(self) -> int:
@@ -203,7 +203,7 @@ class ReplicaSampler:
     @property
     def routed(self) -> Any:
         """Requests routed to each replica (a Counter)."""
-        return self._routing.routed
+        return self.routing.routed
 
     @property
     def error(self) -> BaseException | None:
@@ -213,7 +213,6 @@ class ReplicaSampler:
 
     @property
     def stats(self) -> SamplerStats:
-        from sampler.loop import SamplerStats
 
         with self._lock:
             loops = [*self.loops.values(), *self._removed]
@@ -282,7 +281,7 @@ class ReplicaSampler:
         """Routes and submits `requests` (lock held: a cut filling meanwhile sees them all)."""
         by_replica: dict[int, list[Request]] = {}
         for r in requests:
-            by_replica.setdefault(self._routing.route(r), []).append(r)
+            by_replica.setdefault(self.routing.route(r), []).append(r)
         for i, rs in sorted(by_replica.items()):
             self.loops[i].submit(rs, cut)
 
@@ -318,7 +317,7 @@ class ReplicaSampler:
     ) -> None:
         n = next(r.sequences for r in view.running if r.key == key)
         with self._lock:  # a round cut's abort comes before the move or after the adoption
-            if key not in self._routing.outstanding:  # aborted by a full round cut since `view`
+            if key not in self.routing.outstanding:  # aborted by a full round cut since `view`
                 return
             slots = loops[dst].reserve(n)
             if slots is None:  # the destination admitted work meanwhile
@@ -328,7 +327,7 @@ class ReplicaSampler:
             if handoff is None:  # finished or aborted since the view
                 loops[dst].unreserve(slots)
                 return
-            self._routing.move(key, dst)
+            self.routing.move(key, dst)
             loops[dst].adopt(handoff, slots)
         if self.timeline is not None:
             r = handoff.run.request

@@ -15,7 +15,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from rl.rounds import RoundCut, RoundCuts
+from rl.round_planner import RoundCut, RoundCuts
 from rl.types import Group, Request
 
 Key = tuple[int, int]  # (round, uid)
@@ -99,7 +99,7 @@ class Routing:
 
 
 class RoutedCuts:
-    """Tail batching's round cuts (rl.rounds.RoundCut) decided in one place for all replicas.
+    """Tail batching's round cuts (rl.round_planner.RoundCut) decided in one place for all replicas.
 
     A round's cut keeps the first `cut.target` of its groups delivered here. The group that fills
     it makes the Routing forget the round's other requests (never re-sampled, e.g. after a replica

@@ -1,5 +1,5 @@
 """Schedules: one pure, clock-free object per mode, driven by every runtime (rl.driver's threads,
-rl.sim's virtual clock) and used by the device planner (rl.plan).
+rl.sim's virtual clock) and used by the device planner (rl.device_split).
 
     schedule = make_schedule(cfg, planner=..., requests_of=...)
     actions = schedule.begin(0)            # then on_group / on_update_done / on_published
@@ -8,7 +8,7 @@ rl.sim's virtual clock) and used by the device planner (rl.plan).
 `@SCHEDULES.register("name")` on a class with the rl.schedules.base.Schedule methods.
 """
 
-from rl.schedules import rounds  # noqa: I001, F401 (registers sync and cgp, then async)
+from rl.schedules import synchronous  # noqa: I001, F401 (registers sync and cgp, then async)
 from rl.schedules import asynchronous  # noqa: F401
 from rl.schedules.base import (
     SCHEDULES,
@@ -18,6 +18,7 @@ from rl.schedules.base import (
     Publish,
     RoundDone,
     Schedule,
+    StageTimes,
     Submit,
     Update,
     make_schedule,
@@ -36,6 +37,7 @@ __all__ = [
     "RoundDone",
     "Schedule",
     "ScheduleConfig",
+    "StageTimes",
     "Submit",
     "Update",
     "make_schedule",

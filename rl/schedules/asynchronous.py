@@ -27,7 +27,7 @@ With `keep_sampling` (config.async_resume = "no_bubble") only the learner waits 
 later rounds are drawn and sampled as usual (within the staleness bound), but no update of a
 later round starts before the runtime begins round r + 1, so the checkpoint holds exactly the
 rounds up to r, and `in_flight()` names the prompts of the later rounds already drawn. A resume
-samples those first, under the restored policy (rl.rounds.RoundPlanner.replay): every prompt is
+samples those first, under the restored policy (rl.round_planner.RoundPlanner.replay): every prompt is
 trained once, in the same rounds, on-policy within the bound, though not bitwise as the
 uninterrupted run (whose in-flight samples came from older versions).
 """
@@ -37,7 +37,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from rl.rounds import RoundPlan, RoundPlanner
+from rl.round_planner import RoundPlan, RoundPlanner
 from rl.schedules.base import (
     SCHEDULES,
     Action,
@@ -46,6 +46,7 @@ from rl.schedules.base import (
     Publish,
     RequestsOf,
     RoundDone,
+    StageTimes,
     Submit,
     Update,
 )
@@ -53,7 +54,7 @@ from rl.types import Group, Prompt, Request
 
 
 @dataclasses.dataclass
-class _Round:
+class _AsyncRound:
     plan: RoundPlan
     first_update: int
     expected: int
@@ -69,22 +70,14 @@ class AsyncSchedule:
     name = "async"
 
     @staticmethod
-    def predict_round_s(
-        cfg: object,
-        *,
-        rollout_s: float,
-        train_s: float,
-        first_batch_s: float,
-        update_s: float,
-        publish_s: float,
-    ) -> float:
-        """Seconds per round from stage times (rl.plan), roughly: with s = 0 nothing overlaps
+    def predict_round_s(cfg: object, t: StageTimes) -> float:
+        """Seconds per round from stage times (rl.device_split), roughly: with s = 0 nothing overlaps
         (sample, train and publish per update); with s >= 1 rounds overlap and the slower side
         (sampling, or training plus a publish per update) sets the pace."""
-        publishes = publish_s * cfg.updates_per_round  # type: ignore[attr-defined]
+        publishes = t.publish_s * cfg.updates_per_round  # type: ignore[attr-defined]
         if cfg.max_staleness == 0:  # type: ignore[attr-defined]
-            return rollout_s + train_s + publishes
-        return max(rollout_s, train_s + publishes)
+            return t.rollout_s + t.train_s + publishes
+        return max(t.rollout_s, t.train_s + publishes)
 
     def __init__(
         self,
@@ -113,7 +106,7 @@ class AsyncSchedule:
         self._wanted = -1  # the latest round the runtime asked for (begin)
         self._exhausted = False
         self._waiting: collections.deque[tuple[Request, int]] = collections.deque()  # (req, update)
-        self._rounds: dict[int, _Round] = {}
+        self._rounds: dict[int, _AsyncRound] = {}
         self._need: dict[int, tuple[int, set[tuple[int, int]]]] = {}  # update -> (round, keys)
         self._buf: dict[int, dict[tuple[int, int], Group]] = {}  # update -> arrived groups
         self._next_update = 0  # the next update to release
@@ -170,7 +163,7 @@ class AsyncSchedule:
             return False
         self.planner.finish(plan, [p.uid for p in plan.prompts])  # plain rounds: all trained
         expected = -(-plan.target // self.u)
-        self._rounds[r] = _Round(plan, self._planned, expected)
+        self._rounds[r] = _AsyncRound(plan, self._planned, expected)
         for k in range(expected):
             self._need[self._planned + k] = (r, set())
         for req in self.requests_of(plan):

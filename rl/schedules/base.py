@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from rl.registry import Registry
-from rl.rounds import RoundCut, RoundPlan, RoundPlanner
+from rl.round_planner import RoundCut, RoundPlan, RoundPlanner
 from rl.types import Group, Prompt, Request
 
 
@@ -67,11 +67,29 @@ class RoundDone:
 
 
 Action = Submit | Begin | Add | Update | Publish | RoundDone
+
+
+@dataclasses.dataclass(frozen=True)
+class StageTimes:
+    """Mean stage times of one round, from stage-time models (rl.device_split), that a schedule's
+    `predict_round_s(cfg, times)` turns into seconds per round."""
+
+    rollout_s: float  # the whole round's rollout
+    train_s: float  # every update of the round
+    first_batch_s: float  # until the first U groups are complete
+    update_s: float  # one update
+    publish_s: float  # one publish
+
+
 RequestsOf = Callable[[RoundPlan], list[Request]]
 
 
 class Schedule(Protocol):
     name: str
+
+    @staticmethod
+    def predict_round_s(cfg: object, t: StageTimes) -> float:
+        """Seconds per round of this mode from stage times (the device-split planner's)."""
 
     def begin(self, round: int) -> list[Action]:
         """The runtime wants round `round` trained (rounds are begun in order)."""

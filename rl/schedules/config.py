@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from rl.admission import make_policy
 from rl.formation import make_former
-from rl.rounds import TailConfig
+from rl.round_planner import TailConfig
 from rl.schedules.base import SCHEDULES
 
 
@@ -34,7 +34,7 @@ class ScheduleConfig:
     groups_per_update: int = 8  # U; S = R / U updates per round
     group_size: int = 8  # G samples per prompt
     max_staleness: int = 0  # async: the sampler runs at most this many versions ahead
-    tail: TailConfig = TailConfig()  # tail batching (rl.rounds); off: plain rounds
+    tail: TailConfig = TailConfig()  # tail batching (rl.round_planner); off: plain rounds
     epoch_size: int = 0  # prompts per epoch of the source (tail.epoch_end="flush"); 0: no epochs
     # DAPO dynamic sampling: a group whose rewards are all equal (zero advantage) is discarded and
     # a fresh prompt is drawn in its place, until the round holds R groups with reward variance or

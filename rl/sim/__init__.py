@@ -8,9 +8,9 @@ result = Simulator(cfg, preset.model, Workload(WorkloadConfig())).run(rounds=8)
 result.rounds[0]["rollout_to_train_end_s"]; result.timeline.write_gantt_png("sim.png")
 """
 
+from rl.elastic.stage import StageModel, fit_linear
 from rl.sim.presets import GPUS, Assumptions, Preset, gpu_preset
 from rl.sim.simulator import SimConfig, SimResult, Simulator
-from rl.sim.stage import StageModel, fit_linear
 from rl.sim.workload import Workload, WorkloadConfig
 
 __all__ = [

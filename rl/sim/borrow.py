@@ -21,12 +21,10 @@ at that cost, so it stays the prior).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rl.elastic.borrowing import BorrowPolicy, Decision, PoolState
-
-if TYPE_CHECKING:
-    from rl.sim.simulator import Simulator
+from rl.sim.simulator import LearnerOp, Simulator
 
 
 class SimBorrower:
@@ -62,7 +60,7 @@ class SimBorrower:
     def _round(self) -> int | None:
         sim = self.sim
         assert sim is not None
-        open_rounds = sorted(set(sim._starts) - set(sim._done))
+        open_rounds = sim.open_rounds()
         return open_rounds[0] if open_rounds else None
 
     def _state(self, r: int, waiting: bool) -> PoolState:
@@ -70,11 +68,11 @@ class SimBorrower:
         assert sim is not None
         m, cfg = sim.model, sim.cfg
         seqs, tokens, longest, context = sim.sampler.remaining()
-        queued = sum(op.scalable for op in sim._ops)
+        queued = sum(op.scalable for op in sim.learner_ops)
         per_token = m.learner_per_token * sim.learner_scale
         learner_tokens = (queued / per_token if per_token else 0.0) + sim.round_tokens_unadded(r)
         learner_tokens += sim.sampler.remaining_learner_tokens()
-        updates_left = max(sim.updates_planned - len(sim._lags.get(r, [])), 0)
+        updates_left = max(sim.updates_planned - sim.updates_done(r), 0)
         rows = updates_left * cfg.groups_per_update * cfg.group_size
         return PoolState(
             learner_devices=self.learner_devices,
@@ -101,7 +99,7 @@ class SimBorrower:
         """Decides (once per round and direction) and moves; see the module docstring."""
         sim = self.sim
         assert sim is not None
-        if sim.cfg.mode == "async" or sim._op is not None:
+        if sim.cfg.mode == "async" or sim.learner_op is not None:
             return
         r = self._round()
         if r is None:
@@ -114,7 +112,7 @@ class SimBorrower:
             return
         drained = not sim.sampler.outstanding
         if drained and (r, "learner") not in self._decided and self.policy.cfg.allows("learner"):
-            if not sim._ops:
+            if not sim.learner_ops:
                 return  # nothing queued yet: decide when the learner has work
             self._decided.add((r, "learner"))
             d = self.policy.decide(self._state(r, waiting=False))
@@ -123,7 +121,7 @@ class SimBorrower:
                 self._borrow_learner(r, d, now)
         elif (
             not drained
-            and not sim._ops
+            and not sim.learner_ops
             and (r, "sampler") not in self._decided
             and self.policy.cfg.allows("sampler")
         ):
@@ -135,16 +133,15 @@ class SimBorrower:
                     self._lend_to_sampler(r, d, now)
 
     def _borrow_learner(self, r: int, d: Decision, now: float) -> None:
-        from rl.sim.simulator import _Op
 
         sim = self.sim
         assert sim is not None
         f = self.learner_devices / (self.learner_devices + d.devices)
-        for op in sim._ops:
+        for op in sim.learner_ops:
             op.work -= op.scalable * (1 - f)
             op.scalable *= f
         sim.learner_scale = f
-        sim._ops.insert(0, _Op("borrow", d.switch_cost_s, dict(round=r), scalable=0.0))
+        sim.learner_ops.insert(0, LearnerOp("borrow", d.switch_cost_s, dict(round=r), scalable=0.0))
         self._learner_round = r
         self.moves["learner"] += 1
 
@@ -163,7 +160,7 @@ class SimBorrower:
                 self._lent = (r, 0, self._lent[2] if self._lent else t)
                 self._return_sampler(t)
 
-        sim._at(now + d.switch_cost_s / 2, join)
+        sim.at(now + d.switch_cost_s / 2, join)
 
     def _return_sampler(self, now: float) -> None:
         sim = self.sim
@@ -179,10 +176,9 @@ class SimBorrower:
 
         def resume(t: float) -> None:
             sim.learner_blocked = False
-            if sim._op is None and sim._ops:
-                sim._next_op(t)
+            sim.resume_learner(t)
 
-        sim._at(back, resume)
+        sim.at(back, resume)
 
     def before_publish(self, now: float) -> None:
         """The learner's borrowed devices return before the weights are published."""

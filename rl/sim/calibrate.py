@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from rl.sim.stage import StageModel, fit_linear
+from rl.elastic.stage import StageModel, fit_linear
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -15,10 +15,12 @@ from typing import Any
 import numpy as np
 
 from rl.admission import AdmissionPolicy, ShuffledFCFS, make_policy  # noqa: F401 (re-exported)
-from rl.rounds import TailConfig
+from rl.elastic.borrowing import BorrowConfig, BorrowPolicy
+from rl.elastic.stage import StageModel
+from rl.round_planner import TailConfig
 from rl.schedules import mode_fields
+from rl.sim.borrow import SimBorrower
 from rl.sim.simulator import SimConfig, SimResult, Simulator
-from rl.sim.stage import StageModel
 from rl.sim.workload import Workload, WorkloadConfig
 
 HEADLINE = ("rollout_to_train_end_s", "first_dispatch_s", "trainer_wait_ratio")
@@ -211,8 +213,6 @@ def compare_borrowing(
       migration: the MigrationConfig of the "+migration" settings.
       **fields: SimConfig fields (R, U, G, replicas, slots, ...).
     """
-    from rl.elastic.borrowing import BorrowConfig, BorrowPolicy
-    from rl.sim.borrow import SimBorrower
 
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for mode in modes:

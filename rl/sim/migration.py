@@ -9,36 +9,26 @@ StageModel.migrate_s(their KV tokens) they continue there from the token they re
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rl.elastic.migration import ReplicaView, RunningView
-
-if TYPE_CHECKING:
-    from rl.sim.sampler import _Replica, _Seq
+from rl.sim.replica import Replica, Seq
 
 
 class SimMigration:
-    """Migration for SimSampler (a mixin: it uses the sampler's replicas, clock and timeline)."""
+    """Migration for a SimSampler: its replicas, policy, clock and timeline (`sampler`)."""
 
-    replicas: list[_Replica]
-    migration: Any
-    slots: int
-    model: Any
-    timeline: Any
-    counters: Any
-    _pending: dict
-    _schedule: Any
-    _step: Any  # SimSampler's: a step at a call boundary
-    _cut: Any  # SimSampler's: end a replica's jump at the next call boundary
+    def __init__(self, sampler: Any):
+        self.sampler = sampler
 
-    def _view(self, rep: _Replica) -> ReplicaView:
-        k = self.model.steps_per_call
-        runs: dict[tuple[int, int], list[_Seq]] = {}
+    def _view(self, rep: Replica) -> ReplicaView:
+        k = self.sampler.model.steps_per_call
+        runs: dict[tuple[int, int], list[Seq]] = {}
         for seq in rep.seqs:
             if seq is not None:
                 runs.setdefault(seq.request.key, []).append(seq)
         return ReplicaView(
-            slots=self.slots,
+            slots=self.sampler.slots,
             free=len(rep.free_slots()),
             queued=len(rep.admission) > 0,
             running=tuple(
@@ -52,16 +42,16 @@ class SimMigration:
             ),
         )
 
-    def _migrate(self, rep: _Replica, now: float) -> None:
+    def migrate(self, rep: Replica, now: float) -> None:
         """Executes the policy's moves out of `rep` (at its call boundary)."""
-        assert self.migration is not None
-        views = [self._view(r) for r in self.replicas]
-        k = self.model.steps_per_call
-        for move in self.migration.moves(views):
+        assert self.sampler.migration is not None
+        views = [self._view(r) for r in self.sampler.replicas]
+        k = self.sampler.model.steps_per_call
+        for move in self.sampler.migration.moves(views):
             if move.src != rep.index:
                 continue
-            dst = self.replicas[move.dst]
-            p = self._pending[move.key]
+            dst = self.sampler.replicas[move.dst]
+            p = self.sampler.pending[move.key]
             seqs = [s for s in rep.seqs if s is not None and s.request.key == move.key]
             slots = dst.free_slots()[: len(seqs)]
             dst.reserved.update(slots)
@@ -70,10 +60,10 @@ class SimMigration:
                 made = k * (rep.calls - seq.admit_call)
                 rep.remove(seq)
                 kv_tokens += len(seq.request.prompt) + made
-                self._slot_span(rep, seq, now, made, migrated=True)
+                self.sampler.slot_span(rep, seq, now, made, migrated=True)
                 moved.append((seq, slot, made))
-            t = now + self.model.migrate_s(kv_tokens)
-            self.timeline.span(
+            t = now + self.sampler.model.migrate_s(kv_tokens)
+            self.sampler.timeline.span(
                 "sampler/migrate",
                 "migrate",
                 now,
@@ -81,33 +71,33 @@ class SimMigration:
                 round=move.key[0],
                 uid=move.key[1],
                 sequences=len(seqs),
-                bytes=kv_tokens * self.model.kv_bytes_per_token,
+                bytes=kv_tokens * self.sampler.model.kv_bytes_per_token,
                 src=rep.index,
                 dst=dst.index,
             )
-            self.counters.migrations += 1
-            self.counters.migrated_sequences += len(seqs)
+            self.sampler.counters.migrations += 1
+            self.sampler.counters.migrated_sequences += len(seqs)
             p.replica = dst.index
             dst.incoming.append((t, p, moved))
-            self._schedule(t, lambda t, dst=dst: self._arrive(dst, t))
+            self.sampler.schedule(t, lambda t, dst=dst: self._arrive(dst, t))
 
-    def _arrive(self, dst: _Replica, now: float) -> None:
+    def _arrive(self, dst: Replica, now: float) -> None:
         """Migrated sequences reached `dst`: an idle one starts, a busy one takes them at its
         next call boundary."""
         if dst.chunk is None:
             if not dst.busy:
-                self._step(dst, now)
+                self.sampler.step(dst, now)
             return
-        self._cut(dst, now)
+        self.sampler.cut_jump(dst, now)
 
-    def _import(self, rep: _Replica, now: float) -> None:
+    def take_arrivals(self, rep: Replica, now: float) -> None:
         """Adopts the migrated sequences that have arrived (at a call boundary)."""
-        k = self.model.steps_per_call
+        k = self.sampler.model.steps_per_call
         arrived = [x for x in rep.incoming if x[0] <= now]
         rep.incoming = [x for x in rep.incoming if x[0] > now]
         for _, p, moved in arrived:
             rep.reserved.difference_update(slot for _, slot, _ in moved)
-            if self._pending.get(p.request.key) is not p:  # aborted on the way
+            if self.sampler.pending.get(p.request.key) is not p:  # aborted on the way
                 continue
             for old, slot, made in moved:
                 admit = rep.calls - made // k

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from rl.elastic.stage import StageModel
 from rl.models.config import PRESETS, ModelConfig
-from rl.sim.stage import StageModel
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -36,75 +36,16 @@ from typing import Any
 
 from rl.admission import AdmissionPolicy
 from rl.elastic.migration import MigrationPolicy
-from rl.rounds import RoundCut, RoundCuts
+from rl.elastic.stage import StageModel
+from rl.round_planner import RoundCut, RoundCuts
 from rl.sim.migration import SimMigration
-from rl.sim.stage import StageModel
+from rl.sim.replica import Chunk, Pending, Replica, Seq
 from rl.sim.workload import Workload
 from rl.timeline import Timeline
 from rl.types import Completion, Group, Request
 
-ROUTINGS = ("shared", "round_robin")
+SIM_ROUTINGS = ("shared", "round_robin")
 Schedule = Callable[[float, Callable[[float], None]], None]
-
-
-@dataclasses.dataclass
-class _Seq:
-    request: Request
-    sample: int
-    slot: int  # within the replica
-    length: int  # response tokens it will produce
-    admit_call: int  # the replica's call count when it started
-    finish_call: int  # ... when it ends
-    start: float
-    base: int = 0  # tokens it had made on other replicas (migrated)
-
-
-@dataclasses.dataclass
-class _Chunk:
-    start: float  # the first call's start
-    calls: int
-    slots: int  # active at the start
-    context: float  # KV tokens held at the start
-    factor: float  # contention slowdown
-
-
-class _Replica:
-    def __init__(self, index: int, slots: int, admission: AdmissionPolicy):
-        self.index, self.admission = index, admission
-        self.seqs: list[_Seq | None] = [None] * slots
-        self.calls = 0
-        self.heap: list[tuple[int, int, int]] = []  # (finish_call, id(seq), slot)
-        self.prompt_sum = self.admit_sum = self.active = 0
-        self.chunk: _Chunk | None = None
-        self.epoch = 0
-        self.busy = False
-        self.reserved: set[int] = set()  # slots promised to migrating sequences
-        self.incoming: list[tuple[float, _Pending, list[tuple[_Seq, int, int]]]] = []
-        self.fresh: set[tuple[int, int]] = set()  # adopted, no call run here yet: not movable
-        self.busy_since = 0.0
-        self.busy_s = 0.0  # total time busy (replica-seconds)
-
-    def free_slots(self) -> list[int]:
-        return [i for i, s in enumerate(self.seqs) if s is None and i not in self.reserved]
-
-    def context(self, k: int) -> float:
-        return self.prompt_sum + k * (self.active * self.calls - self.admit_sum)
-
-    def remove(self, seq: _Seq) -> None:
-        self.seqs[seq.slot] = None
-        self.active -= 1
-        self.prompt_sum -= len(seq.request.prompt)
-        self.admit_sum -= seq.admit_call
-
-
-@dataclasses.dataclass
-class _Pending:
-    request: Request
-    replica: int
-    lengths: tuple[int, ...]
-    done: dict[int, Completion] = dataclasses.field(default_factory=dict)
-    seqs: list[_Seq] = dataclasses.field(default_factory=list)
-    version: int = 0  # the weights' version at admission
 
 
 @dataclasses.dataclass
@@ -120,7 +61,7 @@ class SamplerCounters:
     migrated_sequences: int = 0
 
 
-class SimSampler(SimMigration):
+class SimSampler:
     """Replicas over a virtual clock; see the module docstring.
 
     Args:
@@ -152,8 +93,8 @@ class SimSampler(SimMigration):
         timeline: Timeline,
         migration: MigrationPolicy | None = None,
     ):
-        if routing not in ROUTINGS:
-            raise ValueError(f"routing={routing!r}; expected one of {ROUTINGS}.")
+        if routing not in SIM_ROUTINGS:
+            raise ValueError(f"routing={routing!r}; expected one of {SIM_ROUTINGS}.")
         want = 1 if routing == "shared" else replicas
         if len(admission) != want or replicas < 1:
             raise ValueError(
@@ -163,15 +104,16 @@ class SimSampler(SimMigration):
         self.model, self.workload, self.routing = model, workload, routing
         self.slots = slots
         self.replicas = [
-            _Replica(i, slots, admission[0 if routing == "shared" else i]) for i in range(replicas)
+            Replica(i, slots, admission[0 if routing == "shared" else i]) for i in range(replicas)
         ]
-        self._schedule, self._emit, self._on_busy = schedule, emit, on_busy
+        self.schedule, self._emit, self._on_busy = schedule, emit, on_busy
         self.timeline = timeline
         self.migration = migration
+        self.migrator = SimMigration(self)
         self.factor = 1.0
         self.version = 0  # the weights' version; a sequence is stamped with it at admission
         self.counters = SamplerCounters()
-        self._pending: dict[tuple[int, int], _Pending] = {}  # waiting or running requests
+        self.pending: dict[tuple[int, int], Pending] = {}  # waiting or running requests
         self._cuts = RoundCuts()  # which complete groups of a cut round are emitted
         self._deal = 0
         self.peak_replicas = replicas  # the most replicas at once (borrowed ones included)
@@ -202,7 +144,7 @@ class SimSampler(SimMigration):
                     f"Request (round, uid)={r.key} has group_size {r.group_size}; a replica has "
                     f"{self.slots} slots, so it could never be admitted."
                 )
-            if r.key in self._pending:
+            if r.key in self.pending:
                 raise ValueError(f"Request (round, uid)={r.key} is already waiting or running.")
         if self.routing == "shared":
             self.replicas[0].admission.submit(requests)
@@ -213,28 +155,28 @@ class SimSampler(SimMigration):
             for i, rep in enumerate(self.replicas):
                 rep.admission.submit([r for r, h in zip(requests, homes, strict=True) if h == i])
         for r, h in zip(requests, homes, strict=True):
-            self._pending[r.key] = _Pending(r, h, self.workload.lengths(r))
+            self.pending[r.key] = Pending(r, h, self.workload.lengths(r))
         self._admit_idle(now)
         for rep in self.replicas:  # busy ones with free slots admit at their next call boundary
             if rep.busy and len(rep.admission) and rep.free_slots():
-                self._cut(rep, now)
+                self.cut_jump(rep, now)
 
     def abort(self, keys: Iterable[tuple[int, int]], now: float) -> list[Request]:
         """Aborts waiting or running requests; their slots free at the call in flight's end."""
         out = []
         for key in keys:
-            p = self._pending.pop(key, None)
+            p = self.pending.pop(key, None)
             if p is None:
                 continue
             rep = self.replicas[p.replica]
             if rep.admission.remove(key) is None:  # running: free its slots
                 self.counters.aborted_tokens += self._release(rep, p)
-                self._cut(rep, now)
+                self.cut_jump(rep, now)
             self.counters.groups_aborted += 1
             out.append(p.request)
         return out
 
-    def _release(self, rep: _Replica, p: _Pending) -> int:
+    def _release(self, rep: Replica, p: Pending) -> int:
         """Frees the slots `p` still holds; returns the tokens its unfinished samples made."""
         made = 0
         for seq in p.seqs:
@@ -248,7 +190,7 @@ class SimSampler(SimMigration):
         if factor != self.factor:
             self.factor = factor
             for rep in self.replicas:
-                self._cut(rep, now)
+                self.cut_jump(rep, now)
 
     # --------------------------------------------------------------------------- the replica
 
@@ -256,7 +198,7 @@ class SimSampler(SimMigration):
         """Each replica's busy time so far (replica-seconds; what migration frees)."""
         return [r.busy_s + (now - r.busy_since if r.busy else 0.0) for r in self.replicas]
 
-    def _set_busy(self, rep: _Replica, busy: bool, now: float) -> None:
+    def _set_busy(self, rep: Replica, busy: bool, now: float) -> None:
         before = self.busy
         if busy and not rep.busy:
             rep.busy_since = now
@@ -271,7 +213,7 @@ class SimSampler(SimMigration):
         idle = [r for r in self.replicas if not r.busy]
         if self.routing == "round_robin":
             for rep in idle:
-                self._step(rep, now)
+                self.step(rep, now)
             return
         t = {rep.index: now for rep in idle}
         while idle:
@@ -283,20 +225,20 @@ class SimSampler(SimMigration):
         for rep in idle:
             self._go(rep, t[rep.index])
 
-    def _step(self, rep: _Replica, now: float) -> None:
+    def step(self, rep: Replica, now: float) -> None:
         """A step at a call boundary: adopt what arrived, migrate out what the policy says,
         admit what fits (prefills), then plan the next calls."""
-        self._import(rep, now)
+        self.migrator.take_arrivals(rep, now)
         if self.migration is not None and len(self.replicas) > 1:
-            self._migrate(rep, now)
+            self.migrator.migrate(rep, now)
         t = now
         while (request := rep.admission.next(len(rep.free_slots()))) is not None:
             t = self._admit(rep, request, t)
         self._go(rep, t)
 
-    def _admit(self, rep: _Replica, request: Request, now: float) -> float:
+    def _admit(self, rep: Replica, request: Request, now: float) -> float:
         """Prefills one request into the replica's free slots; returns when the prefill ends."""
-        p = self._pending[request.key]
+        p = self.pending[request.key]
         p.replica = rep.index
         p.version = self.version
         if not rep.busy:
@@ -308,7 +250,7 @@ class SimSampler(SimMigration):
         self.counters.prefills += 1
         k = self.model.steps_per_call
         for i, (slot, n) in enumerate(zip(rep.free_slots(), p.lengths, strict=False)):
-            seq = _Seq(request, i, slot, n, rep.calls, rep.calls + -(-n // k), t)
+            seq = Seq(request, i, slot, n, rep.calls, rep.calls + -(-n // k), t)
             rep.seqs[slot] = seq
             p.seqs.append(seq)
             heapq.heappush(rep.heap, (seq.finish_call, id(seq), slot))
@@ -317,7 +259,7 @@ class SimSampler(SimMigration):
             rep.admit_sum += rep.calls
         return t
 
-    def _go(self, rep: _Replica, now: float) -> None:
+    def _go(self, rep: Replica, now: float) -> None:
         """Plans the replica's calls up to its next finishing sequence, or idles it."""
         if not rep.active:
             if rep.busy:
@@ -326,12 +268,12 @@ class SimSampler(SimMigration):
         if not rep.busy:
             self._set_busy(rep, True, now)
         calls = self._next_finish(rep) - rep.calls
-        rep.chunk = _Chunk(
+        rep.chunk = Chunk(
             now, calls, rep.active, rep.context(self.model.steps_per_call), self.factor
         )
         self._plan(rep)
 
-    def _next_finish(self, rep: _Replica) -> int:
+    def _next_finish(self, rep: Replica) -> int:
         while True:
             fc, sid, slot = rep.heap[0]
             seq = rep.seqs[slot]
@@ -339,16 +281,16 @@ class SimSampler(SimMigration):
                 return fc
             heapq.heappop(rep.heap)
 
-    def _elapsed(self, c: _Chunk, calls: int) -> float:
+    def _elapsed(self, c: Chunk, calls: int) -> float:
         return c.factor * self.model.decode_calls_s(calls, c.slots, c.context)
 
-    def _plan(self, rep: _Replica) -> None:
+    def _plan(self, rep: Replica) -> None:
         rep.epoch += 1
         epoch, c = rep.epoch, rep.chunk
         assert c is not None
-        self._schedule(c.start + self._elapsed(c, c.calls), lambda t: self._end(rep, epoch, t))
+        self.schedule(c.start + self._elapsed(c, c.calls), lambda t: self._end(rep, epoch, t))
 
-    def _cut(self, rep: _Replica, now: float) -> None:
+    def cut_jump(self, rep: Replica, now: float) -> None:
         """Ends the replica's current jump at the first call boundary at or after `now`."""
         c = rep.chunk
         if c is None or c.calls <= 1:
@@ -364,13 +306,13 @@ class SimSampler(SimMigration):
             c.calls = lo
             self._plan(rep)
 
-    def _end(self, rep: _Replica, epoch: int, now: float) -> None:
+    def _end(self, rep: Replica, epoch: int, now: float) -> None:
         if epoch != rep.epoch or rep.chunk is None:
             return
         rep.calls += rep.chunk.calls
         rep.chunk = None
         rep.fresh.clear()
-        finished: list[_Seq] = []
+        finished: list[Seq] = []
         while rep.heap and rep.heap[0][0] <= rep.calls:
             _, sid, slot = heapq.heappop(rep.heap)
             seq = rep.seqs[slot]
@@ -380,9 +322,9 @@ class SimSampler(SimMigration):
         groups = []
         for seq in finished:
             r = seq.request
-            self._slot_span(rep, seq, now, seq.length)
+            self.slot_span(rep, seq, now, seq.length)
             self.counters.tokens += seq.length
-            p = self._pending.get(r.key)
+            p = self.pending.get(r.key)
             if p is None:  # its group completed earlier in this call: dropped, as in the loop
                 continue
             p.done[seq.sample] = Completion(
@@ -398,8 +340,8 @@ class SimSampler(SimMigration):
                 finish_reason="length" if seq.length >= r.params.max_new_tokens else "stop",
                 reward=0.0,
             )
-            if len(p.done) == r.kept and r.key in self._pending:
-                del self._pending[r.key]
+            if len(p.done) == r.kept and r.key in self.pending:
+                del self.pending[r.key]
                 if r.kept < r.group_size:  # over-provisioned: cut the samples still running
                     self.counters.samples_cut += sum(rep.seqs[q.slot] is q for q in p.seqs)
                     self.counters.aborted_tokens += self._release(rep, p)
@@ -407,7 +349,7 @@ class SimSampler(SimMigration):
                 groups.append(Group(request=r, completions=completions))
         t = now + self.model.reward_s * len(finished)
         if t > now:
-            self._schedule(t, lambda t: self._finish_step(rep, groups, t))
+            self.schedule(t, lambda t: self._finish_step(rep, groups, t))
         else:
             self._finish_step(rep, groups, now)
 
@@ -417,7 +359,7 @@ class SimSampler(SimMigration):
         self.counters.groups_cut += refused
         return groups
 
-    def _finish_step(self, rep: _Replica, groups: list[Group], now: float) -> None:
+    def _finish_step(self, rep: Replica, groups: list[Group], now: float) -> None:
         groups = self._apply_cuts(groups, now)
         for g in groups:
             self.timeline.instant(
@@ -427,9 +369,9 @@ class SimSampler(SimMigration):
         for g in groups:
             self._emit(g, now)  # may abort (a full round) or change the contention factor
         if rep.chunk is None:
-            self._step(rep, now)
+            self.step(rep, now)
 
-    def _slot_span(self, rep: _Replica, seq: _Seq, now: float, made: int, **args: Any) -> None:
+    def slot_span(self, rep: Replica, seq: Seq, now: float, made: int, **args: Any) -> None:
         """`seq`'s span on its slot lane, from its start to `now`, having made `made` tokens."""
         r = seq.request
         self.timeline.span(
@@ -449,12 +391,12 @@ class SimSampler(SimMigration):
     @property
     def outstanding(self) -> int:
         """Requests submitted and not yet emitted, aborted or cut."""
-        return len(self._pending)
+        return len(self.pending)
 
     def remaining(self) -> tuple[int, int, int, float]:
         """(sequences, tokens, longest, mean context) still to decode, from the known lengths."""
         k, seqs, tokens, longest, context = self.model.steps_per_call, 0, 0, 0, 0.0
-        for p in self._pending.values():
+        for p in self.pending.values():
             running = {s.sample: s for s in p.seqs}
             for i, n in enumerate(p.lengths[: p.request.kept]):
                 if i in p.done:
@@ -472,7 +414,7 @@ class SimSampler(SimMigration):
             raise ValueError(f"add_replicas needs routing 'shared'; received {self.routing!r}.")
         admission = self.replicas[0].admission
         n = len(self.replicas)
-        self.replicas += [_Replica(n + i, self.slots, admission) for i in range(count)]
+        self.replicas += [Replica(n + i, self.slots, admission) for i in range(count)]
         self.peak_replicas = max(self.peak_replicas, len(self.replicas))
         self._admit_idle(now)
 
@@ -487,5 +429,5 @@ class SimSampler(SimMigration):
         """Prompt + response tokens the learner will train for the requests not yet emitted."""
         return sum(
             sum(len(p.request.prompt) + n for n in p.lengths[: p.request.kept])
-            for p in self._pending.values()
+            for p in self.pending.values()
         )

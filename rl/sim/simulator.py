@@ -18,13 +18,14 @@ import dataclasses
 import heapq
 import itertools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from rl.admission import AdmissionPolicy, make_policy
 from rl.elastic.migration import MigrationConfig, make_migration_policy
+from rl.elastic.stage import StageModel
 from rl.formation import BatchFormer
 from rl.metrics import migration_metrics, round_metrics, staleness_metrics
-from rl.rounds import RoundPlan, RoundPlanner
+from rl.round_planner import RoundPlan, RoundPlanner
 from rl.schedules import (
     Action,
     Add,
@@ -36,14 +37,10 @@ from rl.schedules import (
     Update,
     make_schedule,
 )
-from rl.sim.sampler import ROUTINGS, SimSampler
-from rl.sim.stage import StageModel
+from rl.sim.sampler import SIM_ROUTINGS, SimSampler
 from rl.sim.workload import Workload
 from rl.timeline import Timeline
 from rl.types import Group, Request, SamplingParams
-
-if TYPE_CHECKING:
-    from rl.sim.borrow import SimBorrower
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,8 +61,8 @@ class SimConfig(ScheduleConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.routing not in ROUTINGS:
-            raise ValueError(f"SimConfig.routing={self.routing!r}; expected one of {ROUTINGS}.")
+        if self.routing not in SIM_ROUTINGS:
+            raise ValueError(f"SimConfig.routing={self.routing!r}; expected one of {SIM_ROUTINGS}.")
         for name in ("group_size", "max_new_tokens", "replicas", "slots"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SimConfig.{name} must be >= 1; received {getattr(self, name)}.")
@@ -77,7 +74,7 @@ class SimConfig(ScheduleConfig):
 
 
 @dataclasses.dataclass
-class _Round:
+class _SimRound:
     plan: RoundPlan
     start: float
     trained: list[Group] = dataclasses.field(default_factory=list)
@@ -86,7 +83,9 @@ class _Round:
 
 
 @dataclasses.dataclass
-class _Op:
+class LearnerOp:
+    """One operation queued on the simulated learner (Simulator.learner_ops)."""
+
     name: str  # micro_step | update | publish
     work: float  # seconds at full speed
     args: dict[str, Any]
@@ -121,7 +120,7 @@ class Simulator:
       workload: prompts and response lengths.
       make_admission: builds an admission policy from cfg.admission (default rl.admission's).
       make_batches: builds a batch former (name, U, groups) (default rl.formation's registry).
-      planner: the round planner (default rl.rounds.RoundPlanner over the workload's prompts).
+      planner: the round planner (default rl.round_planner.RoundPlanner over the workload's prompts).
       timeline: where spans go (a fresh Timeline by default).
       borrow: carries out a device-borrowing policy (rl/sim/borrow.py); None: a static split.
     """
@@ -136,7 +135,7 @@ class Simulator:
         make_batches: Callable[[str, int, int | None], BatchFormer] | None = None,
         planner: RoundPlanner | None = None,
         timeline: Timeline | None = None,
-        borrow: SimBorrower | None = None,
+        borrow: Any = None,
     ):
         self.cfg, self.model, self.workload = cfg, model, workload
         self.make_batches = make_batches
@@ -155,7 +154,7 @@ class Simulator:
             replicas=cfg.replicas,
             slots=cfg.slots,
             routing=cfg.routing,
-            schedule=self._at,
+            schedule=self.at,
             emit=self._on_group,
             on_busy=self._on_sampler_busy,
             timeline=self.timeline,
@@ -167,8 +166,8 @@ class Simulator:
         self.on_update: Callable[[Update], None] | None = None  # called as each update ends
         self._events: list[tuple[float, int, Callable[[float], None]]] = []
         self._seq = itertools.count()
-        self._ops: list[_Op] = []
-        self._op: _Op | None = None
+        self.learner_ops: list[LearnerOp] = []
+        self.learner_op: LearnerOp | None = None
         self._op_start = self._op_last = 0.0
         self._op_epoch = 0
         self._rate = 1.0
@@ -198,8 +197,22 @@ class Simulator:
 
     # ------------------------------------------------------------------------------ the clock
 
-    def _at(self, t: float, fn: Callable[[float], None]) -> None:
+    def at(self, t: float, fn: Callable[[float], None]) -> None:
+        """Calls fn(t) when the virtual clock reaches t."""
         heapq.heappush(self._events, (t, next(self._seq), fn))
+
+    def open_rounds(self) -> list[int]:
+        """Rounds begun (requests submitted) and not done, oldest first."""
+        return sorted(set(self._starts) - set(self._done))
+
+    def updates_done(self, r: int) -> int:
+        """Updates applied so far with round r's groups."""
+        return len(self._lags.get(r, []))
+
+    def resume_learner(self, now: float) -> None:
+        """Starts the next queued learner operation if none runs (after the learner was held)."""
+        if self.learner_op is None and self.learner_ops:
+            self._next_op(now)
 
     def run(self, rounds: int) -> SimResult:
         """Simulates `rounds` rounds (fewer if the round planner runs out of prompts)."""
@@ -219,12 +232,12 @@ class Simulator:
             **kw,
         )
         t = self._publish_span(0.0, 0.0 + self.model.publish_s(), version=0, round=-1)
-        self._at(t, lambda t: self._begin(0, t))
+        self.at(t, lambda t: self._begin(0, t))
         while self._events:
             t, _, fn = heapq.heappop(self._events)
             fn(t)
-        open_rounds = sorted(set(self._starts) - set(self._done))
-        if open_rounds or self._op is not None:
+        open_rounds = self.open_rounds()
+        if open_rounds or self.learner_op is not None:
             raise RuntimeError(
                 f"Simulation stalled with rounds {open_rounds} unfinished after {self._steps} "
                 "updates (a request that never fits, or a former that never releases its batch?)."
@@ -289,7 +302,7 @@ class Simulator:
                 if self.borrow is not None:
                     self.borrow.before_publish(now)
                 self._queue_op(
-                    _Op(
+                    LearnerOp(
                         "publish",
                         self.model.publish_s(),
                         dict(version=a.version, round=a.round),
@@ -348,7 +361,10 @@ class Simulator:
             if len(self._pending_seqs) >= max(self.model.micro_batch_rows, 1):
                 work += self._flush_s()
         self._queue_op(
-            _Op("micro_step", work, self._args(groups, round), scalable=self._take_scalable()), now
+            LearnerOp(
+                "micro_step", work, self._args(groups, round), scalable=self._take_scalable()
+            ),
+            now,
         )
 
     def _update(self, up: Update, now: float) -> None:
@@ -359,16 +375,16 @@ class Simulator:
             self._do(self.schedule.on_update_done(), t)
 
         work = self._flush_s() + self.model.update_s
-        op = _Op("update", work, self._args(up.batch, up.round), done, self._take_scalable())
+        op = LearnerOp("update", work, self._args(up.batch, up.round), done, self._take_scalable())
         self._queue_op(op, now)
 
     @staticmethod
     def _args(groups: Any, round: int) -> dict[str, Any]:
         return dict(round=round, tokens=sum(len(c.tokens) for g in groups for c in g.completions))
 
-    def _queue_op(self, op: _Op, now: float) -> None:
-        self._ops.append(op)
-        if self._op is None and not self.learner_blocked:
+    def _queue_op(self, op: LearnerOp, now: float) -> None:
+        self.learner_ops.append(op)
+        if self.learner_op is None and not self.learner_blocked:
             self._next_op(now)
 
     def _next_op(self, now: float) -> None:
@@ -376,8 +392,8 @@ class Simulator:
             self.borrow.check(now)  # may put a switch first, or lend the learner's devices
             if self.learner_blocked:
                 return
-        was_idle = self._op is None
-        self._op = self._ops.pop(0)
+        was_idle = self.learner_op is None
+        self.learner_op = self.learner_ops.pop(0)
         self._op_start = self._op_last = now
         if was_idle and self.model.contention:
             self.sampler.set_factor(1.0 + self.model.contention, now)
@@ -385,9 +401,9 @@ class Simulator:
 
     def _plan_op(self) -> None:
         self._op_epoch += 1
-        epoch, op = self._op_epoch, self._op
+        epoch, op = self._op_epoch, self.learner_op
         assert op is not None
-        self._at(self._op_last + op.work / self._rate, lambda t: self._op_end(epoch, t))
+        self.at(self._op_last + op.work / self._rate, lambda t: self._op_end(epoch, t))
 
     def _on_sampler_busy(self, busy: bool, now: float) -> None:
         if self.borrow is not None:
@@ -395,8 +411,8 @@ class Simulator:
         rate = 1.0 / (1.0 + self.model.contention) if busy else 1.0
         if rate == self._rate:
             return
-        if self._op is not None:
-            self._op.work -= (now - self._op_last) * self._rate
+        if self.learner_op is not None:
+            self.learner_op.work -= (now - self._op_last) * self._rate
             self._op_last = now
             self._rate = rate
             self._plan_op()
@@ -405,20 +421,20 @@ class Simulator:
     def _op_end(self, epoch: int, now: float) -> None:
         if epoch != self._op_epoch:
             return
-        op = self._op
+        op = self.learner_op
         assert op is not None
         if op.name == "publish":
             self._publish_span(self._op_start, now, **op.args)
         else:
             self.timeline.span("learner", op.name, self._op_start, now, step=self._steps, **op.args)
-        self._op = None
+        self.learner_op = None
         if op.name == "update":
             self._steps += 1
         if op.on_end is not None:
             op.on_end(now)  # may queue ops (and start one)
-        if self._op is not None:
+        if self.learner_op is not None:
             return
-        if self._ops and not self.learner_blocked:
+        if self.learner_ops and not self.learner_blocked:
             self._next_op(now)
         else:
             if self.model.contention:

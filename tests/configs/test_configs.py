@@ -78,7 +78,7 @@ def _typed_sections():
     from rl.driver import DriverConfig
     from rl.elastic.borrowing import BorrowConfig
     from rl.loss_config import BUILTIN_OPTIONS, LossConfig
-    from rl.rounds import TailConfig
+    from rl.round_planner import TailConfig
     from rl.types import SamplingParams
     from sampler.engine import EngineConfig
 

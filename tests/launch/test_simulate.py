@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
+from rl.elastic.stage import StageModel
 from rl.sim.compare import run_modes, validate
-from rl.sim.stage import StageModel
 from rl.sim.workload import WorkloadConfig
 
 

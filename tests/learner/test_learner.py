@@ -11,7 +11,7 @@ from learner.config import LearnerConfig, OptimizerConfig
 from learner.learner import Learner
 from learner.mesh import MeshConfig, make_meshes
 from learner.publish import DevicePutSync
-from learner.state import create_train_state, make_optimizer, make_schedule
+from learner.state import create_train_state, make_lr_schedule, make_optimizer
 from learner.step import accumulate, apply, train_step, zero_accum
 from rl.advantages import get_advantage_estimator
 from rl.models import create_model, get_preset
@@ -74,7 +74,7 @@ def test_accumulating_any_split_equals_one_batch(aggregation):
         old_logprobs="sampler",
     )
     graphdef, params = nnx.split(create_model(get_preset("tiny"), seed=1))
-    tx, schedule = make_optimizer(cfg.optimizer), make_schedule(cfg.optimizer)
+    tx, schedule = make_optimizer(cfg.optimizer), make_lr_schedule(cfg.optimizer)
     groups = make_groups(4, g=2)
     advs = _advantages(groups)
     state, _ = create_train_state(params, tx, mesh=_single_mesh())
@@ -448,7 +448,7 @@ def test_overlong_filter_masks_truncated_responses_out_of_the_loss():
     assert m["sequences"] == 2.0
 
     graphdef, params = nnx.split(create_model(get_preset("tiny"), seed=2))
-    tx, schedule = make_optimizer(cfg.optimizer), make_schedule(cfg.optimizer)
+    tx, schedule = make_optimizer(cfg.optimizer), make_lr_schedule(cfg.optimizer)
     state, _ = create_train_state(params, tx, mesh=_single_mesh())
     batch = make_batch([g], _advantages([g]), rows=4, min_length_bucket=32)
     batch.loss_mask[[1, 3]] = 0.0  # by hand: rows 1 and 3 are the truncated completions

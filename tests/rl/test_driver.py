@@ -15,7 +15,7 @@ from learner.mesh import MeshConfig, make_meshes
 from learner.publish import DevicePutSync
 from rl.driver import Driver, DriverConfig
 from rl.models import create_model, get_preset
-from rl.rounds import TailConfig
+from rl.round_planner import TailConfig
 from rl.runtime.threads import threaded_driver
 from rl.types import Prompt, SamplingParams
 from sampler.engine import Engine, EngineConfig

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rl.formation import FORMERS, FifoBatches, register_former
-from rl.rounds import RoundCuts, RoundPlanner, TailConfig
+from rl.round_planner import RoundCuts, RoundPlanner, TailConfig
 from rl.schedules import (
     MODES,
     SCHEDULES,
@@ -349,9 +349,9 @@ def test_driver_and_simulator_train_the_same_groups_in_the_same_order(mode, tiny
     from learner.publish import DevicePutSync
     from rl.admission import POLICIES
     from rl.driver import DriverConfig
+    from rl.elastic.stage import StageModel
     from rl.runtime.threads import threaded_driver
     from rl.sim.simulator import SimConfig, Simulator
-    from rl.sim.stage import StageModel
     from rl.sim.workload import Workload, WorkloadConfig
     from sampler.engine import Engine, EngineConfig
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from rl.admission import FCFS, Frontier
 from rl.models import create_model, get_preset
-from rl.rounds import RoundCut
+from rl.round_planner import RoundCut
 from rl.types import Request, SamplingParams
 from sampler.engine import Engine, EngineConfig
 from sampler.loop import SamplerLoop

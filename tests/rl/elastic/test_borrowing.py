@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from rl.elastic.borrowing import NO_DECISION, BorrowConfig, BorrowPolicy, PoolState
-from rl.sim.stage import StageModel
+from rl.elastic.stage import StageModel
 
 MODEL = StageModel(
     decode_a=0.01, decode_b=0.001, learner_fixed=0.1, learner_per_token=1e-3, update_s=0.5

@@ -3,7 +3,7 @@
 import pytest
 
 from configs import base
-from rl.runtime.compose import check_runtime_config
+from rl.runtime.factory import check_runtime_config
 
 
 def config(**fields):

@@ -5,13 +5,14 @@ import numpy as np
 import pytest
 
 from configs import base
-from rl.runtime.compose import build_driver
+from rl.runtime.factory import build_driver
 
 ROUNDS = 3
 
 
-def tiny_config(runtime="threads", replicas=1, **ray_fields):
+def tiny_config(runtime="threads", replicas=1, routing="round_robin", **ray_fields):
     config = base.get_config("smoke")
+    config.mesh.sampler_routing = routing
     config.sft.max_steps = 0
     config.driver.mode, config.driver.batching = "cgp", "ordered"
     config.driver.groups_per_round = 4
@@ -125,7 +126,7 @@ def test_tail_batching_cuts_rounds_across_replicas(ray_cluster, threads_tail_run
     assert sum(runtime.router.routed.values()) == 6 + 6 + 4
     if replicas == 2:
         assert min(runtime.router.routed.values()) > 0
-    assert runtime.router._routing.outstanding == {}  # the cut prompts were aborted, not re-sampled
+    assert runtime.router.routing.outstanding == {}  # the cut prompts were aborted, not re-sampled
 
 
 def kill_replica_after_submit(round, replica):
@@ -269,7 +270,8 @@ def sft_run(runtime_name, workdir):
 
     from rl.metrics import MetricsWriter
     from rl.run import _sft
-    from rl.runtime.compose import Setup, make_runtime
+    from rl.runtime.compose import Setup
+    from rl.runtime.factory import make_runtime
     from rl.tasks.data import load_task
 
     config = tiny_config(runtime_name)

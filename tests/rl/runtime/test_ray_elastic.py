@@ -10,7 +10,7 @@ import ray
 
 from configs import base
 from rl.elastic.migration import Always, ReplicaView, RunningView
-from rl.runtime.compose import build_driver
+from rl.runtime.factory import build_driver
 from rl.runtime.ray_router import ReplicaRouter
 from rl.timeline import Timeline
 from rl.types import Request, SamplingParams
@@ -149,8 +149,8 @@ def test_ray_learner_borrows_the_replicas_devices_until_a_lender_dies(ray_cluste
 
 
 def test_planner_picks_the_open_split_and_the_ray_workers_are_built_on_it(ray_cluster):
-    from rl.elastic.planning import plan_mesh
     from rl.runtime.compose import Setup
+    from rl.runtime.mesh_plan import plan_mesh
     from rl.runtime.ray_runtime import RayRuntime
 
     config = lend_config("ray", "off")
@@ -250,8 +250,8 @@ def router_over(src, dst, *owned):
         migration_poll_s=0.001,
     )
     for r in owned:
-        router._routing.outstanding[r.key] = (0, r)
-        router._routing.load[0] += 1
+        router.routing.outstanding[r.key] = (0, r)
+        router.routing.load[0] += 1
     return router
 
 
@@ -266,7 +266,7 @@ def test_the_migrator_moves_ownership_with_the_state_and_draws_the_move(ray_clus
     dst = FakeReplica()
     router = router_over(src, dst, a)
     assert router.migrator.step() == 1
-    assert router._routing.owner(a.key) == 1
+    assert router.routing.owner(a.key) == 1
     assert dst.reserved == [2] and dst.adopted[0][1] == [0] and dst.unreserved == [[1]]
     (span,) = router.timeline.spans("sampler/replica0/migrate")
     args = span.args
@@ -287,11 +287,11 @@ def test_the_migrator_gives_back_slots_of_requests_that_ended_or_were_cut(ray_cl
     )
     dst = FakeReplica(slots=16)
     router = router_over(src, dst, a, b)
-    src.on_take = lambda: router._routing.deliver(a.key)  # a's round cut forgot it meanwhile
+    src.on_take = lambda: router.routing.deliver(a.key)  # a's round cut forgot it meanwhile
     assert router.migrator.step() == 0
     assert sorted(map(len, dst.unreserved)) == [2, 2]  # both reservations given back
     assert not dst.adopted and router.migrator.stale == 2
-    assert router._routing.owner(b.key) == 0  # b still its source's (its group comes from there)
+    assert router.routing.owner(b.key) == 0  # b still its source's (its group comes from there)
 
 
 def test_a_state_lost_with_its_source_is_sampled_again(ray_cluster):
@@ -302,4 +302,4 @@ def test_a_state_lost_with_its_source_is_sampled_again(ray_cluster):
     assert router.migrator.step() == 0
     assert router.migrator.resampled == 1
     assert a.key in src.submitted + dst.submitted  # routed afresh, owned by whoever took it
-    assert router._routing.owner(a.key) in (0, 1)
+    assert router.routing.owner(a.key) in (0, 1)

@@ -18,8 +18,9 @@ from configs import base
 from rl.admission import FCFS
 from rl.elastic.migration import MigrationConfig, Move, check_moves, make_migration_policy
 from rl.models import create_model, get_preset
-from rl.rounds import RoundCut
-from rl.runtime.compose import Setup, build_driver
+from rl.round_planner import RoundCut
+from rl.runtime.compose import Setup
+from rl.runtime.factory import build_driver
 from rl.runtime.replicas import ReplicaSampler
 from rl.tasks.data import load_task
 from rl.timeline import Timeline
@@ -189,7 +190,7 @@ def test_a_full_round_cut_aborts_the_rest_on_every_replica(model, engines, polic
     assert got == {k: ref[k] for k in got}
     stats = sampler.stats
     assert (stats.groups_emitted, stats.groups_aborted, stats.groups_cut) == (3, 3, 0)
-    assert sampler._routing.outstanding == {} and sampler.busy_slots() == 0
+    assert sampler.routing.outstanding == {} and sampler.busy_slots() == 0
     assert (stats.migrations > 0) == (policy == "always")
 
 
@@ -468,7 +469,7 @@ def test_tail_batching_with_one_replica_is_the_loops_own_cut():
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     counts = lambda s: (s.groups_emitted, s.groups_aborted, s.groups_cut, s.samples_cut)
     assert counts(driver.sampler.stats) == counts(driver_alone.sampler.stats)  # the loop cut
-    assert driver.sampler._routing.outstanding == {}
+    assert driver.sampler.routing.outstanding == {}
 
 
 @pytest.mark.parametrize("migration", ["off", "always"])
@@ -479,7 +480,7 @@ def test_tail_batching_cuts_rounds_across_replicas(migration):
     results, _, driver, submitted = run_tail(2, migration)
     assert_each_prompt_trained_once_or_queued(results, driver, submitted)
     sampler = driver.sampler
-    assert min(sampler.routed.values()) > 0 and sampler._routing.outstanding == {}
+    assert min(sampler.routed.values()) > 0 and sampler.routing.outstanding == {}
     assert sum(loop.stats.groups_cut for loop in sampler.loops.values()) == 0  # cut in one place
     if migration == "always":
         assert sampler.stats.migrations > 0

@@ -6,10 +6,10 @@ import dataclasses
 import pytest
 
 from rl.elastic.borrowing import BorrowConfig, BorrowPolicy
+from rl.elastic.stage import StageModel
 from rl.sim.borrow import SimBorrower
 from rl.sim.compare import sim_config, summarize
 from rl.sim.simulator import Simulator
-from rl.sim.stage import StageModel
 from rl.sim.workload import Workload, WorkloadConfig
 
 MODEL = StageModel(  # sampler throughput-bound at 2 replicas x 8 slots; a learner of 2 devices

@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 
 from rl.elastic.migration import MigrationConfig
+from rl.elastic.stage import StageModel
 from rl.sim.compare import sim_config
 from rl.sim.simulator import Simulator
-from rl.sim.stage import StageModel
 from rl.sim.workload import Workload, WorkloadConfig
 from rl.timeline import SLOT_PREFIX
 

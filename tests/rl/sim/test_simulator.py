@@ -8,12 +8,12 @@ import heapq
 import pytest
 
 from rl.admission import Frontier
+from rl.elastic.stage import StageModel
 from rl.formation import make_former
-from rl.rounds import TailConfig
+from rl.round_planner import TailConfig
 from rl.sim.compare import ShuffledFCFS, make_admission, run_modes, sim_config, summarize
 from rl.sim.sampler import SimSampler
 from rl.sim.simulator import SimConfig, Simulator
-from rl.sim.stage import StageModel
 from rl.sim.workload import Workload, WorkloadConfig
 from rl.timeline import SLOT_PREFIX, Timeline
 from rl.types import Request, SamplingParams

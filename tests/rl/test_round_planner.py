@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl.rounds import RoundCut, RoundPlanner, TailConfig
+from rl.round_planner import RoundCut, RoundPlanner, TailConfig
 from rl.types import Prompt, SamplingParams
 
 
@@ -213,7 +213,7 @@ def test_bad_use_is_refused_with_a_clear_error():
 
 
 def test_round_cuts_emit_the_first_target_and_name_the_rest_to_abort():
-    from rl.rounds import RoundCuts
+    from rl.round_planner import RoundCuts
     from rl.types import Completion, Group, Request
 
     def group(uid, round=0):

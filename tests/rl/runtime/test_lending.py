@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from configs import base
-from rl.plan import Split
-from rl.runtime.compose import build_driver
+from rl.device_split import Split
+from rl.runtime.factory import build_driver
 
 TOL = 1e-5  # float32; fsdp over 8 devices instead of 4 reorders the gradient reduction
 
@@ -79,7 +79,8 @@ def test_borrowing_run_equals_static_and_switches_back_each_round(seed):
 
 
 def test_planner_picks_the_open_split_and_the_runtime_builds_it():
-    from rl.runtime.compose import Setup, ThreadsRuntime
+    from rl.runtime.compose import Setup
+    from rl.runtime.threads import ThreadsRuntime
 
     config = tiny_config()
     config.mesh.split = "plan"

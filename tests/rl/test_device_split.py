@@ -2,7 +2,7 @@
 
 import pytest
 
-from rl.plan import Split, candidate_splits, compare, format_table, plan
+from rl.device_split import Split, candidate_splits, compare, format_table, plan
 from rl.sim.compare import sim_config
 from rl.sim.presets import gpu_preset
 from rl.sim.workload import Workload, WorkloadConfig

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from learner.batching import make_batch
+from rl.elastic.stage import StageModel
 from rl.models import abstract_model, get_preset
 from rl.models import param_count as model_param_count
 from rl.sim.calibrate import Measurements, fit_stage_model
 from rl.sim.presets import GPUS, gpu_preset, kv_bytes_per_token, param_count
-from rl.sim.stage import StageModel
 from rl.types import Completion, Group, Request
 
 MODEL = StageModel(

@@ -24,10 +24,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from rl.schedules import SCHEDULES
+from rl.elastic.stage import StageModel
+from rl.schedules import SCHEDULES, StageTimes
 from rl.sim.presets import Preset
 from rl.sim.simulator import SimConfig, Simulator
-from rl.sim.stage import StageModel
 from rl.sim.workload import Workload
 from rl.types import Request, SamplingParams
 
@@ -139,14 +139,14 @@ def predict(
             max(shortest) * (m.decode_a + m.decode_b * min(preset.slots, r * cfg.group_size))
         )
     roll, tr, fd = (float(np.mean(x)) for x in (rollout, train, first))
-    round_s = SCHEDULES.get(cfg.mode).predict_round_s(  # the schedule's own formula
-        cfg,
+    times = StageTimes(
         rollout_s=roll,
         train_s=tr,
         first_batch_s=fd,
         update_s=tr / (r // cfg.groups_per_update),
         publish_s=m.publish_s(),
     )
+    round_s = SCHEDULES.get(cfg.mode).predict_round_s(cfg, times)  # the schedule's own formula
     return dict(rollout_s=roll, train_s=tr, round_s=round_s)
 
 

@@ -2,14 +2,14 @@
 
 A spec is either a `launch.profile` JSON (measured on this machine: one sampler replica of one
 device, a learner of one device) or "preset:<model>:<gpu>" (rl/sim/presets.py, a roofline estimate
-of a GPU). `split_models(spec)` returns the function rl.plan needs: Split -> Preset (the StageModel
+of a GPU). `split_models(spec)` returns the function rl.device_split needs: Split -> Preset (the StageModel
 of one sampler replica of `split.tp` devices and of a learner of `split.learner_gpus` devices, and
 the replica's slots). A profile's learner per-token term is scaled by 1 / learner devices (data
 parallel); its sampler replica is what was measured, so it offers tp = 1 only.
 
 `plan_mesh(config, devices)` is what a run does when `config.mesh.split == "plan"` (the split is
 "open": the planner, not the config, picks mesh.learner_devices, mesh.sampler_replicas and
-mesh.sampler_devices, the first and last of which must be left 0): rl.plan.plan over every split
+mesh.sampler_devices, the first and last of which must be left 0): rl.device_split.plan over every split
 of the local devices into a learner and sampler replicas of mesh.sampler_tp devices, each an Engine
 of config.engine.max_slots slots (what the threads runtime builds; splits whose learner fsdp does
 not divide learner.micro_batch_rows are skipped), with the run's schedule (driver: mode, R, U, G)
@@ -27,9 +27,14 @@ from typing import Any
 
 from absl import logging
 
-from rl.plan import Split, plan
+from learner.mesh import MeshConfig
+from rl.device_split import Split, plan
+from rl.driver import driver_config_from
+from rl.elastic.stage import StageModel
 from rl.sim.presets import Preset, gpu_preset
-from rl.sim.stage import StageModel
+from rl.sim.simulator import SimConfig
+from rl.sim.workload import Workload, WorkloadConfig
+from rl.types import SamplingParams
 
 PROFILE_LEARNER_DEVICES = 1  # launch.profile measures a learner of one device
 
@@ -102,8 +107,6 @@ class MeshPlan:
 
 def plan_mesh(config: Any, devices: int) -> tuple[Any, MeshPlan]:
     """The MeshConfig (split "fixed") the planner picks for `devices`; see the module docstring."""
-    from learner.mesh import MeshConfig
-    from rl.sim.workload import Workload, WorkloadConfig
 
     mesh = MeshConfig(**config.mesh)
     if mesh.split != "plan":
@@ -115,9 +118,6 @@ def plan_mesh(config: Any, devices: int) -> tuple[Any, MeshPlan]:
             f"received {mesh.learner_devices}, {mesh.sampler_devices}, {mesh.sampler_replicas}, "
             f"{mesh.colocated}."
         )
-    from rl.driver import driver_config_from
-    from rl.sim.simulator import SimConfig
-    from rl.types import SamplingParams
 
     cap = config.sampling.max_new_tokens
     driver = driver_config_from(config.driver, sampling=SamplingParams(max_new_tokens=cap))
@@ -130,7 +130,9 @@ def plan_mesh(config: Any, devices: int) -> tuple[Any, MeshPlan]:
     models = split_models(config.elastic.stage_model, slots=config.engine.max_slots)
     rows_per_micro = config.learner.micro_batch_rows
 
-    def make(split: Split) -> Preset:  # only splits the runtime can build (rl.plan skips others)
+    def make(
+        split: Split,
+    ) -> Preset:  # only splits the runtime can build (rl.device_split skips others)
         fsdp = split.learner_gpus // mesh.learner_tp
         if split.learner_gpus % mesh.learner_tp or rows_per_micro % fsdp:
             raise ValueError(f"{split}: learner fsdp does not divide the micro-batch rows")

@@ -7,7 +7,7 @@
         (its trained set is defined by completion order), cgp is RollPacker's stream trainer: each
         arriving group is accumulated at once and the update applied when U groups are in.
 
-Rounds come from the rl.rounds.RoundPlanner: plain rounds, or with tail batching short rounds
+Rounds come from the rl.round_planner.RoundPlanner: plain rounds, or with tail batching short rounds
 (launch ceil(eta R), train the first R to complete: a RoundCut goes with the Submit) and long rounds.
 `sync` and `cgp` + `ordered` perform the same updates on the same data.
 
@@ -32,7 +32,7 @@ import math
 from collections.abc import Callable
 
 from rl.formation import BatchFormer, FifoBatches, logical_batches, make_former
-from rl.rounds import RoundCut, RoundPlan, RoundPlanner
+from rl.round_planner import RoundCut, RoundPlan, RoundPlanner
 from rl.schedules.base import (
     SCHEDULES,
     Action,
@@ -41,6 +41,7 @@ from rl.schedules.base import (
     Publish,
     RequestsOf,
     RoundDone,
+    StageTimes,
     Submit,
     Update,
 )
@@ -48,7 +49,7 @@ from rl.types import Group, Prompt
 
 
 @dataclasses.dataclass
-class _Round:
+class _RoundInFlight:
     plan: RoundPlan
     version: int
     stream: bool
@@ -99,7 +100,7 @@ class RoundSchedule(abc.ABC):
         self.planner = planner
         self.requests_of = requests_of
         self._version = version
-        self._round: _Round | None = None
+        self._round: _RoundInFlight | None = None
         self._outstanding: collections.deque[Update] = collections.deque()
 
     @property
@@ -124,7 +125,7 @@ class RoundSchedule(abc.ABC):
         stream = self._stream(cut)
         expected = -(-plan.target // self.u)
         dynamic = bool(getattr(self.cfg, "dynamic_sampling", False))
-        self._round = _Round(
+        self._round = _RoundInFlight(
             plan=plan,
             version=self._version,
             stream=stream,
@@ -155,7 +156,7 @@ class RoundSchedule(abc.ABC):
             return self._on_group_dynamic(rnd, group)
         return self._on_group(rnd, group)
 
-    def _on_group_dynamic(self, rnd: _Round, group: Group) -> list[Action]:
+    def _on_group_dynamic(self, rnd: _RoundInFlight, group: Group) -> list[Action]:
         """Dynamic sampling: discard, refill, and batch the informative groups (module docstring)."""
         assert rnd.former is not None
         r, out = rnd.plan.round, []
@@ -194,10 +195,10 @@ class RoundSchedule(abc.ABC):
         return out
 
     @abc.abstractmethod
-    def _on_group(self, rnd: _Round, group: Group) -> list[Action]:
+    def _on_group(self, rnd: _RoundInFlight, group: Group) -> list[Action]:
         """The actions a group arriving in round `rnd` leads to (`rnd.received` includes it)."""
 
-    def _update(self, rnd: _Round, batch: tuple[Group, ...]) -> Update:
+    def _update(self, rnd: _RoundInFlight, batch: tuple[Group, ...]) -> Update:
         up = Update(rnd.plan.round, batch, self._version)
         self._outstanding.append(up)
         return up
@@ -210,7 +211,7 @@ class RoundSchedule(abc.ABC):
         rnd.updates += 1
         return self._maybe_finish(rnd)
 
-    def _maybe_finish(self, rnd: _Round) -> list[Action]:
+    def _maybe_finish(self, rnd: _RoundInFlight) -> list[Action]:
         """RoundDone and Publish once every group has arrived and every update is done."""
         if not rnd.closed or rnd.updates < rnd.expected or self._outstanding:
             return []
@@ -239,19 +240,11 @@ class SyncSchedule(RoundSchedule):
     rollout_first = True
 
     @staticmethod
-    def predict_round_s(
-        cfg: object,
-        *,
-        rollout_s: float,
-        train_s: float,
-        first_batch_s: float,
-        update_s: float,
-        publish_s: float,
-    ) -> float:
-        """Seconds per round from stage times (rl.plan): rollout, then training, then publish."""
-        return rollout_s + train_s + publish_s
+    def predict_round_s(cfg: object, t: StageTimes) -> float:
+        """Seconds per round from stage times (rl.device_split): rollout, then training, then publish."""
+        return t.rollout_s + t.train_s + t.publish_s
 
-    def _on_group(self, rnd: _Round, group: Group) -> list[Action]:
+    def _on_group(self, rnd: _RoundInFlight, group: Group) -> list[Action]:
         if len(rnd.received) < rnd.plan.target:
             return []
         out: list[Action] = []
@@ -267,18 +260,10 @@ class CgpSchedule(RoundSchedule):
     name = "cgp"
 
     @staticmethod
-    def predict_round_s(
-        cfg: object,
-        *,
-        rollout_s: float,
-        train_s: float,
-        first_batch_s: float,
-        update_s: float,
-        publish_s: float,
-    ) -> float:
-        """Seconds per round from stage times (rl.plan): training starts with the first batch and
+    def predict_round_s(cfg: object, t: StageTimes) -> float:
+        """Seconds per round from stage times (rl.device_split): training starts with the first batch and
         ends one update after the rollout at the earliest; then the publish."""
-        return max(rollout_s + update_s, first_batch_s + train_s) + publish_s
+        return max(t.rollout_s + t.update_s, t.first_batch_s + t.train_s) + t.publish_s
 
     def _stream(self, cut: RoundCut | None) -> bool:
         return cut is not None or self.cfg.batching == "fifo"  # type: ignore[attr-defined]
@@ -287,7 +272,7 @@ class CgpSchedule(RoundSchedule):
         name = "fifo" if stream else self.cfg.batching  # type: ignore[attr-defined]
         return self.make_former(name, self.u, target)
 
-    def _on_group(self, rnd: _Round, group: Group) -> list[Action]:
+    def _on_group(self, rnd: _RoundInFlight, group: Group) -> list[Action]:
         assert rnd.former is not None
         r = rnd.plan.round
         if rnd.stream:  # accumulate at once; an update per U groups

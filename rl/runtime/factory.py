@@ -1,0 +1,54 @@
+"""The runtime config.runtime names, and a driver over it for benchmarks and tests.
+
+runtime = make_runtime(config, setup, total_updates=...)  # ThreadsRuntime or RayRuntime
+runtime, driver = build_driver(config, rounds=3)  # no workdir, logs or checkpoints
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rl.driver import Driver, driver_config_from
+from rl.runtime.compose import Setup
+from rl.runtime.ray_config import check_ray_config
+from rl.runtime.threads import ThreadsRuntime
+from rl.tasks.data import load_task
+
+RUNTIMES = ("threads", "ray")  # config.runtime
+
+
+def check_runtime_config(config: Any) -> None:
+    """config.runtime and, with "ray", config.ray: a clear error before anything starts."""
+    runtime = config.get("runtime", "threads")
+    if runtime not in RUNTIMES:
+        raise ValueError(f"config.runtime={runtime!r}; expected one of {RUNTIMES}.")
+    if runtime == "ray":
+        check_ray_config(config)
+
+
+def make_runtime(config: Any, setup: Setup, *, total_updates: int) -> Any:
+    """The runtime config.runtime names: ThreadsRuntime or rl.runtime.ray_runtime.RayRuntime."""
+    if config.get("runtime", "threads") == "ray":
+        from rl.runtime.ray_runtime import RayRuntime  # Ray is imported only to use it
+
+        return RayRuntime(config, setup, total_updates=total_updates)
+    return ThreadsRuntime(config, setup, total_updates=total_updates)
+
+
+def build_driver(config: Any, *, rounds: int) -> tuple[Any, Driver]:
+    """A runtime and its Driver for `rounds` rounds from the start of the config's data (no
+    workdir, logging or checkpoints: what benchmarks and tests drive). Close the driver, then
+    the runtime."""
+    check_runtime_config(config)
+    setup = Setup.from_config(config)
+    data = load_task(setup.data, setup.tokenizer, max_prompt_tokens=setup.max_prompt_tokens)
+    driver_cfg = driver_config_from(
+        config.driver, sampling=setup.sampling, epoch_size=len(data.train)
+    )
+    runtime = make_runtime(config, setup, total_updates=rounds * driver_cfg.updates_per_round)
+    try:
+        prompts = setup.prompts(data.train, seed=config.seed)
+        return runtime, runtime.driver(driver_cfg, prompts=prompts, rounds=rounds)
+    except BaseException:
+        runtime.close()
+        raise
