@@ -150,7 +150,7 @@ HANGING_REWARD = (
             "",
             "launch.train: Non-finite values in params/",
         ),
-        (
+        pytest.param(
             [
                 "--config.task.reward=test_hangs",
                 "--config.task.reward_timeout_s=0.01",
@@ -159,6 +159,7 @@ HANGING_REWARD = (
             ],
             HANGING_REWARD,
             "launch.train: Reward <lambda>: 33 calls are stuck past timeout_s=0.01",
+            marks=pytest.mark.slow,  # a minute of stuck calls
         ),
     ],
     ids=["misspelled_key", "data_file_is_a_directory", "nan_update", "stuck_reward_calls"],

@@ -93,6 +93,7 @@ def _tiny_hf_dir(path: pathlib.Path, family: str) -> str:
 @pytest.mark.parametrize(
     ("module", "family"), [(gsm8k_qwen, "qwen2"), (math_qwen, "qwen3")], ids=["gsm8k", "math"]
 )
+@pytest.mark.slow
 def test_real_model_config_smoke_runs_on_local_checkpoint_and_jsonl(module, family, tmp_path):
     model_dir = _tiny_hf_dir(tmp_path / "model", family)
     config = module.get_config("smoke")

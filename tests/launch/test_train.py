@@ -65,7 +65,9 @@ def test_default_run_trains_pipelined_rounds_and_writes_its_files(tmp_path):
     assert matplotlib.image.imread(summary["learning_curve"]).shape == (450, 1200, 4)
 
 
-@pytest.mark.parametrize("tail", [False, True], ids=["plain", "tail"])
+@pytest.mark.parametrize(
+    "tail", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["plain", "tail"]
+)
 def test_resumed_run_continues_the_exact_trajectory(tmp_path, monkeypatch, tail):
     import jax
     import numpy as np
@@ -156,6 +158,7 @@ def _tb_steps(tb_dir, tag):
     return sorted(steps)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["save_unfinished", "bit_flipped"])
 def test_kill_during_the_last_save_resumes_exactly_with_one_metrics_row_per_round(
     straight_run, tmp_path, damage
@@ -199,6 +202,7 @@ def test_kill_during_the_last_save_resumes_exactly_with_one_metrics_row_per_roun
         assert (workdir / "ckpt" / "damaged" / "3").is_dir()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("killed", ["before_any_checksums", "before_the_first_save"])
 def test_a_run_killed_with_no_intact_checkpoint_starts_over_on_a_plain_rerun(
     straight_run, tmp_path, killed
@@ -236,6 +240,7 @@ def test_a_run_killed_with_no_intact_checkpoint_starts_over_on_a_plain_rerun(
         assert sorted(p.name for p in (workdir / "ckpt" / "damaged").iterdir()) == ["1", "2", "3"]
 
 
+@pytest.mark.slow
 def test_countdown_smoke_run_scores_every_response_without_reward_errors(tmp_path):
     from configs import countdown
     from rl.run import train

@@ -78,6 +78,7 @@ def _wait(procs: list[tuple[subprocess.Popen, Any]], workdir: str) -> None:
         pytest.fail("\n".join(tails))
 
 
+@pytest.mark.slow
 def test_two_process_learner_equals_one_process_learner(tmp_path):
     two, one = tmp_path / "two", tmp_path / "one"
     two.mkdir()

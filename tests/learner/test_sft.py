@@ -28,6 +28,7 @@ def test_sft_batch_masks_answer_and_eos_only():
     assert small.inputs.shape == (2, 8)  # as the RL learner pads (learner.min_length_bucket)
 
 
+@pytest.mark.slow
 def test_sft_raises_heldout_accuracy():
     import jax
     from flax import nnx

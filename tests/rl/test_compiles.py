@@ -5,6 +5,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from learner.config import LearnerConfig, OptimizerConfig
 from learner.learner import Learner
@@ -37,6 +38,7 @@ def test_precompiled_programs_run_without_compiling_and_late_ones_warn_once(capl
     assert delta["compiles"] == 3 and delta["compiles_after_start"] == 2
 
 
+@pytest.mark.slow
 def test_learner_compiles_nothing_after_start_over_varied_lengths():
     """Random lengths from 1 to the cap, snapshot old log-probs and a colocated publish: every
     program a run calls is compiled by precompile, and there are few of them."""

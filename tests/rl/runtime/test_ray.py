@@ -56,7 +56,8 @@ def threads_run():
     return results, params
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
+# The quick tier keeps one Ray bitwise run (1 replica); 2 replicas run in the slow tier.
+@pytest.mark.parametrize("replicas", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_ray_equals_threads_bitwise(ray_cluster, threads_run, replicas):
     results, params, runtime = run_rounds(tiny_config("ray", replicas))
     assert tokens_of(results) == tokens_of(threads_run[0])
@@ -105,6 +106,7 @@ def threads_tail_run():
     return results, params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_tail_batching_cuts_rounds_across_replicas(ray_cluster, threads_tail_run, replicas):
     submitted = {"uids": []}
@@ -148,6 +150,7 @@ def kill_replica_after_submit(round, replica):
     return hook
 
 
+@pytest.mark.slow
 def test_killed_replica_is_resampled_on_the_other(ray_cluster, threads_run):
     results, params, runtime = run_rounds(
         tiny_config("ray", 2, routing="least_loaded"),
@@ -164,6 +167,7 @@ def test_killed_replica_is_resampled_on_the_other(ray_cluster, threads_run):
     assert_same_params(params, threads_run[1])
 
 
+@pytest.mark.slow
 def test_killed_replica_stops_the_run_when_configured(ray_cluster):
     with pytest.raises(RuntimeError, match="sampler replica 1 died.*on_replica_failure='stop'"):
         run_rounds(
@@ -172,6 +176,7 @@ def test_killed_replica_stops_the_run_when_configured(ray_cluster):
         )
 
 
+@pytest.mark.slow
 def test_killed_learner_stops_the_run_and_resume_reproduces(ray_cluster, threads_run, tmp_path):
     import threading
 
@@ -215,6 +220,7 @@ def test_killed_learner_stops_the_run_and_resume_reproduces(ray_cluster, threads
             ray.get_actor(actor_name(config, role))
 
 
+@pytest.mark.slow
 def test_launch_train_joins_a_cluster_and_keeps_ray_logs_off_the_console(ray_cluster, tmp_path):
     import os
     import subprocess
@@ -246,6 +252,7 @@ def test_launch_train_joins_a_cluster_and_keeps_ray_logs_off_the_console(ray_clu
     assert (workdir / "summary.json").is_file()
 
 
+@pytest.mark.slow
 def test_a_learner_of_two_worker_processes_trains_as_one(ray_cluster, threads_run):
     # ray.learner_workers=2: two learner actors form one jax.distributed job (gloo on CPU), the
     # mesh over both processes' 8 fake devices (fsdp 8 x tp 2); every call goes to both, rank 0 answers.
@@ -295,6 +302,7 @@ def sft_run(runtime_name, workdir):
         runtime.close()
 
 
+@pytest.mark.slow
 def test_sft_warm_start_on_the_learner_worker_equals_threads(ray_cluster, tmp_path):
     threads = sft_run("threads", tmp_path / "threads")
     ray_ = sft_run("ray", tmp_path / "ray")
@@ -310,6 +318,7 @@ def async_config(runtime, max_staleness):
     return config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_staleness", [0, 1])
 def test_async_under_ray(ray_cluster, max_staleness):
     """In-flight weight updates through the object store: s=0 equals the threaded run bitwise;

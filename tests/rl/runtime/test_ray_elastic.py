@@ -148,6 +148,7 @@ def test_ray_learner_borrows_the_replicas_devices_until_a_lender_dies(ray_cluste
     assert [s.args["devices"] for s in spans if s.name == "borrow"] == [4, 4]  # 2 replicas x 2
 
 
+@pytest.mark.slow
 def test_planner_picks_the_open_split_and_the_ray_workers_are_built_on_it(ray_cluster):
     from rl.runtime.compose import Setup
     from rl.runtime.mesh_plan import plan_mesh
