@@ -20,15 +20,38 @@ import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 # Many tests build the same tiny programs through fresh closures (a new Learner, a new Engine):
-# XLA's persistent cache, keyed by the compiled program, turns those recompiles into lookups.
-jax.config.update(
-    "jax_compilation_cache_dir",
-    os.environ.get(
-        "ROLLOUTPIPE_JAX_CACHE", os.path.join(tempfile.gettempdir(), "rolloutpipe-jax-cache")
-    ),
+# XLA's persistent cache, keyed by the compiled program, turns those recompiles into lookups. It is
+# bounded (least recently used entries go first; the LRU cache keeps an access time per entry,
+# hence a directory of its own) and reported at the end of the session.
+CACHE_DIR = os.environ.get(
+    "ROLLOUTPIPE_JAX_CACHE", os.path.join(tempfile.gettempdir(), "rolloutpipe-xla-cache")
 )
+CACHE_MAX_BYTES = 512 * 2**20
+jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
+jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(CACHE_MAX_BYTES)  # processes the tests start
+
+
+def _cache_usage() -> tuple[int, int]:
+    """(entries, bytes) in the persistent compilation cache."""
+    if not os.path.isdir(CACHE_DIR):
+        return 0, 0
+    files = [e for e in os.scandir(CACHE_DIR) if e.is_file()]
+    return len(files), sum(e.stat().st_size for e in files)
+
+
+_CACHE_AT_START = _cache_usage()
+
+
+def pytest_terminal_summary(terminalreporter):
+    entries, size = _cache_usage()
+    terminalreporter.write_line(
+        f"compilation cache {CACHE_DIR}: {entries} files, {size / 2**20:.1f} MiB "
+        f"(at the start {_CACHE_AT_START[0]} files, {_CACHE_AT_START[1] / 2**20:.1f} MiB; "
+        f"bound {CACHE_MAX_BYTES / 2**20:.0f} MiB; ROLLOUTPIPE_JAX_CACHE sets the directory)"
+    )
 
 
 # One local Ray cluster (2 CPUs) for the whole pytest session: its startup is paid once.
@@ -40,12 +63,7 @@ def ray_cluster():
     # rank promotion (set above), the same compilation cache. rl.runtime.ray_runtime.worker_env
     # passes JAX_* and XLA_* variables on to them.
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ.setdefault(
-        "JAX_COMPILATION_CACHE_DIR",
-        os.environ.get(
-            "ROLLOUTPIPE_JAX_CACHE", os.path.join(tempfile.gettempdir(), "rolloutpipe-jax-cache")
-        ),
-    )
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", CACHE_DIR)
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
     ray.init(
         num_cpus=2,
