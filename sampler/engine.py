@@ -23,10 +23,7 @@ row's floats never depend on its neighbours). With `attention_block` > 0, attent
 only the first blocks of that many positions that the longest live sequence reaches (the block
 count rounded up to a power of two: one compile each), block by block (`attend_blocks`); that pays
 for long caches where slices are free (GPU), but on XLA:CPU every block is a copy. `prefill_insert`
-prefills all prompts admitted together in one call per length bucket. `legacy_decode=True` keeps
-the previous path ((slots, positions, kv heads, head dim) cache, attention over max_length, one
-prefill and one insert call per prompt) for the issue's old-vs-new comparison in
-launch/bench_sampler.py; it goes when the issue closes.
+prefills all prompts admitted together in one call per length bucket.
 
 Memory: the KV cache takes 2 * n_layers * max_length * n_kv_heads * head_dim * itemsize bytes per
 slot (`cache_bytes_per_slot`; max_length rounded up to whole attention blocks, if any), sharded
@@ -49,11 +46,9 @@ from rl.compiles import CompileCounter
 from rl.models.config import DTYPES
 from rl.models.sharding import Rules, axis_rules, current_rules, logical_to_spec, tree_shardings
 from rl.models.transformer import (
-    CACHE_AXES,
     HEAD_MAJOR_K_AXES,
     HEAD_MAJOR_V_AXES,
     HeadMajorKVCache,
-    KVCache,
     Transformer,
     abstract_model,
 )
@@ -80,7 +75,6 @@ class EngineConfig:
     memory_budget_bytes: int = 0  # per device for params + KV cache; 0: the device's own limit
     attention_block: int = 0  # > 0: decode attention reads only the live blocks of this many
     # positions (module docstring); 0: the whole cache, faster on XLA:CPU
-    legacy_decode: bool = False  # issue 19's old path, kept for the comparison (module docstring)
 
     def __post_init__(self):
         for name in (
@@ -124,7 +118,7 @@ class EngineConfig:
 class DecodeState:
     """Everything the device needs per slot. B = max_slots."""
 
-    cache: KVCache | HeadMajorKVCache  # legacy_decode: KVCache
+    cache: HeadMajorKVCache
     tokens: jax.Array  # (B,) int32: the token to feed next
     positions: jax.Array  # (B,) int32: its position
     active: jax.Array  # (B,) bool: slot holds an unfinished sequence
@@ -235,8 +229,7 @@ class Engine:
                 f"({mesh.shape['data']})."
             )
         self.cache_dtype = DTYPES[config.cache_dtype or cfg.dtype]
-        self.head_major = not config.legacy_decode
-        block = config.attention_block if self.head_major else 0
+        block = config.attention_block
         self.cache_length = -(-config.max_length // block) * block if block else config.max_length
         self._check_memory()
         self._state_shardings = None if mesh is None else self._decode_state_shardings()
@@ -245,7 +238,7 @@ class Engine:
         self._compiles = CompileCounter()
         jit = self._compiles.jit
         self._init = jit("init", self._init_impl, **out)
-        self._prefill = jit("prefill", self._prefill_impl, static_argnums=(2,))
+        self._prefill = jit("prefill", self._prefill_impl)
         self._insert = jit("insert", self._insert_impl, donate_argnums=(1,), **out)
         gen_out = {} if mesh is None else dict(out_shardings=(self._state_shardings, None))
         self._generate = jit(
@@ -336,7 +329,7 @@ class Engine:
                 self.mesh, logical_to_spec(names, self.mesh, self.rules, shape=x.shape)
             )
 
-        cache = type(abstract.cache)(
+        cache = HeadMajorKVCache(
             k=tuple(named(x, self._cache_axes("k")) for x in abstract.cache.k),
             v=tuple(named(x, self._cache_axes("v")) for x in abstract.cache.v),
         )
@@ -352,8 +345,6 @@ class Engine:
 
     def _cache_axes(self, kind: str) -> tuple[str, ...]:
         """Logical axes of a key ("k") or value ("v") cache array."""
-        if not self.head_major:
-            return CACHE_AXES
         return HEAD_MAJOR_K_AXES if kind == "k" else HEAD_MAJOR_V_AXES
 
     def _cache_shape(self, kind: str) -> tuple[int, ...]:
@@ -368,9 +359,8 @@ class Engine:
     def _init_impl(self) -> DecodeState:
         b, c = self.config.max_slots, self.model_config
         zeros = lambda kind: jnp.zeros(self._cache_shape(kind), self.cache_dtype)
-        layout = HeadMajorKVCache if self.head_major else KVCache
         return DecodeState(
-            cache=layout(
+            cache=HeadMajorKVCache(
                 k=tuple(zeros("k") for _ in range(c.n_layers)),
                 v=tuple(zeros("v") for _ in range(c.n_layers)),
             ),
@@ -398,14 +388,9 @@ class Engine:
             f"Prompt of {length} tokens exceeds max_prefill_length ({self.config.max_prefill_length})."
         )
 
-    def _prefill_impl(self, params: Any, tokens_T: jax.Array, bucket: int) -> tuple[tuple, tuple]:
-        model = self._model(params)
-        if self.head_major:
-            k, v = self._prefill_rows(model, tokens_T[None])
-            return tuple(x[0] for x in k), tuple(x[0] for x in v)
-        cache = model.init_cache(1, bucket, self.cache_dtype)
-        _, cache = model.decode(tokens_T[None], jnp.arange(bucket)[None], cache)
-        return tuple(k[0] for k in cache.k), tuple(v[0] for v in cache.v)
+    def _prefill_impl(self, params: Any, tokens_T: jax.Array) -> tuple[tuple, tuple]:
+        k, v = self._prefill_rows(self._model(params), tokens_T[None])
+        return tuple(x[0] for x in k), tuple(x[0] for x in v)
 
     def prefill(self, params: Any, tokens: tuple[int, ...] | list[int]) -> Prefix:
         """Computes the KV of one prompt, padded to its length bucket (one compile per bucket)."""
@@ -415,7 +400,7 @@ class Engine:
         bucket = self.bucket(n)
         padded = np.zeros((bucket,), np.int32)
         padded[:n] = tokens
-        k, v = self._call(self._prefill, params, jnp.asarray(padded), bucket)
+        k, v = self._call(self._prefill, params, jnp.asarray(padded))
         return Prefix(k=k, v=v, length=n, last_token=int(tokens[-1]))
 
     # ----------------------------------------------------------------------------------- insert
@@ -433,17 +418,8 @@ class Engine:
         """Everything that varies per request is traced: one compile per (bucket, slot count)."""
         g = slots_G.shape[0]
         prefix_k, prefix_v = kv
-        bucket = prefix_k[0].shape[0]
-
         rows = lambda kv: tuple(jnp.broadcast_to(x[None], (g, *x.shape)) for x in kv)
-        if self.head_major:
-            cache = state.cache.put(slots_G, rows(prefix_k), rows(prefix_v))
-        else:
-            put = lambda c, x: c.at[slots_G, :bucket].set(x.astype(c.dtype))
-            cache = KVCache(
-                k=tuple(map(put, state.cache.k, rows(prefix_k))),
-                v=tuple(map(put, state.cache.v, rows(prefix_v))),
-            )
+        cache = state.cache.put(slots_G, rows(prefix_k), rows(prefix_v))
         seed, rnd, uid, max_new, length, last_token = (ids[i] for i in range(6))
         base = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), rnd), uid)
         keys_G = jax.vmap(lambda s: jax.random.fold_in(base, s))(samples_G)
@@ -622,10 +598,6 @@ class Engine:
         used = [x for _, s, _ in checked for x in s]
         if len(set(used)) != len(used):
             raise ValueError(f"prefill_insert: slots must be distinct over items; got {used}.")
-        if not self.head_major:  # the legacy path: one prefill and one insert call per request
-            for r, s, i in checked:
-                state = self.bulk_insert(self.prefill(params, r.prompt), state, s, r, i)
-            return state
         by_bucket: dict[int, list] = {}
         for item in checked:
             by_bucket.setdefault(self.bucket(len(item[0].prompt)), []).append(item)
@@ -694,7 +666,7 @@ class Engine:
         )
         padded = np.zeros((bucket,), np.int32)
         padded[: len(tokens)] = tokens
-        k, v = self._call(self._prefill, params, jnp.asarray(padded), bucket)
+        k, v = self._call(self._prefill, params, jnp.asarray(padded))
         prefix = Prefix(k=k, v=v, length=len(tokens), last_token=int(tokens[-1]))
         return self._put(prefix, state, [slot], [sample], request, left)
 
@@ -730,26 +702,16 @@ class Engine:
     def _step(
         self, model: Transformer, state: DecodeState, blocks: int
     ) -> tuple[DecodeState, StepResult]:
-        if self.head_major:
-            h, cache = model.decode_step(
-                state.tokens,
-                state.positions,
-                state.cache,
-                blocks=blocks,
-                block=self.config.attention_block,
-            )
-        else:
-            h, cache = model.decode(state.tokens[:, None], state.positions[:, None], state.cache)
+        h, cache = model.decode_step(
+            state.tokens,
+            state.positions,
+            state.cache,
+            blocks=blocks,
+            block=self.config.attention_block,
+        )
         logits = model.logits(h)[:, 0]
         keys = jax.vmap(jax.random.fold_in)(state.keys, state.positions + 1)
-        tok, logp = sample_tokens(
-            logits,
-            keys,
-            state.temperature,
-            state.top_k,
-            state.top_p,
-            fast_argmax=self.head_major,
-        )
+        tok, logp = sample_tokens(logits, keys, state.temperature, state.top_k, state.top_p)
         valid = state.active
         stop = jnp.any(tok[:, None] == state.stop_ids, axis=-1)
         finished = valid & (stop | (state.positions + 1 >= state.last_position))
@@ -777,7 +739,7 @@ class Engine:
         """Attention blocks this generate call reads (0: the whole cache): enough for every active
         slot's last fed position, rounded up to a power of two (few compiles), at most the whole
         cache. With attention_block > 0 it reads three (B,) arrays to the host once per call."""
-        if not self.head_major or not self.config.attention_block:
+        if not self.config.attention_block:
             return 0  # the whole cache: no host read
         pos, active, last = jax.device_get((state.positions, state.active, state.last_position))
         k, block = self.config.steps_per_call, self.config.attention_block
@@ -820,11 +782,6 @@ class Engine:
           state: this engine's decode state.
           slots: distinct running slots.
         """
-        if not self.head_major:
-            raise ValueError(
-                "export_slots needs the head-major cache; received an engine with "
-                "legacy_decode=True (expected EngineConfig.legacy_decode=False to migrate)."
-            )
         slots = list(slots)
         if not slots or len(set(slots)) != len(slots):
             raise ValueError(f"export_slots: expected distinct slots; received {slots}.")

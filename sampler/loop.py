@@ -361,57 +361,49 @@ class SamplerLoop:
 
     def _admit(self, params: Any) -> None:
         """Starts what fits now; the prompts admitted together are prefilled in one batched call
-        per length bucket (`Engine.prefill_insert`), or one by one on the engine's legacy path."""
+        per length bucket (`Engine.prefill_insert`)."""
         with self._lock:  # a static batch is filled only when every slot is free
             if self.static_batching and any(r is not None for r in self._slot_run):
                 return
-        batched = not self.engine.config.legacy_decode
-        while True:
-            admitted = []
-            with self._lock:
-                while True:
-                    if self._pending_params is not None:
-                        # Weights published after this step took its params: what is admitted
-                        # now waits for them (the next step), so a request submitted after a
-                        # publish never runs on the weights before it (async's staleness bound
-                        # counts on that).
-                        break
-                    # a slot aborted since this step's frees is freed at the next one
-                    free = [
-                        i
-                        for i, r in enumerate(self._slot_run)
-                        if r is None and i not in self._reserved and i not in self._to_free
-                    ]
-                    taken = self._take(len(free))
-                    if taken is None:
-                        break
-                    run, samples = taken
-                    for i, s in zip(samples, free, strict=False):
-                        run.slots[i] = s
-                        self._slot_run[s], self._slot_sample[s] = run, i
-                    admitted.append((run, samples))
-                    if not batched:
-                        break
-            if not admitted:
-                return
-            t0 = self.clock()
-            items = [
-                (run.request, [run.slots[i] for i in samples], samples) for run, samples in admitted
-            ]
-            self._state = self.engine.prefill_insert(params, self._state, items)
-            t1 = self.clock()
-            for run, samples in admitted:
-                for i in samples:
-                    run.samples[i].start = t1
-                if self.timeline is not None:
-                    r = run.request
-                    self.timeline.span(
-                        "sampler/prefill", "prefill", t0, t1, round=r.round, uid=r.uid
-                    )
-            with self._lock:
-                self.stats.prefills += len(admitted)
-            if batched:
-                return
+        admitted = []
+        with self._lock:
+            while True:
+                if self._pending_params is not None:
+                    # Weights published after this step took its params: what is admitted
+                    # now waits for them (the next step), so a request submitted after a
+                    # publish never runs on the weights before it (async's staleness bound
+                    # counts on that).
+                    break
+                # a slot aborted since this step's frees is freed at the next one
+                free = [
+                    i
+                    for i, r in enumerate(self._slot_run)
+                    if r is None and i not in self._reserved and i not in self._to_free
+                ]
+                taken = self._take(len(free))
+                if taken is None:
+                    break
+                run, samples = taken
+                for i, s in zip(samples, free, strict=False):
+                    run.slots[i] = s
+                    self._slot_run[s], self._slot_sample[s] = run, i
+                admitted.append((run, samples))
+        if not admitted:
+            return
+        t0 = self.clock()
+        items = [
+            (run.request, [run.slots[i] for i in samples], samples) for run, samples in admitted
+        ]
+        self._state = self.engine.prefill_insert(params, self._state, items)
+        t1 = self.clock()
+        for run, samples in admitted:
+            for i in samples:
+                run.samples[i].start = t1
+            if self.timeline is not None:
+                r = run.request
+                self.timeline.span("sampler/prefill", "prefill", t0, t1, round=r.round, uid=r.uid)
+        with self._lock:
+            self.stats.prefills += len(admitted)
 
     def _recompute(self, params: Any) -> None:
         """Re-prefills every running sample (prompt + its tokens so far) with `params`."""
