@@ -14,7 +14,7 @@ of the first shape.
 `loop`: one process, one tiny model (float32, CPU by default), one long-tailed workload measured
 three ways:
   continuous  SamplerLoop: a group is admitted as soon as G slots are free.
-  static      SamplerLoop(static_batching=True): refill only when every slot is free (the baseline).
+  static      StaticBatchingLoop (below): refill only when every slot is free (the baseline).
   nocache     sampler/reference.greedy_nocache in batches of `slots` rows: full recompute per token,
               on the first --nocache_groups groups only (it is slow).
 Response lengths are drawn per group (SamplingParams.max_new_tokens, no stop tokens), so every
@@ -118,18 +118,25 @@ def make_workload(rng: np.random.Generator) -> list[Request]:
     ]
 
 
+class StaticBatchingLoop(SamplerLoop):
+    """The baseline: a batch of requests is admitted only when every slot is free (no refill)."""
+
+    def may_admit(self) -> bool:
+        return self.busy_slots() == 0
+
+
 def run_loop(
     engine: Engine, params: Any, requests: list[Request], static: bool, reward_fn: Any = None
 ) -> dict[str, Any]:
-    """Runs the workload through a fresh SamplerLoop; checks every response has its drawn length."""
+    """Runs the workload through a fresh SamplerLoop (static: StaticBatchingLoop); checks every
+    response has its drawn length."""
     groups: list[Group] = []
-    loop = SamplerLoop(
+    loop = (StaticBatchingLoop if static else SamplerLoop)(
         engine,
         params,
         admission=FCFS(),
         reward_fn=reward_fn or (lambda r, c: 0.0),
         emit=groups.append,
-        static_batching=static,
     )
     start = time.perf_counter()
     loop.submit(requests)

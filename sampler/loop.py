@@ -154,7 +154,6 @@ class SamplerLoop:
         reward_fn: RewardFn,
         emit: EmitFn,
         version: int = 0,
-        static_batching: bool = False,
         group_atomic: bool = True,
         recompute_kv: bool = False,
         timeline: Any = None,
@@ -170,7 +169,6 @@ class SamplerLoop:
         self.admission = admission
         self.reward_fn = reward_fn
         self.emit = emit
-        self.static_batching = static_batching  # baseline: refill only when every slot is free
         self.group_atomic = group_atomic  # False: per-sample admission (see the module docstring)
         self.recompute_kv = recompute_kv  # re-prefill running samples when new weights come in
         self._partial: collections.deque[_Run] = collections.deque()  # runs with unstarted samples
@@ -362,9 +360,8 @@ class SamplerLoop:
     def _admit(self, params: Any) -> None:
         """Starts what fits now; the prompts admitted together are prefilled in one batched call
         per length bucket (`Engine.prefill_insert`)."""
-        with self._lock:  # a static batch is filled only when every slot is free
-            if self.static_batching and any(r is not None for r in self._slot_run):
-                return
+        if not self.may_admit():
+            return
         admitted = []
         with self._lock:
             while True:
@@ -404,6 +401,11 @@ class SamplerLoop:
                 self.timeline.span("sampler/prefill", "prefill", t0, t1, round=r.round, uid=r.uid)
         with self._lock:
             self.stats.prefills += len(admitted)
+
+    def may_admit(self) -> bool:
+        """Whether this step admits waiting requests: always. A subclass may hold them back (the
+        static-batching baseline of launch/bench_sampler.py admits only into an empty loop)."""
+        return True
 
     def _recompute(self, params: Any) -> None:
         """Re-prefills every running sample (prompt + its tokens so far) with `params`."""
