@@ -47,7 +47,8 @@ from rl.elastic.migration import ReplicaView, RunningView
 from rl.queue import QueueClosed
 from rl.rounds import RoundCut, RoundCuts
 from rl.types import Completion, Group, Request
-from sampler.engine import Engine, SlotState
+from sampler.engine import Engine
+from sampler.slot_export import SlotState
 
 RewardFn = Callable[[Request, Completion], float]
 EmitFn = Callable[[Group], None]
