@@ -4,7 +4,7 @@
 and sampling state into a SlotState; `import_slots` writes it into free slots of another engine, on
 any devices, where the slots go on with exactly the tokens they would have produced (a slot's
 random stream is its request's and sample's). JigsawRL migration moves requests this way
-(sampler/handoff.py; rl/elastic/migration.py decides what moves).
+(sampler/migration.py; rl/elastic/migration.py decides what moves).
 
 The host functions (`export_plan`, `import_plan`) check the slots and pick the padded shapes; the
 device functions (`export_rows`, `import_rows`) move the rows.

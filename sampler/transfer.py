@@ -16,7 +16,7 @@ import dataclasses
 
 import jax
 
-from sampler.loop import Handoff
+from sampler.migration import Handoff
 from sampler.slot_export import SlotState
 
 
