@@ -262,9 +262,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # device's own limit.
     config.engine.memory_budget_bytes = 0
     # > 0: decode attention reads only the live blocks of this many positions (pays on GPUs with
-    # long caches); 0: the whole cache (faster on CPU; sampler/engine.py).
+    # long caches); 0: the whole cache (faster on CPU; sampler/decode.py).
     config.engine.attention_block = 0
-    config.engine.legacy_decode = False  # True: the pre-issue-19 decode path (for comparisons)
     config.sampler_dtype = (
         "bfloat16"  # dtype of the weights published to the sampler; "": as trained
     )

@@ -1,21 +1,20 @@
-"""Sampler throughput: the decode path old vs new, and continuous vs static batching vs no cache.
+"""Sampler throughput: the decode path, and continuous vs static batching vs no cache.
 
     python -m launch.bench_sampler [--json /tmp/bench.json] [--groups 48 --slots 32 ...]
-    python -m launch.bench_sampler --modes=decode [--profile=/tmp/trace]   # issue 19's table
+    python -m launch.bench_sampler --modes=decode [--profile=/tmp/trace]   # decode tokens/s
 
-`decode` (issue 19): for each --decode_shapes B x layers x d_model (a tiny random Qwen3: 4 heads of
+`decode`: for each --decode_shapes B x layers x d_model (a tiny random Qwen3: 4 heads of
 d_model / 4, 2 kv heads, mlp 2 x d_model), B prompts of --prompt_min..--prompt_max tokens each
 decode --decode_new_tokens tokens (temperature 1, behaviour log-probs) through a SamplerLoop on one
-device; decode tokens/s = B x new tokens / wall time (admission and prefill included). The old path
-(EngineConfig.legacy_decode: per-prompt prefill + insert, (B, S, K, H) cache, attention over
-max_length) and the new one run in alternating pairs after a warm-up; medians count (new/old is
-the ratio of the median times; "pairs min-max" the spread of the pairs' own ratios). --profile
-writes a jax.profiler trace (open it in Perfetto) of one new-path run of the first shape.
+device; decode tokens/s = B x new tokens / wall time (admission and prefill included), the median
+of --repeats runs after a warm-up. (Issue 19's comparison with the decode path before it is in the
+README; that path is gone.) --profile writes a jax.profiler trace (open it in Perfetto) of one run
+of the first shape.
 
 `loop`: one process, one tiny model (float32, CPU by default), one long-tailed workload measured
 three ways:
   continuous  SamplerLoop: a group is admitted as soon as G slots are free.
-  static      SamplerLoop(static_batching=True): refill only when every slot is free (the baseline).
+  static      StaticBatchingLoop (below): refill only when every slot is free (the baseline).
   nocache     sampler/reference.greedy_nocache in batches of `slots` rows: full recompute per token,
               on the first --nocache_groups groups only (it is slow).
 Response lengths are drawn per group (SamplingParams.max_new_tokens, no stop tokens), so every
@@ -64,7 +63,7 @@ _STEPS = flags.DEFINE_integer("steps_per_call", 4, "Decode steps fused into one 
 _NOCACHE_GROUPS = flags.DEFINE_integer(
     "nocache_groups", 0, "Groups decoded without a cache; 0: one batch (slots // group_size)."
 )
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs of each loop mode; the median counts.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs of each mode; the median counts.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds the workload, the model init and the sampler.")
 _VERIFIER_MS = flags.DEFINE_float(
     "verifier_sleep_ms", 0.0, "> 0: add rows with a verifier sleeping this long per call."
@@ -75,7 +74,6 @@ _DECODE_SHAPES = flags.DEFINE_list(
     "decode_shapes", ["64x2x64", "64x4x256", "256x4x256"], "decode: slots x layers x d_model."
 )
 _DECODE_NEW = flags.DEFINE_integer("decode_new_tokens", 128, "decode: tokens per response.")
-_DECODE_PAIRS = flags.DEFINE_integer("decode_pairs", 3, "decode: timed (old, new) pairs.")
 _PROFILE = flags.DEFINE_string("profile", "", "decode: write a jax.profiler trace here; empty: no.")
 _ALL_FLAGS = (
     _GROUPS,
@@ -94,7 +92,6 @@ _ALL_FLAGS = (
     _VERIFIER_MS,
     _REWARD_WORKERS,
     _DECODE_NEW,
-    _DECODE_PAIRS,
 )
 
 
@@ -121,18 +118,25 @@ def make_workload(rng: np.random.Generator) -> list[Request]:
     ]
 
 
+class StaticBatchingLoop(SamplerLoop):
+    """The baseline: a batch of requests is admitted only when every slot is free (no refill)."""
+
+    def may_admit(self) -> bool:
+        return self.busy_slots() == 0
+
+
 def run_loop(
     engine: Engine, params: Any, requests: list[Request], static: bool, reward_fn: Any = None
 ) -> dict[str, Any]:
-    """Runs the workload through a fresh SamplerLoop; checks every response has its drawn length."""
+    """Runs the workload through a fresh SamplerLoop (static: StaticBatchingLoop); checks every
+    response has its drawn length."""
     groups: list[Group] = []
-    loop = SamplerLoop(
+    loop = (StaticBatchingLoop if static else SamplerLoop)(
         engine,
         params,
         admission=FCFS(),
         reward_fn=reward_fn or (lambda r, c: 0.0),
         emit=groups.append,
-        static_batching=static,
     )
     start = time.perf_counter()
     loop.submit(requests)
@@ -207,7 +211,7 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 
 
 def decode_case(shape: tuple[int, int, int]) -> dict[str, Any]:
-    """Old vs new decode path on one shape, alternating pairs in this process; see the docstring."""
+    """Decode tokens/s on one shape, the median of --repeats runs; see the module docstring."""
     b, n_layers, d = shape
     cfg = get_preset(
         "tiny", n_layers=n_layers, d_model=d, head_dim=d // 4, mlp_dim=2 * d, init_std=0.3
@@ -229,49 +233,32 @@ def decode_case(shape: tuple[int, int, int]) -> dict[str, Any]:
         for i in range(b)
     ]
     max_prefill = max(16, _PROMPT_MAX.value)
-    engines = {
-        name: Engine(
-            model,
-            EngineConfig(
-                max_slots=b,
-                max_length=max_prefill + new,
-                max_prefill_length=max_prefill,
-                steps_per_call=_STEPS.value,
-                seed=_SEED.value,
-                legacy_decode=name == "old",
-            ),
-        )
-        for name in ("old", "new")
-    }
-    params = {name: e.load_params(model) for name, e in engines.items()}
-    runs: dict[str, list[dict[str, Any]]] = {"old": [], "new": []}
-    for name in ("old", "new"):  # warm-up: compiles
-        run_loop(engines[name], params[name], requests, static=False)
-    for _ in range(_DECODE_PAIRS.value):
-        for name in ("old", "new"):
-            runs[name].append(run_loop(engines[name], params[name], requests, static=False))
+    engine = Engine(
+        model,
+        EngineConfig(
+            max_slots=b,
+            max_length=max_prefill + new,
+            max_prefill_length=max_prefill,
+            steps_per_call=_STEPS.value,
+            seed=_SEED.value,
+        ),
+    )
+    params = engine.load_params(model)
+    run_loop(engine, params, requests, static=False)  # warm-up: compiles
+    seconds = [
+        run_loop(engine, params, requests, static=False)["seconds"] for _ in range(_REPEATS.value)
+    ]
     if _PROFILE.value and not getattr(decode_case, "profiled", False):
         decode_case.profiled = True
         with jax.profiler.trace(_PROFILE.value):
-            run_loop(engines["new"], params["new"], requests, static=False)
-    med = {n: float(np.median([r["seconds"] for r in rs])) for n, rs in runs.items()}
-    pairs = sorted(
-        o["seconds"] / n["seconds"] for o, n in zip(runs["old"], runs["new"], strict=True)
-    )
-    old, new_run = runs["old"][0], runs["new"][0]
-    same = sum(old["outputs"][u] == new_run["outputs"][u] for u in old["outputs"])
+            run_loop(engine, params, requests, static=False)
     return dict(
         shape=dict(slots=b, layers=n_layers, d_model=d, head_dim=d // 4, mlp_dim=2 * d),
         tokens=b * new,
-        old_tokens_per_s=b * new / med["old"],
-        new_tokens_per_s=b * new / med["new"],
-        new_vs_old=med["old"] / med["new"],
-        new_vs_old_pairs=pairs,
-        seconds=dict(
-            old=[r["seconds"] for r in runs["old"]], new=[r["seconds"] for r in runs["new"]]
-        ),
-        compile_counts={n: e.compile_counts() for n, e in engines.items()},
-        same_tokens_old_new=f"{same}/{b}",
+        tokens_per_s=b * new / float(np.median(seconds)),
+        tokens_per_s_min_max=[b * new / max(seconds), b * new / min(seconds)],
+        seconds=seconds,
+        compile_counts=engine.compile_counts(),
     )
 
 
@@ -281,23 +268,17 @@ def decode_main() -> dict[str, Any]:
     print(
         f"decode: {_DECODE_NEW.value} new tokens per prompt, temperature 1, log-probs, "
         f"steps_per_call {_STEPS.value}, prompts {_PROMPT_MIN.value}-{_PROMPT_MAX.value} tokens, "
-        f"{_DECODE_PAIRS.value} alternating old/new pairs (median), one {jax.default_backend()} device"
+        f"{_REPEATS.value} runs (median), one {jax.default_backend()} device"
     )
-    print(
-        f"{'B x L x D':<12}{'old tok/s':>11}{'new tok/s':>11}{'new/old':>9}"
-        f"{'pairs min-max':>15}{'same tokens':>13}"
-    )
+    print(f"{'B x L x D':<12}{'tok/s':>11}{'runs min-max':>17}")
     for r in rows:
-        sh, pairs = r["shape"], r["new_vs_old_pairs"]
+        sh, (lo, hi) = r["shape"], r["tokens_per_s_min_max"]
         print(
-            f"{sh['slots']}x{sh['layers']}x{sh['d_model']:<6}{r['old_tokens_per_s']:>11.0f}"
-            f"{r['new_tokens_per_s']:>11.0f}{r['new_vs_old']:>9.2f}"
-            f"{f'{pairs[0]:.2f}-{pairs[-1]:.2f}':>15}{r['same_tokens_old_new']:>13}"
+            f"{sh['slots']}x{sh['layers']}x{sh['d_model']:<6}{r['tokens_per_s']:>11.0f}"
+            f"{f'{lo:.0f}-{hi:.0f}':>17}"
         )
     if _PROFILE.value:
-        print(
-            f"wrote a jax.profiler trace of the new path ({_DECODE_SHAPES.value[0]}) to {_PROFILE.value}"
-        )
+        print(f"wrote a jax.profiler trace ({_DECODE_SHAPES.value[0]}) to {_PROFILE.value}")
     return dict(decode=rows)
 
 

@@ -10,7 +10,7 @@ imported only inside `make_jetstream_engine`.
 
 Decisions, where the two designs differ:
   * First token: our engine draws every response token, the first included, in `generate` (see
-    sampler/engine.py), so `prefill` has none to give. Its ResultTokens has zero token columns and
+    sampler/prefill.py), so `prefill` has none to give. Its ResultTokens has zero token columns and
     length 0: JetStream's `process_result_tokens` then emits nothing and does not mark the request
     complete (an invalid token would end the request before it starts).
   * generate: one call runs `steps_per_call` = k fused steps. They come back as JetStream's
@@ -36,7 +36,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rl.types import Request, SamplingParams
-from sampler.engine import DecodeState, Engine, Prefix
+from sampler.cache import DecodeState
+from sampler.engine import Engine
+from sampler.prefill import Prefix
 
 _INSTALL_HINT = (
     "make_jetstream_engine needs JetStream: pip install -e '.[jetstream]'; it pulls TensorFlow via "

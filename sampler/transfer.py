@@ -16,8 +16,8 @@ import dataclasses
 
 import jax
 
-from sampler.engine import SlotState
-from sampler.loop import Handoff
+from sampler.migration import Handoff
+from sampler.slot_export import SlotState
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,8 +30,8 @@ def _run(engine, params, requests, **loop_kw):
     return {g.request.key: g for g in groups}, loop
 
 
-@pytest.mark.parametrize("legacy,block", [(False, 0), (False, 16), (True, 0)])
-def test_greedy_matches_nocache_recompute(model, legacy, block):
+@pytest.mark.parametrize("block", [0, 16])
+def test_greedy_matches_nocache_recompute(model, block):
     engine = Engine(
         model,
         EngineConfig(
@@ -40,7 +40,6 @@ def test_greedy_matches_nocache_recompute(model, legacy, block):
             max_prefill_length=32,
             steps_per_call=3,
             attention_block=block,
-            legacy_decode=legacy,
         ),
     )
     lengths, new = [3, 9, 17, 30, 1, 12], [12, 7, 20, 10, 15, 5]
@@ -56,11 +55,6 @@ def test_greedy_matches_nocache_recompute(model, legacy, block):
         assert c.finish_reason == "length" and len(c.tokens) == new[i]
     assert loop.stats.prefills == len(requests)
     counts = engine.compile_counts()
-    if legacy:
-        assert counts["prefill"] == 2  # one per bucket used: 16 and 32
-        assert counts["generate"] == 1
-        assert counts["insert"] == 2  # per (bucket, group size), not per prompt
-        return
     # The first admission takes 4 prompts (buckets 16 and 32, two each) in two batched calls; the
     # two later ones come alone. Block attention reads 1, 2 or 4 blocks of 16 (64 cache positions);
     # whole-cache attention compiles once.

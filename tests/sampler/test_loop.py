@@ -1,4 +1,4 @@
-"""The sampler loop: complete groups only, abort, weight swaps, static batching, errors, threads."""
+"""The sampler loop: complete groups only, abort, weight swaps, errors, threads."""
 
 import dataclasses
 import threading
@@ -143,25 +143,6 @@ def test_weight_swap_applies_from_the_next_step_with_version_tags(engine, model)
     assert swapped.tokens[:4] == base.tokens[:4]
     assert swapped.tokens[4:] != base.tokens[4:]
     assert base.versions == (0,) * 12
-
-
-def test_static_batching_waits_for_all_slots(engine, model):
-    rec = Recorder()
-    loop = SamplerLoop(
-        engine,
-        engine.load_params(model),
-        admission=FCFS(),
-        reward_fn=rec.reward,
-        emit=rec.emit,
-        static_batching=True,
-    )
-    loop.submit([_req(1, n_new=2), _req(2, n_new=10), _req(3, n_new=2)])
-    loop.step()
-    while rec.groups == []:
-        loop.step()
-    assert loop.busy_slots() == 2 and len(loop.admission) == 1  # uid 1 done, uid 3 still waits
-    loop.run_until_idle(max_steps=100)
-    assert [g.request.uid for g in rec.groups] == [1, 2, 3]
 
 
 def test_reward_error_surfaces_from_the_thread(engine, model):

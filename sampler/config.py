@@ -1,0 +1,96 @@
+"""EngineConfig: the decode engine's sizes and limits, and whether a request fits them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rl.models.config import DTYPES
+from rl.types import Request
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    max_slots: int = 64  # max_concurrent_decodes
+    max_length: int = 1024  # KV positions per slot: prompt + response
+    max_prefill_length: int = 512  # longest prompt
+    min_prefill_bucket: int = 16  # prompts are padded to powers of two from here (few compiles)
+    steps_per_call: int = 8  # decode steps fused into one generate call (host overhead / k)
+    max_stop_tokens: int = 4  # stop ids per request
+    cache_dtype: str = ""  # KV cache dtype; empty: the model's compute dtype
+    seed: int = 0  # root of every request's random stream
+    memory_budget_bytes: int = 0  # per device for params + KV cache; 0: the device's own limit
+    attention_block: int = 0  # > 0: decode attention reads only the live blocks of this many
+    # positions (sampler/decode.py); 0: the whole cache, faster on XLA:CPU
+
+    def __post_init__(self):
+        for name in (
+            "max_slots",
+            "max_length",
+            "max_prefill_length",
+            "min_prefill_bucket",
+            "steps_per_call",
+            "max_stop_tokens",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"EngineConfig.{name} must be >= 1; received {getattr(self, name)}."
+                )
+        if self.max_prefill_length > self.max_length:
+            raise ValueError(
+                f"EngineConfig.max_prefill_length ({self.max_prefill_length}) exceeds max_length "
+                f"({self.max_length}); a prompt must fit in the cache."
+            )
+        if self.attention_block < 0:
+            raise ValueError(
+                f"EngineConfig.attention_block must be >= 0; received {self.attention_block}."
+            )
+        if not 0 <= self.seed < 2**31:
+            raise ValueError(f"EngineConfig.seed must be in [0, 2**31); received {self.seed}.")
+        if self.cache_dtype and self.cache_dtype not in DTYPES:
+            raise ValueError(
+                f"EngineConfig.cache_dtype={self.cache_dtype!r}; expected one of {tuple(DTYPES)}."
+            )
+
+    def buckets(self) -> tuple[int, ...]:
+        out, b = [], self.min_prefill_bucket
+        while b < self.max_prefill_length:
+            out.append(b)
+            b *= 2
+        return (*out, self.max_prefill_length)
+
+    def bucket(self, length: int) -> int:
+        """The prefill bucket (padded prompt length) of a prompt of `length` tokens."""
+        for b in self.buckets():
+            if length <= b:
+                return b
+        raise ValueError(
+            f"Prompt of {length} tokens exceeds max_prefill_length ({self.max_prefill_length})."
+        )
+
+    def check_request(self, request: Request, vocab_size: int) -> None:
+        """Raises a clear error if `request` can never run on an engine of this config."""
+        p, n = request.params, len(request.prompt)
+        if n > self.max_prefill_length:
+            raise ValueError(
+                f"Request uid={request.uid}: prompt of {n} tokens exceeds max_prefill_length "
+                f"({self.max_prefill_length})."
+            )
+        if n + p.max_new_tokens > self.max_length:
+            raise ValueError(
+                f"Request uid={request.uid}: prompt ({n}) + max_new_tokens ({p.max_new_tokens}) "
+                f"exceeds the engine's max_length ({self.max_length})."
+            )
+        if request.group_size > self.max_slots:
+            raise ValueError(
+                f"Request uid={request.uid}: group_size {request.group_size} exceeds max_slots "
+                f"({self.max_slots}); a group is admitted whole."
+            )
+        if len(p.stop_token_ids) > self.max_stop_tokens:
+            raise ValueError(
+                f"Request uid={request.uid} has {len(p.stop_token_ids)} stop tokens; the engine "
+                f"allows max_stop_tokens={self.max_stop_tokens}."
+            )
+        if any(not 0 <= t < vocab_size for t in request.prompt):
+            raise ValueError(
+                f"Request uid={request.uid}: prompt token ids must be in [0, {vocab_size})."
+            )

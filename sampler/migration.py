@@ -1,0 +1,135 @@
+"""The loop's migration endpoints: what a migration policy sees, and requests moved out and in.
+
+JigsawRL migration (rl/elastic/migration.py decides what moves): at a step boundary the source
+loop's `handoff` takes a running request out, with its samples' decode state
+(Engine.export_slots), as a Handoff; the destination loop `reserve`s free slots for it and `adopt`s
+it, and imports the state before its next decode step, where the request's group then completes.
+sampler/transfer.py carries a Handoff between processes. The functions here are the bookkeeping
+on a loop's SlotTable (callers hold the loop's lock); SamplerLoop runs the engine calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rl.elastic.migration import ReplicaView, RunningView
+from sampler.runs import Run, SlotTable
+from sampler.slot_export import SlotState
+
+
+@dataclasses.dataclass(frozen=True)
+class Handoff:
+    """A request's running samples taken out of one loop (`handoff`) for another (`adopt`).
+
+    Attributes:
+      run: the request's bookkeeping (tokens, log-probs and versions so far, finished samples
+        with their rewards in flight).
+      samples: the sample indices that were running, in the order of `state`'s rows.
+      state: their decode state (Engine.export_slots), on the source's devices.
+    """
+
+    run: Run
+    samples: tuple[int, ...]
+    state: SlotState
+
+
+def movable(table: SlotTable, run: Run) -> bool:
+    """A run can move: not done, every sample started, decoded here since it came."""
+    return (
+        not run.aborted
+        and None not in run.slots
+        and run.request.key not in table.unmovable
+        and run.request.key in table.runs
+    )
+
+
+def view(table: SlotTable, *, queued: bool) -> ReplicaView:
+    """The loop as a migration policy sees it: its running requests, free slots, queue."""
+    count: dict[int, int] = {}
+    runs: dict[int, Run] = {}
+    left: dict[int, int] = {}
+    for _, run, i in table.running():
+        count[id(run)] = count.get(id(run), 0) + 1
+        runs[id(run)] = run
+        rest = run.request.params.max_new_tokens - len(run.samples[i].tokens)
+        left[id(run)] = max(left.get(id(run), 0), rest)
+    running = tuple(
+        RunningView(
+            key=run.request.key,
+            sequences=count[i],
+            tokens_left=left[i],
+            movable=movable(table, run),
+        )
+        for i, run in runs.items()
+    )
+    return ReplicaView(
+        slots=len(table.run), free=len(table.free_slots()), queued=queued, running=running
+    )
+
+
+def reserve(table: SlotTable, n: int) -> list[int] | None:
+    """Promises n free slots to an adoption; None if fewer are free now."""
+    free = table.free_slots()
+    if n < 1 or len(free) < n:
+        return None
+    table.reserved.update(free[:n])
+    return free[:n]
+
+
+def take_out(
+    table: SlotTable, key: tuple[int, int]
+) -> tuple[Run, list[int], tuple[int, ...]] | None:
+    """Removes request `key`'s run and empties its slots (the caller exports and frees them in the
+    engine); returns the run, its slots and the samples in them, or None when it no longer runs
+    here."""
+    run = table.runs.get(key)
+    if run is None:
+        return None
+    if not movable(table, run):
+        raise ValueError(
+            f"handoff: request {key} is not a movable running request here; expected "
+            "one with every sample started and decoded here since it came."
+        )
+    slots = table.holding(run)
+    samples = tuple(table.sample[s] for s in slots)
+    del table.runs[key]
+    for s in slots:
+        table.run[s] = None
+    return run, slots, samples
+
+
+def check_reserved(table: SlotTable, slots: list[int]) -> None:
+    if not set(slots) <= table.reserved:
+        raise ValueError(f"adopt: slots {slots} were not reserved here.")
+
+
+def take_in(table: SlotTable, handoff: Handoff, slots: list[int], now: float) -> None:
+    """Puts a handed-off run into its reserved `slots`; its state is imported at the next step
+    (`imports`), and it cannot move again before it has decoded here (`decoded`)."""
+    run = handoff.run
+    for s, i in zip(slots, handoff.samples, strict=True):
+        table.assign(run, i, s)
+        run.samples[i].start, run.samples[i].base = now, len(run.samples[i].tokens)
+    table.reserved.difference_update(slots)
+    table.runs[run.request.key] = run
+    table.unmovable.add(run.request.key)
+    table.imports.append((list(slots), handoff.state))
+
+
+def imports(table: SlotTable) -> list[tuple[list[int], SlotState]]:
+    """Takes the adopted state to import now (an adoption aborted before its import has its
+    slots released already: nothing to import)."""
+    out = [
+        (slots, moved)
+        for slots, moved in table.imports
+        if all(table.run[x] is not None for x in slots)
+    ]
+    table.imports = []
+    return out
+
+
+def decoded(table: SlotTable, imported: list[tuple[list[int], SlotState]]) -> None:
+    """The runs of `imported` have decoded here once: movable again."""
+    table.unmovable.difference_update(
+        run.request.key for slots, _ in imported for s in slots if (run := table.run[s]) is not None
+    )
