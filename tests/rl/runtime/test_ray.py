@@ -179,7 +179,8 @@ def test_killed_learner_stops_the_run_and_resume_reproduces(ray_cluster, threads
 
     from learner.checkpoint import saved_steps
     from rl.run import train
-    from rl.runtime.ray_runtime import LearnerDied, actor_name
+    from rl.runtime.ray_cluster import actor_name
+    from rl.runtime.ray_learner_client import LearnerDied
 
     config = tiny_config("ray", 1)
     config.workdir = str(tmp_path / "run")
