@@ -31,7 +31,9 @@ class OptimizerConfig:
         if not self.lr > 0:
             raise ValueError(f"optimizer.lr must be > 0; received {self.lr}.")
         if self.schedule not in LR_SCHEDULES:
-            raise ValueError(f"optimizer.schedule={self.schedule!r}; expected one of {LR_SCHEDULES}.")
+            raise ValueError(
+                f"optimizer.schedule={self.schedule!r}; expected one of {LR_SCHEDULES}."
+            )
         if self.warmup_steps < 0 or self.grad_clip_norm < 0 or self.weight_decay < 0:
             raise ValueError(
                 "optimizer.warmup_steps, grad_clip_norm and weight_decay must be >= 0; received "
