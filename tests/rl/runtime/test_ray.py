@@ -269,7 +269,7 @@ def sft_run(runtime_name, workdir):
     composition root: the learner's params after it, and the sft metrics rows."""
     import json
 
-    from rl.metrics import MetricsWriter
+    from rl.metrics_writer import MetricsWriter
     from rl.run import _sft
     from rl.runtime.compose import Setup
     from rl.runtime.factory import make_runtime
