@@ -7,10 +7,10 @@
 A step directory holds `state` (the TrainState arrays; typed PRNG keys as their uint32 key data),
 `prng` (JSON: each key leaf's implementation, to re-wrap the data), `meta` (JSON: the caller's
 host state: round, policy version, data iterator state, queues) and `checksums.json`: the size and
-SHA-256 of every file of the step, written last, once orbax has finished the step. `save` is
-asynchronous: it returns once the arrays are copied off the devices (the step may donate them
-next); `wait` blocks until the files and the checksums are written. `save` refuses a state holding
-NaN/inf.
+SHA-256 of every file of the step, written last, once orbax has finished the step
+(learner/checksums.py). `save` is asynchronous: it returns once the arrays are copied off the
+devices (the step may donate them next); `wait` blocks until the files and the checksums are
+written. `save` refuses a state holding NaN/inf.
 
 `restore` verifies a step before orbax reads it. A step with no checksums.json (a save that did not
 finish: killed, or an empty directory), a missing or truncated file, or a file whose checksum
@@ -42,12 +42,12 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
+from learner.checksums import verify_checksums, write_checksums
 from learner.state import TrainState
 
 BARRIER_TIMEOUT_S = 600  # a multi-process save: how long processes wait for process 0's checksums
 # A multi-process restore: what process 0 found instead of a step.
 _NO_STEP, _DAMAGED, _NONE_INTACT = -1, -2, -3
-CHECKSUMS = "checksums.json"  # in each step directory: {"files": {relative path: [bytes, sha256]}}
 DAMAGED = "damaged"  # damaged steps are moved to <directory>/damaged/<step>
 
 
@@ -85,62 +85,6 @@ def saved_steps(directory: str | os.PathLike) -> list[int]:
     return sorted(
         int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n))
     )
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _files(step_dir: str) -> list[str]:
-    """Every file under `step_dir` (relative, "/"-separated), the checksums file excepted."""
-    out = []
-    for root, _, names in os.walk(step_dir):
-        for name in names:
-            rel = os.path.relpath(os.path.join(root, name), step_dir).replace(os.sep, "/")
-            if rel != CHECKSUMS:
-                out.append(rel)
-    return sorted(out)
-
-
-def write_checksums(step_dir: str) -> None:
-    """Writes `step_dir/checksums.json`: size and SHA-256 of each file (atomically, last)."""
-    files = {}
-    for rel in _files(step_dir):
-        path = os.path.join(step_dir, rel)
-        files[rel] = [os.path.getsize(path), _sha256(path)]
-    tmp = os.path.join(step_dir, CHECKSUMS + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"files": files}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(step_dir, CHECKSUMS))
-
-
-def verify_checksums(step_dir: str) -> str | None:
-    """What is wrong with a saved step ("state/d/0a1b: 12 bytes; expected 209"), or None if intact."""
-    manifest = os.path.join(step_dir, CHECKSUMS)
-    if not os.path.isfile(manifest):
-        return f"{CHECKSUMS} is missing (its save did not finish)"
-    try:
-        with open(manifest, encoding="utf-8") as f:
-            files = json.load(f)["files"]
-        items = [(str(rel), int(size), str(digest)) for rel, (size, digest) in files.items()]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{CHECKSUMS} is unreadable ({type(e).__name__}: {e})"
-    for rel, size, digest in items:
-        path = os.path.join(step_dir, rel)
-        if not os.path.isfile(path):
-            return f"{rel} is missing"
-        got = os.path.getsize(path)
-        if got != size:
-            return f"{rel} has {got} bytes; expected {size}"
-        if _sha256(path) != digest:
-            return f"{rel} does not match its checksum (the file changed after the save)"
-    return None
 
 
 @jax.jit

@@ -134,7 +134,7 @@ def initialize(cfg: DistributedConfig, *, recoverable: bool = False) -> None:
     Call it before any other jax work in the process (jax's rule). Calling it again with the same
     job is a no-op. `recoverable`: the job outlives a process that dies (jax's
     jax_enable_recoverability), for processes that only lend their devices to the learner now
-    and then (Ray sampler replicas: rl.runtime.ray_workers).
+    and then (Ray sampler replicas: rl.runtime.ray_replica).
 
     Raises:
       RuntimeError: jax is already initialised for a different job, or jax computations ran

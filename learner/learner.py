@@ -9,7 +9,9 @@
 Groups are turned into micro-batches (learner/batching.py: `cfg.micro_batch_rows` rows of a few
 fixed lengths) as soon as enough sequences have arrived to fill one, and their gradients are
 accumulated at once; `update` folds in the remainder and applies. `precompile` compiles every
-program a run will call (each micro-batch shape, the optimizer update) ahead, at start.
+program a run will call (each micro-batch shape, the optimizer update) ahead, at start
+(learner/programs.py). `borrow` moves the learner onto a mesh extended over another side's devices
+until `give_back` (learner/borrow.py).
 
 The mesh may span several processes (learner/distributed.py: one jax.distributed job, one process
 per host): every process then makes the same calls with the same groups, and each copies only its
@@ -20,76 +22,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from learner.batching import Batch, MicroBatches, Seq, sequences_of
+from learner.borrow import BorrowSnapshot, extended_mesh, from_host, gather_home, move
 from learner.config import LearnerConfig
 from learner.distributed import put_global
+from learner.programs import Programs, batch_shardings, build_programs, check_rows, precompile
 from learner.state import create_train_state, make_lr_schedule, make_optimizer, state_shardings
-from learner.step import (
-    MAX_KEYS,
-    Accum,
-    accumulate,
-    apply,
-    float_leaf_names,
-    sum_keys,
-    zero_accum,
-)
+from learner.step import Accum, float_leaf_names
 from rl.advantages import get_advantage_estimator
 from rl.compiles import CompileCounter
-from rl.models.sharding import Rules, axis_rules, current_rules, logical_to_spec
+from rl.models.sharding import Rules, axis_rules, current_rules
 from rl.types import Group
-
-
-def _check_rows(cfg: LearnerConfig, mesh: Mesh) -> int:
-    """The mesh's batch shards (fsdp x data), which must divide a micro-batch's rows."""
-    shards = math.prod(mesh.shape[a] for a in ("fsdp", "data") if a in mesh.axis_names)
-    if cfg.micro_batch_rows % shards:
-        raise ValueError(
-            f"learner.micro_batch_rows ({cfg.micro_batch_rows}) must be divisible by the learner "
-            f"mesh's batch shards ({shards}: fsdp)."
-        )
-    return shards
-
-
-@dataclasses.dataclass
-class _Steps:
-    """The step functions of one mesh: the learner's own, or extended over borrowed devices."""
-
-    mesh: Mesh
-    shardings: Any  # TrainState of NamedShardings
-    acc_shardings: Accum
-    zero: Any
-    accumulate: Any
-    apply: Any
-    apply_keep_params: Any
-    copy: Any
-    gather: Any  # any pytree, replicated on every device of the mesh (a collective)
-
-
-@dataclasses.dataclass(frozen=True)
-class BorrowSnapshot:
-    """The learner as the processes lending it devices need it (Learner.borrow_snapshot)."""
-
-    FIELDS: ClassVar[tuple[str, ...]] = (
-        "_pending",
-        "_params_shared",
-        "updates_in_round",
-        "groups_in_update",
-        "_tokens_in_update",
-        "_filtered_in_update",
-    )
-    arrays: Any  # (TrainState, Accum | None, behaviour params | None, reference params | None)
-    fields: dict[str, Any]  # FIELDS' values
 
 
 class Learner:
@@ -111,7 +64,7 @@ class Learner:
             )
         self.cfg = cfg
         self.rules = current_rules() if rules is None else rules
-        _check_rows(cfg, mesh)
+        check_rows(cfg, mesh)
         self.graphdef, params = nnx.split(model)
         self.tx = make_optimizer(cfg.optimizer)
         self.lr_schedule = make_lr_schedule(cfg.optimizer)
@@ -124,7 +77,7 @@ class Learner:
             )(self.state.params)
         self._compiles = CompileCounter()
         self._home = self._steps = self._compile_steps(mesh, shardings)
-        self._borrowed: _Steps | None = None  # the extended mesh's steps, kept across switches
+        self._borrowed: Programs | None = None  # the extended mesh's steps, kept across switches
         # what `precompile` compiled ahead (a borrowed mesh compiles the same)
         self._variants = dict(snapshot=False, shared_params=False)
         self._params_shared = False
@@ -152,57 +105,17 @@ class Learner:
         """The TrainState's shardings on `mesh`."""
         return self._steps.shardings
 
-    def _compile_steps(self, mesh: Mesh, shardings: Any, tag: str = "") -> _Steps:
-        """The jitted step functions of one mesh (their outputs placed by `shardings`)."""
-        cfg, rep = self.cfg, NamedSharding(mesh, PartitionSpec())
-        keys = sum_keys(cfg)  # every metric the policy loss returns reaches update()'s metrics
-        acc_shardings = Accum(
-            grads=shardings.params,
-            numerator=rep,
-            denominator=rep,
-            sums=dict.fromkeys(keys, rep),
-            maxes=dict.fromkeys(MAX_KEYS, rep),
-        )
-        _check_rows(cfg, mesh)  # every micro-batch's rows divide over the mesh's batch shards
-        kw = dict(graphdef=self.graphdef, cfg=cfg)
-        jit = self._compiles.jit
-        return _Steps(
-            mesh=mesh,
-            shardings=shardings,
-            acc_shardings=acc_shardings,
-            zero=jit(
-                "zero" + tag, functools.partial(zero_accum, keys=keys), out_shardings=acc_shardings
-            ),
-            accumulate=jit(
-                "accumulate" + tag,
-                functools.partial(accumulate, **kw),
-                donate_argnums=(0,),
-                out_shardings=acc_shardings,
-            ),
-            apply=jit(
-                "apply" + tag,
-                functools.partial(apply, tx=self.tx, schedule=self.lr_schedule),
-                donate_argnums=(0,),
-                out_shardings=(shardings, rep),
-            ),
-            # The same update, donating everything but the parameters: used once after
-            # `share_params` handed the current parameter buffers to a colocated sampler that
-            # still reads them.
-            apply_keep_params=jit(
-                "apply_keep_params" + tag,
-                lambda params, rest, acc: apply(
-                    dataclasses.replace(rest, params=params),
-                    acc,
-                    tx=self.tx,
-                    schedule=self.lr_schedule,
-                ),
-                donate_argnums=(1,),
-                out_shardings=(shardings, rep),
-            ),
-            copy=jit(
-                "copy" + tag, lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings.params
-            ),
-            gather=jit("gather" + tag, lambda tree: tree, out_shardings=rep),
+    def _compile_steps(self, mesh: Mesh, shardings: Any, tag: str = "") -> Programs:
+        """The jitted step functions of one mesh (learner/programs.py)."""
+        return build_programs(
+            mesh,
+            shardings,
+            graphdef=self.graphdef,
+            cfg=self.cfg,
+            tx=self.tx,
+            lr_schedule=self.lr_schedule,
+            compiles=self._compiles,
+            tag=tag,
         )
 
     @contextlib.contextmanager
@@ -306,18 +219,9 @@ class Learner:
         """Waits for the micro-steps dispatched so far to finish computing (for timing them)."""
         jax.block_until_ready(self._acc)
 
-    def _batch_shardings(self, batch: Batch, mesh: Mesh | None = None) -> Batch:
-        mesh = self.mesh if mesh is None else mesh
-
-        def one(x: Any) -> NamedSharding:
-            names = ("batch",) + (None,) * (len(x.shape) - 1)
-            return NamedSharding(mesh, logical_to_spec(names, mesh, self.rules, shape=x.shape))
-
-        return jax.tree.map(one, batch)
-
     def _accumulate_batch(self, batch: Batch) -> None:
         # Every process of a multi-process learner packed the same batch; each copies its rows.
-        batch = jax.tree.map(put_global, batch, self._batch_shardings(batch))
+        batch = jax.tree.map(put_global, batch, batch_shardings(batch, self.mesh, self.rules))
         with self._on_mesh():
             if self._acc is None:
                 self._acc = self._steps.zero(self.state.params)
@@ -399,21 +303,11 @@ class Learner:
         kept). Called by `borrow` if not before; the compiled steps are kept for later switches to
         the same devices.
         """
-        home = self._home.mesh
-        devices = list(devices)
-        own = list(home.devices.flat)
-        if set(map(id, devices)) & set(map(id, own)) or not devices:
-            raise ValueError(
-                f"borrow: expected devices disjoint from the learner's {own}; received {devices}."
-            )
-        if self._borrowed is not None and list(self._borrowed.mesh.devices.flat) == own + devices:
+        mesh = extended_mesh(self._home.mesh, devices)
+        if self._borrowed is not None and list(self._borrowed.mesh.devices.flat) == list(
+            mesh.devices.flat
+        ):
             return
-        tp = home.shape["tp"]
-        if (len(own) + len(devices)) % tp:
-            raise ValueError(
-                f"borrow: {len(own)} + {len(devices)} devices do not divide into tp={tp} groups."
-            )
-        mesh = Mesh(np.array(own + devices).reshape(-1, tp), ("fsdp", "tp"))
         with jax.set_mesh(mesh), axis_rules(self.rules):
             shardings = state_shardings(
                 jax.eval_shape(lambda p: p, self.state.params), self.tx, mesh, self.rules
@@ -438,30 +332,16 @@ class Learner:
         )
         self._precompile(self._home, **self._variants)
 
-    def _precompile(self, steps: _Steps, *, snapshot: bool, shared_params: bool) -> None:
-        def abstract(tree: Any, shardings: Any) -> Any:
-            return jax.tree.map(
-                lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings
-            )
-
-        with jax.set_mesh(steps.mesh), axis_rules(self.rules):
-            state = abstract(self.state, steps.shardings)
-            params = state.params
-            acc = abstract(steps.zero.eval_shape(params), steps.acc_shardings)
-            ref = None if self.ref_params is None else params
-            steps.zero.precompile(params)
-            steps.copy.precompile(params)  # a round's behaviour snapshot, set_params
-            for length in self.micro_batches.lengths:
-                shapes = self.micro_batches.abstract(length)
-                batch = abstract(shapes, self._batch_shardings(shapes, steps.mesh))
-                for behavior in (None, params) if snapshot else (None,):
-                    steps.accumulate.precompile(
-                        acc, params, batch, behavior_params=behavior, ref_params=ref
-                    )
-            steps.apply.precompile(state, acc)
-            if shared_params:
-                rest = dataclasses.replace(state, params=None)
-                steps.apply_keep_params.precompile(params, rest, acc)
+    def _precompile(self, steps: Programs, *, snapshot: bool, shared_params: bool) -> None:
+        precompile(
+            steps,
+            state=self.state,
+            with_ref=self.ref_params is not None,
+            micro_batches=self.micro_batches,
+            rules=self.rules,
+            snapshot=snapshot,
+            shared_params=shared_params,
+        )
 
     def borrow(self, devices: Sequence[Any], snapshot: BorrowSnapshot | None = None) -> None:
         """Reshards the TrainState (and the accumulator, behaviour and reference params) onto the
@@ -507,51 +387,24 @@ class Learner:
         bookkeeping (groups not yet in a micro-batch, counters). Called on the learner's mesh."""
         if self.borrowing:
             raise RuntimeError("borrow_snapshot called while borrowing; call give_back first.")
-        arrays = jax.device_get((self.state, self._acc, self._behavior, self.ref_params))
+        arrays = jax.device_get(self._arrays())
         fields = {name: getattr(self, name) for name in BorrowSnapshot.FIELDS}
         return BorrowSnapshot(arrays=arrays, fields=fields)
 
-    def _move_from_host(self, to: _Steps, snapshot: BorrowSnapshot) -> None:
-        state, acc, behavior, ref = snapshot.arrays
-        self.state = jax.tree.map(put_global, state, to.shardings)
-        self._acc = None if acc is None else jax.tree.map(put_global, acc, to.acc_shardings)
-        self._behavior = (
-            None if behavior is None else jax.tree.map(put_global, behavior, to.shardings.params)
-        )
-        self.ref_params = (
-            None if ref is None else jax.tree.map(put_global, ref, to.shardings.params)
-        )
+    def _arrays(self) -> tuple[Any, Any, Any, Any]:
+        return (self.state, self._acc, self._behavior, self.ref_params)
+
+    def _move_from_host(self, to: Programs, snapshot: BorrowSnapshot) -> None:
+        self.state, self._acc, self._behavior, self.ref_params = from_host(snapshot.arrays, to)
         for name, value in snapshot.fields.items():
             setattr(self, name, value)
-        jax.block_until_ready((self.state, self._acc, self._behavior, self.ref_params))
         self._steps = to
 
     def _move_home_across(self) -> None:
-        home, ext = self._home, self._steps
+        arrays = gather_home(self._arrays(), self._steps, self._home)
+        self.state, self._acc, self._behavior, self.ref_params = arrays
+        self._steps = self._home
 
-        def back(tree: Any, shardings: Any) -> Any:
-            if tree is None:
-                return None
-            whole = ext.gather(tree)
-            if not all(s.is_fully_addressable for s in jax.tree.leaves(shardings)):
-                return None  # a lending process: the learner's arrays are not its own
-            local = jax.tree.map(lambda x: x.addressable_shards[0].data, whole)
-            return jax.device_put(local, shardings)
-
-        self.state = back(self.state, home.shardings)
-        self._acc = back(self._acc, home.acc_shardings)
-        self._behavior = back(self._behavior, home.shardings.params)
-        self.ref_params = back(self.ref_params, home.shardings.params)
-        jax.block_until_ready((self.state, self._acc, self._behavior, self.ref_params))
-        self._steps = home
-
-    def _move(self, to: _Steps) -> None:
-        self.state = jax.device_put(self.state, to.shardings, donate=True)
-        if self._acc is not None:
-            self._acc = jax.device_put(self._acc, to.acc_shardings, donate=True)
-        if self._behavior is not None:
-            self._behavior = jax.device_put(self._behavior, to.shardings.params, donate=True)
-        if self.ref_params is not None:
-            self.ref_params = jax.device_put(self.ref_params, to.shardings.params, donate=True)
-        jax.block_until_ready((self.state, self._acc, self._behavior, self.ref_params))
+    def _move(self, to: Programs) -> None:
+        self.state, self._acc, self._behavior, self.ref_params = move(self._arrays(), to)
         self._steps = to

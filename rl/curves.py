@@ -3,7 +3,7 @@
     rows = read_metrics("runs/default/metrics.jsonl")
     write_learning_curve_png("runs/default/learning_curve.png", rows, before=0.25, after=0.9)
 
-Reads the rows rl.metrics.MetricsWriter writes: `sft` rows (step = SFT step, `heldout_acc`,
+Reads the rows rl.metrics_writer.MetricsWriter writes: `sft` rows (step = SFT step, `heldout_acc`,
 `loss`) and `train` rows (step = round, `reward_mean`, `heldout_acc` after the round when
 evaluated). The figure has two panels sharing the accuracy axis: the supervised warm start by
 SFT step (shaded), then RL by round.

@@ -24,7 +24,7 @@ from rl.config_check import check_config
 from rl.curves import read_metrics, write_learning_curve_png
 from rl.driver import driver_config_from
 from rl.logs import flush_held_to
-from rl.metrics import MetricsWriter
+from rl.metrics_writer import MetricsWriter
 from rl.round_planner import prompt_from_json, prompt_to_json
 from rl.runtime.compose import Setup
 from rl.runtime.factory import check_runtime_config, make_runtime

@@ -60,7 +60,7 @@ def ray_cluster():
     import ray
 
     # The workers' JAX matches this process's (tests/conftest.py): CPU, 8 fake devices, strict
-    # rank promotion (set above), the same compilation cache. rl.runtime.ray_runtime.worker_env
+    # rank promotion (set above), the same compilation cache. rl.runtime.ray_cluster.worker_env
     # passes JAX_* and XLA_* variables on to them.
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", CACHE_DIR)

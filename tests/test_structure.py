@@ -34,6 +34,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
         "rl.advantages",
         "rl.overlong",
         "rl.metrics",
+        "rl.metrics_writer",
         "rl.curves",
         "rl.models",
         "rl.rewards",

@@ -8,7 +8,7 @@ raises, returns something other than a finite number, or runs past the timeout s
 counted (`stats()`); the first of each kind is logged with an example, the rest only counted, so
 one bad reward function or dataset row never stops the sampler and never floods the log.
 
-`workers` calls run at once, each on one worker lane. Two backends:
+`workers` calls run at once, each on one worker lane. Two backends (rl/rewards/workers.py):
 
 - `backend="thread"` (default; any callable, closures and lambdas too): the call runs on a
   thread. A call past its timeout is stopped: an exception is raised in its thread (CPython's
@@ -27,10 +27,7 @@ one bad reward function or dataset row never stops the sampler and never floods 
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
-import dataclasses
 import math
-import multiprocessing
 import pickle
 import queue
 import threading
@@ -40,168 +37,10 @@ from typing import Any
 from absl import logging
 
 from rl.rewards.registry import TextRewardFn
+from rl.rewards.workers import CallTimeout, Job, ProcessWorker, ThreadWorker
 from rl.types import Completion, Request
 
 BACKENDS = ("thread", "process")
-_STARTUP_TIMEOUT_S = 300.0  # a spawned worker imports the reward's module; not billed to a call
-
-
-@dataclasses.dataclass(eq=False)
-class _Job:
-    request: Request
-    tokens: Sequence[int]
-    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
-
-
-class _Timeout(Exception):
-    """A call ran past timeout_s (internal: turned into a 0.0 score)."""
-
-
-class _Stopped(BaseException):
-    """Raised inside a thread worker's call that ran past its timeout (`_ThreadWorker.stop_call`)."""
-
-
-def _async_raise(ident: int | None, exc: type[BaseException] | None) -> None:
-    """Raises `exc` in thread `ident` at its next Python bytecode; None clears a pending one."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(ident or 0), None if exc is None else ctypes.py_object(exc)
-    )
-
-
-class _ThreadWorker:
-    """Runs calls on one daemon thread; a call past its timeout is stopped and the worker retired."""
-
-    def __init__(self, runner: RewardRunner, name: str):
-        self.runner = runner
-        self.inbox: queue.SimpleQueue[tuple[_Job, concurrent.futures.Future] | None] = (
-            queue.SimpleQueue()
-        )
-        self.retired = False
-        # `_in_call` under `_lock`: a stop is sent only while fn runs, and a stop sent but not yet
-        # delivered when fn returns is cleared, so it can never land after the call (in
-        # threading's own code, or in another thread that reuses this one's id).
-        self._lock = threading.Lock()
-        self._in_call = False
-        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self.thread.start()
-
-    def _run(self, job: _Job) -> Any:
-        with self._lock:
-            self._in_call = True
-        try:
-            return self.runner.fn(job.request, self.runner.decode(job.tokens))
-        finally:
-            with self._lock:
-                self._in_call = False
-                _async_raise(threading.get_ident(), None)  # a stop not yet delivered: cleared
-
-    def _main(self) -> None:
-        while (item := self.inbox.get()) is not None:
-            job, result = item
-            try:
-                result.set_result(self._run(job))
-            except BaseException as e:  # handed to the lane, which scores 0.0 (or _Stopped)
-                result.set_exception(e)
-            if self.retired:
-                return
-
-    def call(self, job: _Job, timeout_s: float) -> Any:
-        result: concurrent.futures.Future = concurrent.futures.Future()
-        self.inbox.put((job, result))
-        done, _ = concurrent.futures.wait([result], timeout=timeout_s)
-        if not done:  # (not result.result(timeout): fn's own TimeoutError is an error, not this)
-            raise _Timeout
-        return result.result()
-
-    def stop_call(self) -> None:
-        """Retires the worker and stops the call it runs: `_Stopped` is raised in its thread at
-        the thread's next Python bytecode (at once for Python code; a C call finishes first)."""
-        self.retired = True
-        with self._lock:
-            if self._in_call:
-                _async_raise(self.thread.ident, _Stopped)
-        self.inbox.put(None)  # wakes the thread if the call ended before the stop
-
-    def stop(self) -> None:
-        """Ends the thread once its queued calls are done and waits for it; a retired worker
-        (its call stopped, maybe still inside a C function) is not waited for."""
-        self.inbox.put(None)
-        if not self.retired:
-            self.thread.join()
-
-
-def _process_main(conn: Any, fn: TextRewardFn) -> None:
-    """A reward worker process: answers (request, text) messages until None or a closed pipe."""
-    conn.send(("ready", None))
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        if message is None:
-            return
-        request, text = message
-        try:
-            reply = ("ok", fn(request, text))
-        except BaseException as e:
-            reply = ("error", e)
-        try:
-            conn.send(reply)
-        except Exception:  # an unpicklable value or exception: sent as its repr
-            kind, value = reply
-            conn.send(("error", RuntimeError(f"unpicklable {kind} result {value!r}")))
-
-
-class _ProcessWorker:
-    """Runs calls in one spawned process; a call past its timeout kills the process."""
-
-    def __init__(self, runner: RewardRunner, name: str):
-        self.runner = runner
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(
-            target=_process_main, args=(child, runner.fn), name=name, daemon=True
-        )
-        self.process.start()
-        child.close()
-        if not self.conn.poll(_STARTUP_TIMEOUT_S):
-            self.kill()
-            raise RuntimeError(
-                f"Reward worker process {name} did not start within {_STARTUP_TIMEOUT_S} s."
-            )
-        self.conn.recv()  # "ready"
-
-    def call(self, job: _Job, timeout_s: float) -> Any:
-        text = self.runner.decode(job.tokens)
-        self.conn.send((job.request, text))
-        if not self.conn.poll(timeout_s):
-            raise _Timeout
-        try:
-            kind, value = self.conn.recv()
-        except (EOFError, OSError):
-            raise RuntimeError("the reward worker process died during the call") from None
-        if kind == "error":
-            raise value
-        return value
-
-    def alive(self) -> bool:
-        return self.process.is_alive()
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.join(timeout=10.0)
-        self.conn.close()
-
-    def stop(self) -> None:
-        try:
-            self.conn.send(None)
-        except OSError:
-            pass
-        self.process.join(timeout=5.0)
-        if self.process.is_alive():
-            self.kill()
-        else:
-            self.conn.close()
 
 
 class RewardRunner:
@@ -253,9 +92,9 @@ class RewardRunner:
         self.fn, self.decode, self.backend = fn, decode, backend
         self.timeout_s, self.workers, self.max_stuck = timeout_s, workers, max_stuck
         self._lock = threading.Lock()
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._calls = self._errors = self._timeouts = self._replaced = 0
-        self._retired: list[_ThreadWorker] = []  # thread workers whose call was stopped
+        self._retired: list[ThreadWorker] = []  # thread workers whose call was stopped
         self._logged: set[str] = set()
         self._closed = False
         self._spawned = 0
@@ -274,7 +113,7 @@ class RewardRunner:
         The Future raises only when the runner cannot score at all: it was closed with the call
         still queued, or too many calls are stuck (thread backend, see `max_stuck`).
         """
-        job = _Job(request, completion.tokens)
+        job = Job(request, completion.tokens)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"RewardRunner({self.name}) is closed; expected an open one.")
@@ -335,12 +174,12 @@ class RewardRunner:
 
     # --------------------------------------------------------------------------------- internals
 
-    def _worker(self) -> _ThreadWorker | _ProcessWorker:
+    def _worker(self) -> ThreadWorker | ProcessWorker:
         with self._lock:
             self._spawned += 1
             name = f"reward-{self.name}-{self._spawned}"
-        cls = _ProcessWorker if self.backend == "process" else _ThreadWorker
-        return cls(self, name)
+        cls = ProcessWorker if self.backend == "process" else ThreadWorker
+        return cls(self.fn, self.decode, name)
 
     def _lane(self) -> None:
         """One worker lane: takes queued calls one at a time and scores them."""
@@ -356,7 +195,7 @@ class RewardRunner:
                     if worker is None:
                         worker = self._worker()
                     job.future.set_result(self._score(worker, job))
-                except _Timeout:
+                except CallTimeout:
                     try:
                         worker = self._replace(worker, job)
                     except BaseException as e:
@@ -365,18 +204,18 @@ class RewardRunner:
                         job.future.set_result(0.0)
                 except BaseException as e:  # the runner itself failed: the caller sees it
                     job.future.set_exception(e)
-                if isinstance(worker, _ProcessWorker) and not worker.alive():
+                if isinstance(worker, ProcessWorker) and not worker.alive():
                     worker.kill()  # crashed (e.g. killed by the OS): a fresh one next call
                     worker = None
         finally:
             if worker is not None:
                 worker.stop()  # an idle worker: ends at once
 
-    def _score(self, worker: _ThreadWorker | _ProcessWorker, job: _Job) -> float:
+    def _score(self, worker: ThreadWorker | ProcessWorker, job: Job) -> float:
         """The call's score: its value, or 0.0 (counted) for an error or an invalid value."""
         try:
             value = worker.call(job, self.timeout_s)
-        except _Timeout:
+        except CallTimeout:
             raise
         except Exception as error:
             self._count_error(
@@ -396,8 +235,8 @@ class RewardRunner:
         return reward
 
     def _replace(
-        self, worker: _ThreadWorker | _ProcessWorker, job: _Job
-    ) -> _ThreadWorker | _ProcessWorker | None:
+        self, worker: ThreadWorker | ProcessWorker, job: Job
+    ) -> ThreadWorker | ProcessWorker | None:
         """Counts a timeout and replaces the worker that ran past it (killed or stopped)."""
         with self._lock:
             self._timeouts += 1
@@ -414,7 +253,7 @@ class RewardRunner:
                 job.request.round,
                 how,
             )
-        if isinstance(worker, _ProcessWorker):
+        if isinstance(worker, ProcessWorker):
             worker.kill()
         else:
             worker.stop_call()

@@ -1,4 +1,4 @@
-"""The Ray runtime's sampler side as the Driver sees it: the replica router and the queue client.
+"""The Ray runtime's sampler side as the Driver sees it: the replica router.
 
 `ReplicaRouter` is the Driver's Sampler (rl.runtime.protocols) over N SamplerReplica actors: it
 routes each request (one group) round-robin or to the least-loaded replica, keeps every request
@@ -9,7 +9,7 @@ timeline (slot lanes numbered across replicas, args["replica"]) for per-replica 
 join and leave between rounds (`add_replica`, `remove_replica`: the sampler borrowing the
 learner's devices), and with a migration policy a RayMigrator (rl.runtime.ray_migration) moves
 running requests between them; routing and the cuts are guarded by one lock for that thread.
-`QueueClient` is the Driver's Queue over the queue actor.
+The Driver's Queue over the queue actor is rl.runtime.ray_queue.QueueClient.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,49 +26,13 @@ from ray.exceptions import RayActorError
 from rl.elastic.migration import Off
 from rl.round_planner import RoundCut
 from rl.runtime.ray_migration import RayMigrator
+from rl.runtime.ray_queue import QueueClient
 from rl.runtime.routing import RoutedCuts, Routing
 from rl.timeline import Timeline, replica_lane
 from rl.types import Group, Request
 from sampler.loop import SamplerStats
 
-__all__ = ["QueueClient", "ReplicaRouter"]
-
-
-class QueueClient:
-    """The Driver's Queue over the queue actor; `accept` drops a group already taken (a replica's
-    re-sampled request whose first copy was delivered before the replica died) or refused by its
-    round's cut."""
-
-    def __init__(self, actor: Any, accept: Any):
-        self.actor, self.accept = actor, accept
-
-    def put(self, group: Group, timeout: float | None = None) -> None:
-        error = ray.get(self.actor.put.remote(group, timeout))
-        if error is not None:
-            raise error
-
-    def get(self, timeout: float | None = None) -> Group:
-        end = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = None if end is None else max(0.0, end - time.monotonic())
-            group, error = ray.get(self.actor.get.remote(left))
-            if error is not None:
-                raise error
-            if self.accept(group):
-                return group
-
-    def close(self) -> None:
-        ray.get(self.actor.close.remote())
-
-    def fail(self, error: BaseException) -> None:
-        try:
-            ray.get(self.actor.fail.remote(error))
-        except Exception:  # an error that does not pickle: its message still stops the other side
-            ray.get(self.actor.fail.remote(RuntimeError(f"{type(error).__name__}: {error}")))
-
-    def qsize(self) -> int:
-        c = ray.get(self.actor.counters.remote())
-        return int(c["puts"] - c["gets"])
+__all__ = ["QueueClient", "ReplicaRouter"]  # QueueClient stays importable from here
 
 
 class ReplicaRouter:

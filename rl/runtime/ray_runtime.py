@@ -4,19 +4,20 @@
         --config.mesh.sampler_replicas=2
 
 This process (the Ray driver) runs rl.driver.Driver and its schedule. Around it:
-- a learner worker (rl.runtime.ray_workers.LearnerWorker) owning the Learner on its devices;
-  `LearnerClient` gives the Driver the Learner's methods;
-- N sampler replicas (SamplerReplica: an Engine + SamplerLoop each, rewards computed there) behind
-  `ReplicaRouter`, the Driver's Sampler: it routes each request (one group) round-robin or to the
+- a learner worker (rl.runtime.ray_learner.LearnerWorker) owning the Learner on its devices;
+  `LearnerClient` (rl.runtime.ray_learner_client) gives the Driver the Learner's methods;
+- N sampler replicas (rl.runtime.ray_replica.SamplerReplica: an Engine + SamplerLoop each, rewards
+  computed there) behind `ReplicaRouter` (rl.runtime.ray_router), the Driver's Sampler: it routes each request (one group) round-robin or to the
   least-loaded replica, decides tail batching's round cuts on the groups of every replica (and
   aborts a full cut's other requests on each), and merges the replicas' timeline events into the
   driver's timeline (slot lanes numbered across replicas, args["replica"]) for per-replica metrics;
-- the complete-group queue (QueueActor: rl.queue.GroupQueue's semantics, backpressure, close,
-  fail) that replicas put into and `QueueClient` takes from;
+- the complete-group queue (rl.runtime.ray_queue.QueueActor: rl.queue.GroupQueue's semantics,
+  backpressure, close, fail) that replicas put into and `QueueClient` takes from;
 - weights through the object store (`ObjectStoreSync`, a WeightSync): the learner worker puts the
   params as host arrays once, every replica gets them.
 The SFT warm start runs on the learner worker too (`RemoteSft`: learner.sft.SftTrainer there,
-driven step by step by rl.run as in the threaded runtime).
+driven step by step by rl.run as in the threaded runtime). Joining the cluster, the workers'
+environment and names, and the planner's split are rl.runtime.ray_cluster's.
 
 Elastic devices: long-tail migration (config.elastic.migration) moves running requests between
 replica actors, their decode state through the object store (rl.runtime.ray_migration: the same
@@ -42,297 +43,32 @@ this process, at the same round).
 from __future__ import annotations
 
 import collections
-import dataclasses
-import logging
-import os
-import time
-from collections.abc import Iterable
 from typing import Any
 
-import jax
-import ml_collections
 import ray
 from ray.exceptions import RayActorError
 
-import rl
-from learner.publish import Published
 from rl.driver import Driver
 from rl.elastic.borrowing import BorrowConfig
 from rl.elastic.migration import make_migration_policy
 from rl.runtime.compose import build_borrower, build_lender, migration_config_from
-from rl.runtime.mesh_plan import plan_mesh
+
+# (connect and worker_env are imported from here too: launch/bench_elastic.py)
+from rl.runtime.ray_cluster import actor_name, connect, planned_config, worker_env
 from rl.runtime.ray_config import check_ray_config
-from rl.runtime.ray_router import QueueClient, ReplicaRouter
-from rl.runtime.ray_workers import LearnerWorker, QueueActor, SamplerReplica
+from rl.runtime.ray_learner import LearnerWorker
+from rl.runtime.ray_learner_client import (
+    LearnerClient,
+    LentReplica,
+    ObjectStoreSync,
+    RemoteCheckpoints,
+    RemoteSft,
+    learner_died,
+)
+from rl.runtime.ray_queue import QueueActor, QueueClient
+from rl.runtime.ray_replica import SamplerReplica
+from rl.runtime.ray_router import ReplicaRouter
 from rl.timeline import Timeline
-from rl.types import Group
-
-
-def planned_config(config: Any) -> tuple[Any, Any]:
-    """config with the planner's split fixed in (config.mesh.split="plan"; rl.runtime.mesh_plan),
-    and the plan. The devices split are the cluster's GPUs (the learner worker then gets
-    learner_devices of them, each replica sampler_devices), or, on a CPU cluster, the devices each
-    worker process sees (every worker takes its first ones)."""
-
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    mesh, plan = plan_mesh(config, gpus or len(jax.devices()))
-    out = ml_collections.ConfigDict(config.to_dict())
-    for name in ("split", "learner_devices", "sampler_devices", "sampler_replicas"):
-        out.mesh[name] = getattr(mesh, name)
-    if gpus:
-        out.ray.learner_gpus, out.ray.replica_gpus = mesh.learner_devices, mesh.sampler_devices
-    return out, plan
-
-
-def worker_env() -> dict[str, Any]:
-    """runtime_env for the workers: this checkout's code first on their path, and this process's
-    JAX/XLA settings (platform, fake CPU device count, compilation cache)."""
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(rl.__file__)))
-    env = {k: v for k, v in os.environ.items() if k.startswith(("JAX_", "XLA_"))}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    return {"env_vars": env}
-
-
-def connect(cfg: Any) -> bool:
-    """Joins the cluster at cfg.address ("auto" or host:port), or starts a local one ("").
-
-    Returns:
-      Whether this call started Ray (and so shuts it down at the end).
-    """
-    if ray.is_initialized():
-        return False
-    kwargs: dict[str, Any] = dict(
-        log_to_driver=cfg.log_to_driver,  # workers' output stays in Ray's log files unless asked
-        logging_level=logging.INFO if cfg.log_to_driver else logging.ERROR,
-        include_dashboard=False,
-    )
-    if cfg.address:
-        ray.init(address=cfg.address, **kwargs)
-    else:
-        ray.init(num_cpus=cfg.num_cpus or None, **kwargs)
-    return True
-
-
-def actor_name(config: Any, role: str) -> str:
-    """The Ray name of a run's worker ("learner", "replica0", "queue"): one run per workdir."""
-    return f"rolloutpipe:{os.path.abspath(config.workdir)}:{role}"
-
-
-class LearnerDied(RuntimeError):
-    """The learner worker died: the run stops; resume continues from the last checkpoint."""
-
-
-def _learner_died(e: BaseException) -> LearnerDied:
-    return LearnerDied(
-        f"The learner worker died ({type(e).__name__}: {str(e).splitlines()[0]}); the run "
-        "stopped. Expected it to live: resume with --config.resume=True continues from the last "
-        "checkpoint in <workdir>/ckpt."
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class RemoteParams:
-    """The learner's params, left where they live (the learner worker)."""
-
-    client: LearnerClient
-
-
-MIRRORED = ("add_groups", "update", "give_back")  # the lenders' Learner makes these calls too
-
-
-class LenderDied(RuntimeError):
-    """A replica died while the learner trained on its devices: the run stops (resume continues
-    from the last checkpoint)."""
-
-
-class LearnerClient:
-    """The Learner's interface over the learner worker group (one worker per host; rank 0 answers).
-
-    With `lenders` (elastic.borrowing learner / both: replicas in the learner's jax.distributed
-    job), `borrow` extends the learner's mesh over their devices: each lender joins with the
-    learner worker's borrow_snapshot, and until `give_back` every add_groups and update runs in
-    the lenders too (the same calls, one SPMD program over the extended mesh). `usable` says
-    whether every lender lives (a borrow is declined otherwise).
-    """
-
-    def __init__(self, workers: list[Any], lenders: list[Any] = (), *, total_updates: int = 0):
-        self.workers, self.lenders = workers, list(lenders)
-        self.total_updates = total_updates
-        self.borrowing = False
-        self.usable: Any = lambda: True
-        self._step = self._call("step")
-
-    def _call(self, method: str, *args: Any) -> Any:
-        if self.borrowing and method not in (*MIRRORED, "step"):
-            raise RuntimeError(
-                f"LearnerClient.{method} while the learner borrows the replicas' devices; "
-                "expected it after give_back (the driver gives them back before publishing)."
-            )
-        lenders = self.lenders if self.borrowing and method in MIRRORED else []
-        refs = [getattr(w, method).remote(*args) for w in self.workers]
-        return self._get(refs, [getattr(r, f"learner_{method}").remote(*args) for r in lenders])
-
-    def _get(self, refs: list[Any], lender_refs: list[Any] = ()) -> Any:
-        try:
-            out = ray.get(refs)[0]
-        except RayActorError as e:
-            raise _learner_died(e) from None
-        try:
-            ray.get(list(lender_refs))
-        except RayActorError as e:
-            raise LenderDied(
-                f"A sampler replica died while the learner trained on its devices "
-                f"({type(e).__name__}: {str(e).splitlines()[0]}); the run stopped. Expected it "
-                "to live: resume with --config.resume=True continues from the last checkpoint."
-            ) from None
-        return out
-
-    @property
-    def step(self) -> int:
-        return self._step
-
-    @property
-    def params(self) -> RemoteParams:
-        return RemoteParams(self)
-
-    @property
-    def state(self) -> Any:
-        """The TrainState, fetched as host arrays."""
-        return self._call("state")
-
-    def begin_round(self, updates: int) -> None:
-        self._step = self._call("begin_round", updates)
-
-    def add_groups(self, groups: Iterable[Group]) -> None:
-        self._step = self._call("add_groups", list(groups))
-
-    def update(self) -> dict[str, float]:
-        metrics, self._step = self._call("update")
-        return metrics
-
-    def publish(self, version: int) -> Any:
-        return self._call("publish", version)[0]
-
-    def compile_stats(self) -> dict[str, dict[str, float]]:
-        return self._call("compile_stats")
-
-    def start_compile_budget(self) -> None:
-        self._call("start_compile_budget")
-
-    def export_hf(self, path: str) -> None:
-        self._call("export_hf", path)
-
-    # ------------------------------------------------- borrowing the replicas' devices (BiDiRL)
-
-    def prepare_borrow(self, ids: list[int]) -> None:
-        """Compiles the extended mesh's steps in the learner worker and in every lender."""
-        self._get(
-            [self.workers[0].prepare_borrow.remote(ids)],
-            [r.learner_prepare.remote(ids, self.total_updates) for r in self.lenders],
-        )
-
-    def borrow(self, ids: list[int]) -> None:
-        """The learner's mesh extended over the lenders' devices `ids`; declined (borrowing
-        stays False) when a lender has died."""
-        if not self.usable():
-            logging.warning("A replica lending its devices died: the learner does not borrow.")
-            return
-        snapshot = self._get([self.workers[0].borrow_snapshot.remote()])[0]
-        self._get(
-            [self.workers[0].borrow.remote(ids, snapshot)],
-            [r.learner_borrow.remote(ids, snapshot) for r in self.lenders],
-        )
-        self.borrowing = True
-
-    def give_back(self) -> None:
-        self._call("give_back")
-        self.borrowing = False
-
-
-class RemoteSft:
-    """learner.sft.SftTrainer's interface over the learner worker, where the SFT state lives."""
-
-    def __init__(self, learner: LearnerClient, records: list[Any]):
-        self.learner = learner
-        learner._call("sft_begin", records)
-
-    def step(self) -> None:
-        self.learner._call("sft_step")
-
-    def loss(self) -> float:
-        return self.learner._call("sft_loss")
-
-    def commit(self) -> None:
-        self.learner._call("sft_commit")
-
-
-class LentReplica:
-    """A sampler replica the learner worker hosts on its own devices (LearnerWorker.lend), behind
-    the interface of a SamplerReplica actor handle: `handle.method.remote(*args)` runs
-    ReplicaCore.method there; `close` stops its loop and readies a fresh one for the next lend."""
-
-    def __init__(self, worker: Any, j: int):
-        self.worker, self.j = worker, j
-
-    def __getattr__(self, method: str) -> Any:
-        if method.startswith("_"):
-            raise AttributeError(method)
-        if method == "close":
-            return _Remote(lambda: self.worker.unlend.remote(self.j))
-        return _Remote(lambda *args: self.worker.lent_call.remote(self.j, method, *args))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Remote:
-    call: Any
-
-    def remote(self, *args: Any) -> Any:
-        return self.call(*args)
-
-
-class ObjectStoreSync:
-    """WeightSync through the object store: one put by the learner worker, a get per replica.
-
-    Published.params is an ObjectRef; ReplicaRouter.set_params hands it to every replica, which
-    places the host arrays on its devices. On a GPU cluster the fast path is a device-to-device
-    transfer (jax.experimental.transfer, or NCCL via ray.util.collective): a WeightSync whose
-    publish returns a transfer handle instead of a ref, with replicas pulling from the learner's
-    devices; the Driver and the router need no change.
-    """
-
-    def publish(self, params: Any, version: int) -> Any:
-
-        if not isinstance(params, RemoteParams):
-            raise TypeError(
-                "ObjectStoreSync.publish expects the learner worker's params (LearnerClient."
-                f"params); received {type(params).__name__}."
-            )
-        start = time.perf_counter()
-        ref = params.client.publish(version)
-        return Published(params=ref, version=version, seconds=time.perf_counter() - start)
-
-
-class RemoteCheckpoints:
-    """Checkpoints written by the learner worker (where the state lives)."""
-
-    def __init__(self, learner: LearnerClient, directory: str):
-        self.learner = learner
-        learner._call("open_checkpoints", directory)
-
-    def save(self, step: int, meta: dict[str, Any]) -> None:
-        self.learner._call("save", step, meta)
-
-    def restore(self, *, strict: bool) -> dict[str, Any]:
-        meta = self.learner._call("restore", strict)
-        self.learner._step = self.learner._call("step")
-        return meta
-
-    def close(self) -> None:
-        try:
-            self.learner._call("close_checkpoints")
-        except LearnerDied:
-            pass  # the error that stopped the run is what the caller sees
 
 
 class RayRuntime:
@@ -401,7 +137,7 @@ class RayRuntime:
         try:
             ray.get(built)  # the job forms once every replica has joined too
         except RayActorError as e:
-            raise _learner_died(e) from None
+            raise learner_died(e) from None
         self.learner = LearnerClient(
             workers, self.replicas if lenders else [], total_updates=total_updates
         )
@@ -423,7 +159,7 @@ class RayRuntime:
         try:
             n = ray.get(worker.lend.remote(self.queue_actor))
         except RayActorError as e:
-            raise _learner_died(e) from None
+            raise learner_died(e) from None
         return [LentReplica(worker, j) for j in range(n)]
 
     def driver(self, cfg: Any, **kwargs: Any) -> Any:

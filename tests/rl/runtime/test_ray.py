@@ -184,7 +184,8 @@ def test_killed_learner_stops_the_run_and_resume_reproduces(ray_cluster, threads
 
     from learner.checkpoint import saved_steps
     from rl.run import train
-    from rl.runtime.ray_runtime import LearnerDied, actor_name
+    from rl.runtime.ray_cluster import actor_name
+    from rl.runtime.ray_learner_client import LearnerDied
 
     config = tiny_config("ray", 1)
     config.workdir = str(tmp_path / "run")
@@ -275,7 +276,7 @@ def sft_run(runtime_name, workdir):
     composition root: the learner's params after it, and the sft metrics rows."""
     import json
 
-    from rl.metrics import MetricsWriter
+    from rl.metrics_writer import MetricsWriter
     from rl.run import _sft
     from rl.runtime.compose import Setup
     from rl.runtime.factory import make_runtime

@@ -1,0 +1,212 @@
+"""The Ray runtime's learner worker: the Learner (and its checkpoints) in a Ray actor.
+
+`LearnerWorker` builds the Learner from the run's config through the composition root
+(rl.runtime.compose) on the devices its process sees; rl.runtime.ray_learner_client.LearnerClient
+is the Driver's view of it. A dead worker surfaces in the caller as ray.exceptions.RayActorError,
+which the client turns into LearnerDied.
+
+The learner is one worker, or (config.ray.learner_workers > 1, one per host) a group of them forming
+one jax.distributed job whose mesh spans the group (learner/distributed.py): rank 0 serves the
+job's coordinator, LearnerClient sends every call to each worker and takes rank 0's answer, and
+collectives (publishing, fetching the state) run in every worker.
+
+Elastic devices: the worker lends its devices to the sampler (`lend`: sampler replicas,
+rl.runtime.ray_replica.ReplicaCore, hosted here) and borrows the replicas' devices
+(`prepare_borrow` / `borrow` / `give_back`: learner.Learner's, over the learner's job).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ray
+
+from learner.checkpoint import Checkpointer
+from learner.distributed import coordinator_address_here, gather_to_host, init_learner_group
+from learner.mesh import lent_meshes
+from rl.models.config import DTYPES
+from rl.runtime.compose import (
+    Setup,
+    build_checked_model,
+    build_learner,
+    build_sft,
+    export_policy,
+    updates_per_round,
+)
+from rl.runtime.ray_process import job_devices, join_job, local_mesh, pin, worker_config
+from rl.runtime.ray_replica import ReplicaCore
+
+
+@ray.remote
+class LearnerWorker:
+    """Owns the Learner (and its checkpoints) on this process's devices; with several workers,
+    this one is process `rank` of the learner's jax.distributed job (learner/distributed.py)."""
+
+    def __init__(self, config_dict: dict[str, Any], total_updates: int, rank: int = 0):
+        self._config_dict, self._total_updates, self.rank = config_dict, total_updates, rank
+        self.group = 1
+        self.learner = None
+        self.ckpt = None
+        self.sft = None  # the SFT warm start (learner.sft.SftTrainer), while it runs
+        self.lendable: list[ReplicaCore] = []  # replicas on its devices, built at the first lend
+
+    def coordinator(self) -> str:
+        """A "host:port" on this worker's node for the job's coordinator (rank 0 serves it)."""
+
+        return coordinator_address_here(ray.util.get_node_ip_address())
+
+    def build(self, coordinator: str, group: int, lenders: int = 0) -> int:
+        """Builds the Learner: on this process's devices (group 1), or joins the `group`-process
+        job at `coordinator` first, its mesh over every worker's devices. With `lenders` (group
+        1), the job is this worker and that many replicas that lend it their devices (rank 0
+        here; ReplicaCore's `job`). Returns the step."""
+
+        config = worker_config(self._config_dict)
+        setup = Setup.from_config(config)
+        if group > 1:
+            dist = config.learner.distributed
+            dist.coordinator_address, dist.num_processes = coordinator, group
+            dist.process_id = self.rank
+            mesh = init_learner_group(config)
+        else:
+            if lenders:
+                join_job(config, (coordinator, 1 + lenders, 0))
+            mesh = local_mesh(config, "learner")
+        self.group = group
+        model = build_checked_model(config, setup, mesh)
+        self.learner = build_learner(config, setup, model, mesh, total_updates=self._total_updates)
+        self.learner.precompile(updates_per_round=updates_per_round(config))
+        self.config, self.setup = config, setup
+        dtype = DTYPES[config.sampler_dtype] if config.sampler_dtype else None
+        # The cast DevicePutSync makes, on the learner's devices: a replica gets the same bits.
+        self._cast = jax.jit(
+            lambda p: jax.tree.map(
+                lambda x: x.astype(dtype) if dtype and jnp.issubdtype(x.dtype, jnp.floating) else x,
+                p,
+            )
+        )
+        return self.learner.step
+
+    def _to_host(self, tree: Any) -> Any:
+        """`tree` as host arrays; with several processes a collective every worker joins."""
+
+        return gather_to_host(tree) if self.group > 1 else jax.device_get(tree)
+
+    def pin(self, cores: list[int]) -> list[int]:
+        return pin(cores)
+
+    def step(self) -> int:
+        return self.learner.step
+
+    def devices(self) -> int:
+        """The learner mesh's devices in this process."""
+        return len(self.learner.mesh.devices.flat)
+
+    def compile_stats(self) -> dict[str, dict[str, float]]:
+        """The learner's programs: compiled, seconds, after start (rl/compiles.py)."""
+        return self.learner.compiles.stats("learner")
+
+    def start_compile_budget(self) -> None:
+        self.learner.compiles.start()
+
+    def begin_round(self, updates: int) -> int:
+        self.learner.begin_round(updates=updates)
+        return self.learner.step
+
+    def add_groups(self, groups: list[Any]) -> int:
+        self.learner.add_groups(groups)
+        return self.learner.step
+
+    def update(self) -> tuple[dict[str, float], int]:
+        return self.learner.update(), self.learner.step
+
+    def publish(self, version: int) -> list[Any]:
+        """Puts the params, cast to the sampler's dtype, in the object store once; returns
+        [ref] (in a list, so Ray hands the caller the reference, not the arrays)."""
+        host = self._to_host(self._cast(self.learner.params))
+        return [ray.put(host) if self.rank == 0 else None]  # every worker gathers; rank 0 puts
+
+    def sft_begin(self, records: list[Any]) -> None:
+        """Starts the SFT warm start (rl.runtime.compose.build_sft) on `records`."""
+
+        self.sft = build_sft(self.config, self.setup, self.learner, records)
+
+    def sft_step(self) -> None:
+        self.sft.step()
+
+    def sft_loss(self) -> float:
+        return self.sft.loss()
+
+    def sft_commit(self) -> None:
+        self.sft.commit()
+
+    def state(self) -> Any:
+        """The TrainState as host arrays."""
+        return self._to_host(self.learner.state)
+
+    def export_hf(self, path: str) -> None:
+
+        export_policy(self.config, self.setup, self.learner, path)
+
+    def open_checkpoints(self, directory: str) -> None:
+
+        self.ckpt = Checkpointer(directory)
+
+    def save(self, step: int, meta: dict[str, Any]) -> None:
+        self.ckpt.save(step, self.learner.state, meta)
+
+    def restore(self, strict: bool) -> dict[str, Any]:
+        self.learner.state, meta = self.ckpt.restore(
+            abstract_state=self.learner.state, shardings=self.learner.shardings, strict=strict
+        )
+        return meta
+
+    def close_checkpoints(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.close()
+            self.ckpt = None
+
+    # ------------------------------------------ borrowing the replicas' devices (BiDiRL, learner)
+
+    def prepare_borrow(self, ids: list[int]) -> None:
+        """Compiles the steps of the mesh extended over the lending replicas' devices `ids`."""
+        self.learner.prepare_borrow(job_devices(ids))
+
+    def borrow_snapshot(self) -> list[Any]:
+        """[ref] of the Learner's borrow_snapshot in the object store (what the lenders join with)."""
+        return [ray.put(self.learner.borrow_snapshot())]
+
+    def borrow(self, ids: list[int], snapshot: Any) -> None:
+        self.learner.borrow(job_devices(ids), snapshot)
+
+    def give_back(self) -> None:
+        self.learner.give_back()
+
+    # ------------------------------------------------------ lending (BiDiRL sampler borrowing)
+
+    def lend(self, queue: Any) -> int:
+        """Builds a sampler replica (ReplicaCore) on each mesh.sampler_devices of this worker's
+        learner devices, putting groups on `queue`; returns how many (ray_learner_client.LentReplica
+        addresses them by number). They are built once and kept, so a later lend compiles
+        nothing. The driver holds the learner's work while they decode."""
+
+        if not self.lendable:
+            devices = list(self.learner.mesh.devices.flat)
+            per, tp = self.config.mesh.sampler_devices or 1, self.config.mesh.sampler_tp
+            self.lendable = [
+                ReplicaCore(self._config_dict, queue, mesh=m) for m in lent_meshes(devices, per, tp)
+            ]
+        return len(self.lendable)
+
+    def lent_call(self, j: int, method: str, *args: Any) -> Any:
+        """ReplicaCore `method` of lent replica j (what ray_learner_client.LentReplica's calls run)."""
+        return getattr(self.lendable[j], method)(*args)
+
+    def unlend(self, j: int) -> BaseException | None:
+        """Stops lent replica j's loop (the router removed it) and readies a fresh one for the
+        next lend: the learner's devices are its own again. Returns the loop's error, if any."""
+        error = self.lendable[j].close()
+        self.lendable[j].renew()
+        return error

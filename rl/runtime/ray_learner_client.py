@@ -1,0 +1,242 @@
+"""The learner worker seen from the Driver's process: the Learner's interface over Ray.
+
+`LearnerClient` gives the Driver the Learner's methods over the learner worker group
+(rl.runtime.ray_learner.LearnerWorker; one worker per host, rank 0 answers), and while the learner
+borrows the replicas' devices runs the same calls in them. Around it, what lives on the worker
+handled from here: its params (`RemoteParams`, published through the object store by
+`ObjectStoreSync`, a WeightSync), the SFT warm start (`RemoteSft`), checkpoints
+(`RemoteCheckpoints`) and the sampler replicas it hosts on its devices while it lends them
+(`LentReplica`). A dead worker raises `LearnerDied`, a lender dying while the learner trains on its
+devices `LenderDied`: the run stops, resume continues from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from learner.publish import Published
+from rl.types import Group
+
+
+class LearnerDied(RuntimeError):
+    """The learner worker died: the run stops; resume continues from the last checkpoint."""
+
+
+def learner_died(e: BaseException) -> LearnerDied:
+    """The error that stops the run when a call to the learner worker raised `e` (RayActorError)."""
+    return LearnerDied(
+        f"The learner worker died ({type(e).__name__}: {str(e).splitlines()[0]}); the run "
+        "stopped. Expected it to live: resume with --config.resume=True continues from the last "
+        "checkpoint in <workdir>/ckpt."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteParams:
+    """The learner's params, left where they live (the learner worker)."""
+
+    client: LearnerClient
+
+
+MIRRORED = ("add_groups", "update", "give_back")  # the lenders' Learner makes these calls too
+
+
+class LenderDied(RuntimeError):
+    """A replica died while the learner trained on its devices: the run stops (resume continues
+    from the last checkpoint)."""
+
+
+class LearnerClient:
+    """The Learner's interface over the learner worker group (one worker per host; rank 0 answers).
+
+    With `lenders` (elastic.borrowing learner / both: replicas in the learner's jax.distributed
+    job), `borrow` extends the learner's mesh over their devices: each lender joins with the
+    learner worker's borrow_snapshot, and until `give_back` every add_groups and update runs in
+    the lenders too (the same calls, one SPMD program over the extended mesh). `usable` says
+    whether every lender lives (a borrow is declined otherwise).
+    """
+
+    def __init__(self, workers: list[Any], lenders: list[Any] = (), *, total_updates: int = 0):
+        self.workers, self.lenders = workers, list(lenders)
+        self.total_updates = total_updates
+        self.borrowing = False
+        self.usable: Any = lambda: True
+        self._step = self._call("step")
+
+    def _call(self, method: str, *args: Any) -> Any:
+        if self.borrowing and method not in (*MIRRORED, "step"):
+            raise RuntimeError(
+                f"LearnerClient.{method} while the learner borrows the replicas' devices; "
+                "expected it after give_back (the driver gives them back before publishing)."
+            )
+        lenders = self.lenders if self.borrowing and method in MIRRORED else []
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        return self._get(refs, [getattr(r, f"learner_{method}").remote(*args) for r in lenders])
+
+    def _get(self, refs: list[Any], lender_refs: list[Any] = ()) -> Any:
+        try:
+            out = ray.get(refs)[0]
+        except RayActorError as e:
+            raise learner_died(e) from None
+        try:
+            ray.get(list(lender_refs))
+        except RayActorError as e:
+            raise LenderDied(
+                f"A sampler replica died while the learner trained on its devices "
+                f"({type(e).__name__}: {str(e).splitlines()[0]}); the run stopped. Expected it "
+                "to live: resume with --config.resume=True continues from the last checkpoint."
+            ) from None
+        return out
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def params(self) -> RemoteParams:
+        return RemoteParams(self)
+
+    @property
+    def state(self) -> Any:
+        """The TrainState, fetched as host arrays."""
+        return self._call("state")
+
+    def begin_round(self, updates: int) -> None:
+        self._step = self._call("begin_round", updates)
+
+    def add_groups(self, groups: Iterable[Group]) -> None:
+        self._step = self._call("add_groups", list(groups))
+
+    def update(self) -> dict[str, float]:
+        metrics, self._step = self._call("update")
+        return metrics
+
+    def publish(self, version: int) -> Any:
+        return self._call("publish", version)[0]
+
+    def compile_stats(self) -> dict[str, dict[str, float]]:
+        return self._call("compile_stats")
+
+    def start_compile_budget(self) -> None:
+        self._call("start_compile_budget")
+
+    def export_hf(self, path: str) -> None:
+        self._call("export_hf", path)
+
+    # ------------------------------------------------- borrowing the replicas' devices (BiDiRL)
+
+    def prepare_borrow(self, ids: list[int]) -> None:
+        """Compiles the extended mesh's steps in the learner worker and in every lender."""
+        self._get(
+            [self.workers[0].prepare_borrow.remote(ids)],
+            [r.learner_prepare.remote(ids, self.total_updates) for r in self.lenders],
+        )
+
+    def borrow(self, ids: list[int]) -> None:
+        """The learner's mesh extended over the lenders' devices `ids`; declined (borrowing
+        stays False) when a lender has died."""
+        if not self.usable():
+            logging.warning("A replica lending its devices died: the learner does not borrow.")
+            return
+        snapshot = self._get([self.workers[0].borrow_snapshot.remote()])[0]
+        self._get(
+            [self.workers[0].borrow.remote(ids, snapshot)],
+            [r.learner_borrow.remote(ids, snapshot) for r in self.lenders],
+        )
+        self.borrowing = True
+
+    def give_back(self) -> None:
+        self._call("give_back")
+        self.borrowing = False
+
+
+class RemoteSft:
+    """learner.sft.SftTrainer's interface over the learner worker, where the SFT state lives."""
+
+    def __init__(self, learner: LearnerClient, records: list[Any]):
+        self.learner = learner
+        learner._call("sft_begin", records)
+
+    def step(self) -> None:
+        self.learner._call("sft_step")
+
+    def loss(self) -> float:
+        return self.learner._call("sft_loss")
+
+    def commit(self) -> None:
+        self.learner._call("sft_commit")
+
+
+class LentReplica:
+    """A sampler replica the learner worker hosts on its own devices (LearnerWorker.lend), behind
+    the interface of a SamplerReplica actor handle: `handle.method.remote(*args)` runs
+    ReplicaCore.method there; `close` stops its loop and readies a fresh one for the next lend."""
+
+    def __init__(self, worker: Any, j: int):
+        self.worker, self.j = worker, j
+
+    def __getattr__(self, method: str) -> Any:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        if method == "close":
+            return _Remote(lambda: self.worker.unlend.remote(self.j))
+        return _Remote(lambda *args: self.worker.lent_call.remote(self.j, method, *args))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Remote:
+    call: Any
+
+    def remote(self, *args: Any) -> Any:
+        return self.call(*args)
+
+
+class ObjectStoreSync:
+    """WeightSync through the object store: one put by the learner worker, a get per replica.
+
+    Published.params is an ObjectRef; ReplicaRouter.set_params hands it to every replica, which
+    places the host arrays on its devices. On a GPU cluster the fast path is a device-to-device
+    transfer (jax.experimental.transfer, or NCCL via ray.util.collective): a WeightSync whose
+    publish returns a transfer handle instead of a ref, with replicas pulling from the learner's
+    devices; the Driver and the router need no change.
+    """
+
+    def publish(self, params: Any, version: int) -> Any:
+
+        if not isinstance(params, RemoteParams):
+            raise TypeError(
+                "ObjectStoreSync.publish expects the learner worker's params (LearnerClient."
+                f"params); received {type(params).__name__}."
+            )
+        start = time.perf_counter()
+        ref = params.client.publish(version)
+        return Published(params=ref, version=version, seconds=time.perf_counter() - start)
+
+
+class RemoteCheckpoints:
+    """Checkpoints written by the learner worker (where the state lives)."""
+
+    def __init__(self, learner: LearnerClient, directory: str):
+        self.learner = learner
+        learner._call("open_checkpoints", directory)
+
+    def save(self, step: int, meta: dict[str, Any]) -> None:
+        self.learner._call("save", step, meta)
+
+    def restore(self, *, strict: bool) -> dict[str, Any]:
+        meta = self.learner._call("restore", strict)
+        self.learner._step = self.learner._call("step")
+        return meta
+
+    def close(self) -> None:
+        try:
+            self.learner._call("close_checkpoints")
+        except LearnerDied:
+            pass  # the error that stopped the run is what the caller sees

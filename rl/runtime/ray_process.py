@@ -1,0 +1,71 @@
+"""What a Ray worker process sets up for itself: its config, its mesh, the learner's job, its cores.
+
+Each worker (rl.runtime.ray_learner.LearnerWorker, rl.runtime.ray_replica.ReplicaCore) builds its
+part of the run from the run's config on the devices its process sees (Ray gives each its GPUs;
+on CPU every process sees the host). With learner borrowing (elastic.borrowing learner / both) the
+learner worker and the replicas lending it their devices are processes of one jax.distributed job.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import ml_collections
+
+from learner.distributed import DistributedConfig, initialize
+from learner.mesh import MeshConfig, make_meshes
+
+
+def worker_config(config_dict: dict[str, Any]) -> Any:
+    """The run's config as a worker gets it (a dict through Ray) made a ConfigDict again."""
+
+    return ml_collections.ConfigDict(config_dict)
+
+
+def local_mesh(config: Any, side: str, devices: list[Any] | None = None) -> Any:
+    """The `side` ("learner" | "sampler") mesh over this process's first config.mesh.<side>_devices
+    devices (0: every device the process sees) with config.mesh.<side>_tp; `devices`: another
+    process's instead (a lending replica names the learner worker's mesh so)."""
+
+    devices = jax.local_devices() if devices is None else devices
+    n = config.mesh[f"{side}_devices"] or len(devices)
+    tp = config.mesh[f"{side}_tp"]
+    learner, sampler = make_meshes(
+        MeshConfig(
+            learner_devices=n, sampler_devices=n, learner_tp=tp, sampler_tp=tp, colocated=True
+        ),
+        devices,
+    )
+    return learner if side == "learner" else sampler
+
+
+def job_devices(ids: list[int]) -> list[Any]:
+    """The jax devices of the learner's jax.distributed job with these ids (every process's)."""
+
+    by_id = {d.id: d for d in jax.devices()}
+    return [by_id[i] for i in ids]
+
+
+def join_job(config: Any, job: tuple[str, int, int]) -> None:
+    """Joins the learner's jax.distributed job (coordinator, processes, rank) that the learner
+    worker (rank 0) and the replicas lending it their devices form (elastic.borrowing learner /
+    both); the job outlives a replica that dies."""
+
+    coordinator, processes, rank = job
+    initialize(
+        DistributedConfig(
+            coordinator_address=coordinator,
+            num_processes=processes,
+            process_id=rank,
+            initialization_timeout_s=config.learner.distributed.initialization_timeout_s,
+        ),
+        recoverable=True,
+    )
+
+
+def pin(cores: list[int]) -> list[int]:
+    """Pins this worker process to `cores` (os.sched_setaffinity); returns the cores it has."""
+    os.sched_setaffinity(0, cores)
+    return sorted(os.sched_getaffinity(0))
