@@ -59,9 +59,11 @@ def test_bench_rewards_prints_its_table_and_hostile_answers_cost_no_timeout():
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cmd = [sys.executable, "-m", "launch.bench_rewards", "--calls=32", "--backends=thread"]
+    cmd.append("--repeats=1")  # the behaviour, not the spread: one run per row
     out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.startswith("thread")]
     assert [row[1] for row in rows] == ["0%", "10%", "50%"]
     for row in rows:
-        assert row[4:] == ["0", "0", "as", "expected"]  # no timeout, nothing stuck, right scores
+        assert row[5:] == ["0", "0", "as", "expected"]  # no timeout, nothing stuck, right scores
+    assert "compiles timed: 0" in out.stdout
