@@ -53,6 +53,7 @@ _GROUP_SIZE = flags.DEFINE_integer("group_size", 4, "G: samples per group.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "Response length cap.")
 _SLOTS = flags.DEFINE_integer("slots", 16, "Engine slots of the sampler (one replica).")
 _PIN = flags.DEFINE_bool("pin", True, "ray: pin the learner and the replica to separate cores.")
+_RUNTIMES = flags.DEFINE_list("runtimes", list(RUNTIMES), f"Runtimes to run, from {RUNTIMES}.")
 _JSON = flags.DEFINE_string("json", "", "Write the figures here as JSON.")
 _CACHE = flags.DEFINE_string("compilation_cache", bench_env.DEFAULT_CACHE, bench_env.CACHE_HELP)
 
@@ -143,32 +144,37 @@ def main(argv: list[str]) -> None:
             f"--groups ({_GROUPS.value}) must be a multiple of --groups_per_update "
             f"({_PER_UPDATE.value}) and --rounds ({_ROUNDS.value}) >= 1."
         )
+    if not _RUNTIMES.value or set(_RUNTIMES.value) - set(RUNTIMES):
+        raise app.UsageError(f"--runtimes={_RUNTIMES.value}; expected some of {RUNTIMES}.")
     bench_env.use_compilation_cache(_CACHE.value)
-    import logging
-
-    import ray
-
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE.value)  # the workers' cache
-    ray.init(
-        num_cpus=os.cpu_count(),
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level=logging.ERROR,
-    )
     out: dict[str, dict[str, Any]] = {}
     start = time.perf_counter()
+    if "ray" in _RUNTIMES.value:
+        import logging
+
+        import ray
+
+        os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE.value)  # the workers' cache
+        ray.init(
+            num_cpus=os.cpu_count(),
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
+        )
     try:
         with bench_util.CompileWatch() as watch:
-            for runtime_name in RUNTIMES:
+            for runtime_name in _RUNTIMES.value:
                 for mode in MODES:
                     out[f"{runtime_name}/{mode}"] = run(runtime_name, mode, watch)
     finally:
-        ray.shutdown()
+        if "ray" in _RUNTIMES.value:
+            ray.shutdown()
     digests = {r["tokens_digest"] for r in out.values()}
     print(
         f"R={_GROUPS.value} G={_GROUP_SIZE.value} U={_PER_UPDATE.value} max_new_tokens="
         f"{_MAX_NEW.value} slots={_SLOTS.value}, {_ROUNDS.value} timed rounds, "
-        f"{os.cpu_count()} cores; ray pinned: {out['ray/sync']['pinned'] or 'no'}; same tokens "
+        f"{os.cpu_count()} cores; ray pinned: {out.get('ray/sync', {}).get('pinned') or 'no'}; "
+        "same tokens "
         f"everywhere: {len(digests) == 1}; {time.perf_counter() - start:.0f} s in all"
     )
     print(
