@@ -11,6 +11,9 @@ import sys
 
 import pytest
 
+from launch import bench_util
+from launch.packing_workload import run_workload
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -138,3 +141,15 @@ def test_bench_tunix_compiles_nothing_while_timed(tmp_path):
     assert out["compiles_timed"] == 0 and out["compiled_while_timed"] == {}
     assert out["loss_max_abs_diff"] < 1e-5  # the same weights, data and optimizer
     assert set(out["ratio_pairs"]) == {"tunix", "tunix_step"}
+
+
+@pytest.mark.slow  # about 1 minute: two learners' start compiles
+def test_packing_run_compiles_nothing_after_its_start():
+    with bench_util.CompileWatch() as watch:
+        bench_util.release()  # as bench_learner before its run: jax's caches empty
+        r = run_workload(
+            updates=2, groups=2, max_response=64, d_model=32, min_length_bucket=32, watch=watch
+        )
+    assert r["compiles_timed"] == 0, watch.timed_names()  # the eager ops too: warmed up
+    assert r["compiles_after_start"] == 0
+    assert r["padded_fraction"]["packed"] <= r["padded_fraction"]["unpacked"]
