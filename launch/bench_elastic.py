@@ -43,6 +43,13 @@ replica is a process of the learner worker's jax.distributed job: the state cros
 object store and back through a gather, the micro-steps reduce across processes over gloo). All
 correctness-grade: a Ray run's processes share the same 2 cores.
 
+Every timed round runs under launch.bench_util's CompileWatch: an XLA compile in this process while
+timing (the warm-ups must compile every shape) fails the program after its tables (compiles timed:
+0; under Ray the learner worker's counted programs are added, a replica actor's engine compiles are
+not seen). Each section's objects are released before the next (bench_util.release). Spread:
+round_s min-max over the --repeats runs (migration), r2t min / median / max over the timed rounds of
+the ratio to the static split's same round (borrowing: both settings train the same prompts).
+
 One function per section: add a section as a function returning its JSON block and name it in
 --sections.
 """
@@ -65,15 +72,22 @@ from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import ray  # noqa: E402
 from absl import app, flags  # noqa: E402
+from flax import nnx  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from configs import base  # noqa: E402
-from launch import bench_env  # noqa: E402
+from launch import bench_env, bench_util  # noqa: E402
 from rl.admission import FCFS  # noqa: E402
 from rl.elastic.migration import MigrationConfig, make_migration_policy  # noqa: E402
 from rl.models import create_model, get_preset  # noqa: E402
-from rl.runtime.compose import build_driver  # noqa: E402
+from rl.runtime.compose import Setup, build_checked_model  # noqa: E402
+from rl.runtime.factory import build_driver  # noqa: E402
+from rl.runtime.ray_cluster import connect, worker_env  # noqa: E402
+from rl.runtime.ray_queue import QueueClient  # noqa: E402
+from rl.runtime.ray_router import ReplicaRouter  # noqa: E402
+from rl.runtime.ray_workers import QueueActor, SamplerReplica, local_mesh  # noqa: E402
 from rl.runtime.replicas import ReplicaSampler  # noqa: E402
 from rl.timeline import SLOT_PREFIX, Timeline  # noqa: E402
 from rl.types import Group, Request, SamplingParams  # noqa: E402
@@ -95,6 +109,7 @@ _FRACTION = flags.DEFINE_float("fraction", 0.5, "tail policy: running <= this * 
 _STEPS = flags.DEFINE_integer("steps_per_call", 4, "Decode steps fused into one generate call.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs of each setting; the median counts.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds the prompts and the model init.")
+WATCH = bench_util.CompileWatch()  # XLA compiles; those inside timed runs fail the program
 
 
 def _round(n: int) -> list[Request]:
@@ -151,6 +166,12 @@ def _sample(engines: list[Engine], params: Any, requests: list[Request], policy:
     )
 
 
+MIGRATION_HEADER = (
+    f"  {'replicas':>8}{'policy':>8}{'round s':>9}{'min-max':>11}{'vs static':>10}"
+    f"{'replica-s':>10}{'vs static':>10}{'moves':>7}{'MB moved':>9}"
+)
+
+
 def _compare(n: int, runs: dict[str, list[dict]]) -> dict[str, dict[str, Any]]:
     """Medians of each policy's runs and their ratios to "off", printed as rows of the table;
     raises unless every setting sampled the same tokens."""
@@ -167,9 +188,10 @@ def _compare(n: int, runs: dict[str, list[dict]]) -> dict[str, dict[str, Any]]:
     for policy, r in rows.items():
         r["round_vs_static"] = r["round_s"] / rows["off"]["round_s"]
         r["replica_s_vs_static"] = r["replica_s"] / rows["off"]["replica_s"]
+        lo, hi = r["round_s_range"]
         print(
-            f"  {n:>8}{policy:>8}{r['round_s']:>9.3f}{r['round_vs_static']:>9.2f}x"
-            f"{r['replica_s']:>10.3f}{r['replica_s_vs_static']:>9.2f}x"
+            f"  {n:>8}{policy:>8}{r['round_s']:>9.3f}{f'{lo:.2f}-{hi:.2f}':>11}"
+            f"{r['round_vs_static']:>9.2f}x{r['replica_s']:>10.3f}{r['replica_s_vs_static']:>9.2f}x"
             f"{r['migrations']:>7.0f}{r['migrated_mb']:>9.2f}"
         )
     return rows
@@ -190,10 +212,7 @@ def migration_section() -> dict[str, Any]:
         f"of {_LONG.value} tokens, 3n of {_SHORT.value}), tail policy at {_FRACTION.value:.0%} "
         f"of slots; median of {_REPEATS.value}"
     )
-    print(
-        f"  {'replicas':>8}{'policy':>8}{'round s':>9}{'vs static':>10}{'replica-s':>10}"
-        f"{'vs static':>10}{'moves':>7}{'MB moved':>9}"
-    )
+    print(MIGRATION_HEADER)
     counts = [int(n) for n in _REPLICAS.value]
     if max(counts) > len(jax.devices()) or min(counts) < 2:
         raise ValueError(
@@ -212,9 +231,10 @@ def migration_section() -> dict[str, Any]:
         runs = {}
         for policy in ("off", "tail"):
             _sample(engines, params, requests, policy)  # warm-up: compiles
-            runs[policy] = [
-                _sample(engines, params, requests, policy) for _ in range(_REPEATS.value)
-            ]
+            with WATCH.timed():
+                runs[policy] = [
+                    _sample(engines, params, requests, policy) for _ in range(_REPEATS.value)
+                ]
         rows = _compare(n, runs)
         out[f"replicas{n}"] = rows
     print(
@@ -274,10 +294,16 @@ def borrowing_runs(
         )
         built, driver = build_driver(config, rounds=rounds + 1)
         try:
-            results = [driver.run_round(r) for r in range(rounds + 1)]
+            results = [driver.run_round(0)]  # warm-up: compiles
+            counted = -programs(built)
+            with WATCH.timed():
+                results += [driver.run_round(r) for r in range(1, rounds + 1)]
+            counted += programs(built)
         finally:
             driver.close()
             built.close()
+        del built, driver
+        bench_util.release()
         timed = [r.metrics for r in results[1:]]
         row = {k: float(np.mean([m.get(k, np.nan) for m in timed])) for k in KEYS}
         row["switch_s"] = float(
@@ -288,13 +314,24 @@ def borrowing_runs(
             repr([[c.tokens for g in r.groups for c in g.completions] for r in results]).encode()
         ).hexdigest()[:12]
         row["tokens_digest"] = digest
+        row["per_round_r2t_s"] = [m["rollout_to_train_end_s"] for m in timed]
+        row["learner_compiles_timed"] = counted  # the runtime's counters (Ray: its workers')
         out[setting] = row
     if out["off"]["tokens_digest"] != out[direction]["tokens_digest"]:
         raise RuntimeError("Borrowing changed the sampled tokens; expected the same tokens.")
     base_r2t = out["off"]["rollout_to_train_end_s"]
     for row in out.values():
         row["r2t_vs_static"] = row["rollout_to_train_end_s"] / base_r2t
+        row["r2t_vs_static_per_round"] = bench_util.spread(
+            a / b
+            for a, b in zip(row["per_round_r2t_s"], out["off"]["per_round_r2t_s"], strict=True)
+        )
     return out
+
+
+def programs(runtime: Any) -> int:
+    """Programs the runtime's counted jitted steps compiled so far (rl/compiles.py)."""
+    return int(sum(v["programs"] for v in runtime.compile_stats().values()))
 
 
 def borrowing_section(runtime: str = "threads", direction: str = "learner") -> dict[str, Any]:
@@ -308,12 +345,14 @@ def borrowing_section(runtime: str = "threads", direction: str = "learner") -> d
         f"fake CPU devices, {_ROUNDS.value} timed rounds; correctness-grade on shared cores)"
     )
     print(
-        f"  {'setting':<10}{'r2t s':>8}{'vs static':>10}{'train s':>9}{'switch s':>9}{'moves':>7}"
+        f"  {'setting':<10}{'r2t s':>8}{'vs static':>10}{'per round min/med/max':>23}{'train s':>9}"
+        f"{'switch s':>9}{'moves':>7}"
     )
     for name, r in rows.items():
+        per_round = bench_util.spread_text(r["r2t_vs_static_per_round"], ".2f")
         print(
             f"  {name:<10}{r['rollout_to_train_end_s']:>8.3f}{r['r2t_vs_static']:>9.2f}x"
-            f"{r['trainer_compute_s']:>9.3f}{r['switch_s']:>9.3f}"
+            f"{per_round:>23}{r['trainer_compute_s']:>9.3f}{r['switch_s']:>9.3f}"
             f"{r['borrowed_rounds']:>7.0f}"
         )
     print(f"  same tokens in both settings: {rows['off']['tokens_digest']}")
@@ -323,10 +362,6 @@ def borrowing_section(runtime: str = "threads", direction: str = "learner") -> d
 def _ray_round(actors: list[Any], queue: Any, params: Any, requests: list[Request], migration: Any):
     """One round through replica actors behind a ReplicaRouter (fresh loops, the same engines);
     as _sample."""
-    import ray
-
-    from rl.runtime.ray_router import QueueClient, ReplicaRouter
-
     ray.get([a.renew.remote() for a in actors])
     router = ReplicaRouter(
         actors,
@@ -359,13 +394,6 @@ def _ray_round(actors: list[Any], queue: Any, params: Any, requests: list[Reques
 
 def ray_migration_section() -> dict[str, Any]:
     """Static split vs long-tail migration across Ray replica actors (the module docstring)."""
-    import ray
-    from flax import nnx
-
-    from rl.runtime.compose import Setup, build_checked_model
-    from rl.runtime.ray_runtime import connect, worker_env
-    from rl.runtime.ray_workers import QueueActor, SamplerReplica, local_mesh
-
     bench_env.use_compilation_cache(_CACHE.value)
     config = base.get_config("smoke")
     config.engine.max_slots, config.engine.max_length = _SLOTS.value, 32 + _LONG.value
@@ -382,10 +410,7 @@ def ray_migration_section() -> dict[str, Any]:
         f"ray_migration: replica actors, G={_GROUP_SIZE.value}, {_SLOTS.value} slots each, 4n "
         f"groups (n of {_LONG.value} tokens, 3n of {_SHORT.value}); median of {_REPEATS.value}"
     )
-    print(
-        f"  {'replicas':>8}{'policy':>8}{'round s':>9}{'vs static':>10}{'replica-s':>10}"
-        f"{'vs static':>10}{'moves':>7}{'MB moved':>9}"
-    )
+    print(MIGRATION_HEADER)
     out: dict[str, Any] = {}
     try:
         for n in (int(r) for r in _REPLICAS.value):
@@ -401,10 +426,11 @@ def ray_migration_section() -> dict[str, Any]:
             runs = {}
             for name, migration in (("off", None), ("tail", policy)):
                 _ray_round(actors, queue, params, requests, migration)  # warm-up
-                runs[name] = [
-                    _ray_round(actors, queue, params, requests, migration)
-                    for _ in range(_REPEATS.value)
-                ]
+                with WATCH.timed():
+                    runs[name] = [
+                        _ray_round(actors, queue, params, requests, migration)
+                        for _ in range(_REPEATS.value)
+                    ]
             rows = _compare(n, runs)
             for actor in (*actors, queue):
                 ray.kill(actor)
@@ -431,11 +457,28 @@ def main(argv: list[str]) -> None:
     unknown = [s for s in _SECTIONS.value if s not in SECTIONS]
     if unknown:
         raise app.UsageError(f"--sections {unknown}; expected names from {sorted(SECTIONS)}.")
-    out = {name: SECTIONS[name]() for name in _SECTIONS.value}
+    out: dict[str, Any] = {}
+    with WATCH:
+        for name in _SECTIONS.value:
+            out[name] = SECTIONS[name]()
+            out[name]["memory_maps_released"] = bench_util.release()
+    learner = sum(
+        row["learner_compiles_timed"]
+        for name in _SECTIONS.value
+        if "borrowing" in name or "lending" in name
+        for row in out[name].values()
+        if isinstance(row, dict)
+    )
+    out["compiles_timed"] = WATCH.compiles_timed + learner
+    print(
+        f"compiles timed: {out['compiles_timed']} (this process's XLA compiles while timing, plus "
+        f"the learners' counted programs); memory maps {bench_util.memory_maps()}"
+    )
     if _JSON.value:
         with open(_JSON.value, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=2)
         print(f"wrote {_JSON.value}")
+    bench_util.fail_if_compiled("launch.bench_elastic", out["compiles_timed"], WATCH.timed_names())
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from configs import base  # noqa: E402  (after the device count: it imports jax)
+
 DEFAULT_CACHE = os.environ.get(
     "ROLLOUTPIPE_JAX_CACHE", os.path.join(tempfile.gettempdir(), "rolloutpipe-jax-cache")
 )
@@ -47,8 +49,6 @@ def tiny_config(
     """launch.bench_pipeline's and launch.profile's model and devices as a config for
     rl.runtime.compose: the "tiny" preset (init_std 0.3, float32), the learner on CPU device 0 and
     the sampler on device 1, an AdamW at constant `lr`, an engine of `slots` slots."""
-    from configs import base
-
     config = base.get_config("smoke")
     config.seed = seed
     config.model.init_std = 0.3  # a peaked policy: responses of a few tokens differ by prompt

@@ -25,9 +25,11 @@ Pieces of an update are also timed alone (median ms): the host work in add_group
 make_batch, device_put), zero_accum, apply against the bare optax update, the metrics fetch; and
 the learner's add_groups and update calls during its timed runs.
 Both sides run on the same single device by default (--devices). Everything is compiled by a
-warm-up before timing. Each way's median run counts; as the machine may be shared (others' load
-comes and goes within seconds), the median over repeats of learner / minimal seconds within one
-repeat is given too (overhead_ratio_paired), and the best runs (least disturbed).
+warm-up before timing (the pieces by a first untimed call each); a compile inside a timed run,
+piece or update makes the program exit non-zero after its table (compiles timed: 0). Each way's
+median run counts, with its best and worst run; as the machine may be shared (others' load comes
+and goes within seconds), learner / minimal seconds within one repeat are given too, min / median /
+max over the repeats (overhead_ratio_paired: the median).
 The first update's loss and gradient norm of the two sides are printed: same initial params and
 batch, so they must agree.
 
@@ -59,6 +61,7 @@ import optax
 from absl import app, flags
 from flax import nnx
 
+from launch import bench_util
 from launch.packing_workload import print_table, run_workload
 from learner.batching import Batch, make_batch
 from learner.config import LearnerConfig, OptimizerConfig
@@ -214,14 +217,18 @@ def wall_ms(fn: Callable[[], Any], repeats: int) -> float:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    result = fixed_batch() if _FIXED.value else {}
+    with bench_util.CompileWatch() as watch:
+        result = fixed_batch(watch) if _FIXED.value else {}
+        maps = bench_util.release()  # the fixed batch's learners and programs
+        if _RUN_UPDATES.value:
+            run = run_workload(
+                updates=_RUN_UPDATES.value,
+                groups=_RUN_GROUPS.value,
+                rows=_RUN_ROWS.value,
+                seed=_SEED.value,
+                watch=watch,
+            )
     if _RUN_UPDATES.value:
-        run = run_workload(
-            updates=_RUN_UPDATES.value,
-            groups=_RUN_GROUPS.value,
-            rows=_RUN_ROWS.value,
-            seed=_SEED.value,
-        )
         print("\nsequence packing over a run (launch/packing_workload.py):")
         print_table(run)
         # the run's figures are the headline: fresh lengths every update, compiles counted
@@ -231,14 +238,25 @@ def main(argv: list[str]) -> None:
             compiles_after_start=run["compiles_after_start"],
             run=run,
         )
+    result.update(
+        compiles_timed=watch.compiles_timed,
+        compiles=watch.report(),
+        memory_maps=dict(after_fixed_batch=maps, end=bench_util.memory_maps()),
+    )
+    print(
+        f"compiles timed: {watch.compiles_timed} (every timed run, piece and update of both parts); "
+        f"memory maps {maps} after the fixed batch was released, {bench_util.memory_maps()} at the end"
+    )
     if _JSON.value:
         with open(_JSON.value, "w") as f:
             json.dump(result, f, indent=2)
         print(f"wrote {_JSON.value}")
+    bench_util.fail_if_compiled("launch.bench_learner", watch.compiles_timed, watch.timed_names())
 
 
-def fixed_batch() -> dict[str, Any]:
-    """The ways above on one fixed batch: their table, and its figures."""
+def fixed_batch(watch: bench_util.CompileWatch) -> dict[str, Any]:
+    """The ways above on one fixed batch: their table, and its figures (timed parts booked as
+    timed in `watch`)."""
     if not 1 <= _MIN_RESPONSE.value <= _MAX_RESPONSE.value:
         raise app.UsageError("Need 1 <= --min_response <= --max_response.")
     if min(_WARMUP.value, _STEPS.value, _REPEATS.value, _PIECE_REPEATS.value) < 1:
@@ -403,20 +421,23 @@ def fixed_batch() -> dict[str, Any]:
         for name in names[r % len(names) :] + names[: r % len(names)]:  # rotated: no fixed order
             fn = ways[name]
             settle()
-            t0 = time.perf_counter()
-            for _ in range(_STEPS.value):
-                fn()
-            settle()
-            runs[name].append(time.perf_counter() - t0)
+            with watch.timed():
+                t0 = time.perf_counter()
+                for _ in range(_STEPS.value):
+                    fn()
+                settle()
+                runs[name].append(time.perf_counter() - t0)
     load_after = os.getloadavg()[0]
     best_ms = {name: 1e3 * min(r) / _STEPS.value for name, r in runs.items()}
+    worst_ms = {name: 1e3 * max(r) / _STEPS.value for name, r in runs.items()}
     # The same repeat's runs ran seconds apart, under much the same outside load.
-    paired = statistics.median(
+    paired_spread = bench_util.spread(
         a / b for a, b in zip(runs["learner-unpacked"], runs["minimal"], strict=True)
     )
-    pack_paired = statistics.median(
+    pack_spread = bench_util.spread(
         a / b for a, b in zip(runs["learner-unpacked"], runs["learner"], strict=True)
     )
+    paired, pack_paired = paired_spread["median"], pack_spread["median"]
     ms = {name: 1e3 * statistics.median(r) / _STEPS.value for name, r in runs.items()}
     rate = {name: 1e3 * tokens / v for name, v in ms.items()}
 
@@ -448,17 +469,19 @@ def fixed_batch() -> dict[str, Any]:
         return 1e3 * ((time.perf_counter() - t1) if fetch else (t1 - t0))
 
     n = _PIECE_REPEATS.value
-    pieces = dict(
-        advantages=wall_ms(advantages, n),
-        make_batch=wall_ms(build, n),
-        device_put=wall_ms(
-            lambda: jax.block_until_ready(jax.device_put(host_batch, batch_shardings)), n
-        ),
-        zero_accum=wall_ms(lambda: jax.block_until_ready(zero_fn(own["state"].params)), n),
-        apply=statistics.median(apply_ms(False) for _ in range(n)),
-        optax_update=statistics.median(opt_only_ms() for _ in range(n)),
-        metrics_fetch=statistics.median(apply_ms(True) for _ in range(n)),
-    )
+    opt_only_ms(), apply_ms(False)  # their first calls compile: not timed
+    with watch.timed():
+        pieces = dict(
+            advantages=wall_ms(advantages, n),
+            make_batch=wall_ms(build, n),
+            device_put=wall_ms(
+                lambda: jax.block_until_ready(jax.device_put(host_batch, batch_shardings)), n
+            ),
+            zero_accum=wall_ms(lambda: jax.block_until_ready(zero_fn(own["state"].params)), n),
+            apply=statistics.median(apply_ms(False) for _ in range(n)),
+            optax_update=statistics.median(opt_only_ms() for _ in range(n)),
+            metrics_fetch=statistics.median(apply_ms(True) for _ in range(n)),
+        )
     calls = {k: statistics.median(v) for k, v in learner_parts.items()}
     # The learner's serial extra per update by the pieces: host work before accumulate is
     # dispatched (the device is idle: the previous update ended in a fetch), the zero_accum jit,
@@ -486,16 +509,23 @@ def fixed_batch() -> dict[str, Any]:
         f"packed: {packed_positions} positions; padded-token fraction packed "
         f"{padded['packed']:.1%}, unpacked {padded['unpacked']:.1%}"
     )
-    print(f"{'way':<14}{'ms/update':>10}{'best':>8}{'tokens/s':>10}{'vs minimal':>11}{'+ms':>8}")
+    print(
+        f"{'way':<14}{'ms/update':>10}{'best':>8}{'worst':>8}{'tokens/s':>10}{'vs minimal':>11}"
+        f"{'+ms':>8}"
+    )
     prev = None
     for name in ways:
         delta = "" if prev is None else f"{ms[name] - ms[prev]:+.1f}"
         print(
-            f"{name:<14}{ms[name]:>10.1f}{best_ms[name]:>8.1f}{rate[name]:>10.0f}"
+            f"{name:<14}{ms[name]:>10.1f}{best_ms[name]:>8.1f}{worst_ms[name]:>8.1f}"
+            f"{rate[name]:>10.0f}"
             f"{rate[name] / base:>11.3f}{delta:>8}"
         )
         prev = name
-    print("(ms/update, tokens/s: the median run; best: the fastest run; +ms: vs the row above)")
+    print(
+        f"(ms/update, tokens/s: the median of {_REPEATS.value} runs; best / worst: the fastest / "
+        "slowest run; +ms: vs the row above)"
+    )
     print("pieces of an update, each alone, median ms:")
     for k, v in pieces.items():
         print(f"  {k:<16}{v:>8.2f}")
@@ -512,12 +542,13 @@ def fixed_batch() -> dict[str, Any]:
         f"{'met' if overhead <= 1.10 else 'NOT met'})"
     )
     print(
-        f"overhead_ratio_paired (median over repeats of learner-unpacked / minimal s): {paired:.3f}"
+        "overhead_ratio_paired (over repeats, learner-unpacked / minimal s of the same repeat): "
+        f"min / median / max {bench_util.spread_text(paired_spread)}"
     )
     met = padded["packed"] <= 0.10 and pack_speedup >= 1.5
     print(
-        f"packing: learner / learner-unpacked tokens/s {pack_speedup:.2f}x (paired median "
-        f"{pack_paired:.2f}x), padded {padded['packed']:.1%} vs {padded['unpacked']:.1%} "
+        f"packing: learner / learner-unpacked tokens/s {pack_speedup:.2f}x (paired min / median / "
+        f"max {bench_util.spread_text(pack_spread, '.2f')}), padded {padded['packed']:.1%} vs {padded['unpacked']:.1%} "
         f"(target <= 10% and >= 1.5x: {'met' if met else 'NOT met'})"
     )
     cores = os.cpu_count() or 1
@@ -550,6 +581,9 @@ def fixed_batch() -> dict[str, Any]:
         tokens_per_s=rate,
         ms_per_update=ms,
         best_ms_per_update=best_ms,
+        worst_ms_per_update=worst_ms,
+        overhead_ratio_paired_spread=paired_spread,
+        packing_speedup_fixed_batch_paired_spread=pack_spread,
         seconds=dict(runs=runs, warmup=warmup_seconds, total=total_seconds),
         pieces_ms=pieces,
         learner_calls_ms=calls,

@@ -9,9 +9,8 @@ R groups per round of G samples, U groups per update (S = R / U updates per roun
 response lengths that belongs to the prompt (RollPacker's premise: a prompt that runs long runs long
 again): each prompt's length is drawn from (--seed, its uid): at the cap --max_new_tokens with
 probability --long_fraction, else uniform in [--short_min, --short_max]. Every mode trains the same
-epoch of R * (--rounds + 1) prompts; the first round compiles (reported, not timed). The Driver
-takes one SamplingParams for all requests, so a Driver subclass sets each request's max_new_tokens
-from its prompt's draw; there are no stop tokens, so every response has exactly its drawn length
+epoch of R * (--rounds + 1) prompts. Each prompt carries its drawn length as its max_new_tokens
+(rl.types.Prompt); there are no stop tokens, so every response has exactly its drawn length
 (checked). Reward: parity of the first response token.
 Modes:
   sync                   rollout all R groups, then S updates in logical order (the baseline);
@@ -39,13 +38,20 @@ Modes:
                          recompute_kv=True (AReaL interruptible generation): at each weight swap the
                          running samples are re-prefilled (prompt + tokens so far) with the new
                          weights instead of continuing with the old KV cache.
-Per mode: one warm-up round (compiles; reported, not timed), then the rest of the epoch (--rounds
-rounds for the plain modes; as many as the tail modes' planner makes), interleaved across the modes
-(round r of every mode in turn, the order rotated each round). The table gives per-mode means of
-rl.metrics.round_metrics (rollout_to_train_end_s, first_dispatch_s, trainer_wait_ratio, rollout_s,
-slot_occupancy) and ratios against sync measured in the same run; a second table compares time per
-trained group (the timed rounds' summed rollout_to_train_end_s / the groups they trained):
-tail_speedup_vs_sync = sync's / the mode's, and the longest trained response of short rounds.
+Modes run one at a time (each mode's compiled programs hold thousands of memory maps; all modes
+alive at once pass vm.max_map_count and LLVM aborts): build the runtime (the learner compiles its
+programs at build), compile the engine's for every admission shape (launch.bench_util.warm_engine),
+then --repeats runs of the epoch, each a fresh Driver from the same initial learner state, its round
+0 not timed (repeat 0's compiles), the rest of the epoch timed (--rounds rounds for the plain modes;
+as many as the tail modes' planner makes); then close the mode and release what it held. Any XLA
+compile inside a timed round makes the program exit non-zero after its table (compiles timed: 0).
+The table gives per-mode medians over the repeats of the round means of rl.metrics.round_metrics
+(rollout_to_train_end_s, first_dispatch_s, trainer_wait_ratio, rollout_s, slot_occupancy) with the
+min-max of rollout_to_train_end_s over the repeats, and ratios of medians against sync; a second
+table compares time per trained group (the timed rounds' summed rollout_to_train_end_s / the groups
+they trained): tail_speedup_vs_sync = sync's / the mode's, and the longest trained response of short
+rounds. Modes ran minutes apart, so a slow spell of a shared machine falls on some modes only: read
+a difference between modes as signal when their min-max ranges do not overlap.
 XLA's persistent compilation cache (--compilation_cache) turns the later modes' recompiles of the
 same programs into lookups. Expect cgp+*+fifo's first_dispatch_s at most half of sync's (the first
 U groups to finish are short), an ordered batch's only when no long group sits in logical batch 0,
@@ -78,6 +84,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from launch import bench_util, pipeline_report  # noqa: E402
 from rl.driver import Driver, DriverConfig, RoundResult  # noqa: E402
 from rl.round_planner import TailConfig  # noqa: E402
 from rl.runtime.compose import Setup
@@ -123,6 +130,9 @@ _MODES = flags.DEFINE_list("modes", list(MODES), f"Modes to run, from {MODES}; s
 _ROUNDS = flags.DEFINE_integer(
     "rounds", 6, "Timed rounds of the plain modes (after one warm-up round); epoch = R*(rounds+1)."
 )
+_REPEATS = flags.DEFINE_integer(
+    "repeats", 3, "Runs of each mode's epoch (fresh Driver, same initial weights); medians count."
+)
 _ETA = flags.DEFINE_float("eta", 1.25, "Tail modes: short rounds launch ceil(eta * R) prompts.")
 _GROUPS = flags.DEFINE_integer("groups", 16, "Groups (prompts) per round (R).")
 _GROUP_SIZE = flags.DEFINE_integer("group_size", 8, "Samples per group (G).")
@@ -166,6 +176,7 @@ _ALL_FLAGS = (
     _SEED,
     _CACHE,
     _ETA,
+    _REPEATS,
 )
 
 
@@ -221,9 +232,9 @@ def driver_config(mode: str) -> DriverConfig:
     return cfg
 
 
-def build(mode: str, max_length: int, max_prefill: int) -> tuple[Driver, ThreadsRuntime]:
-    """A fresh runtime (rl.runtime.compose: model, learner, engine, weight sync) and its driver
-    over this workload; the same seeds for every mode. Close the driver, then the runtime."""
+def build(max_length: int, max_prefill: int) -> ThreadsRuntime:
+    """A fresh runtime (rl.runtime.compose: model, learner, engine, weight sync) for this
+    workload; the same seeds for every mode. Close its drivers, then it."""
     config = bench_env.tiny_config(
         seed=_SEED.value,
         lr=_LR.value,
@@ -233,14 +244,22 @@ def build(mode: str, max_length: int, max_prefill: int) -> tuple[Driver, Threads
         max_prefill=max_prefill,
         steps_per_call=_STEPS.value,
     )
-    runtime = ThreadsRuntime(config, Setup.from_config(config), total_updates=0)
-    driver = runtime.driver(
-        driver_config(mode),
-        prompts=prompts(_SEED.value),
-        reward_fn=parity_reward,
-        rounds=_ROUNDS.value + 1,  # async plans nothing past the epoch
+    return ThreadsRuntime(config, Setup.from_config(config), total_updates=0)
+
+
+def warm_engine(runtime: ThreadsRuntime, cfg: DriverConfig) -> None:
+    """Compiles the engine's programs for every admission a round of this mode can make."""
+    in_flight = (cfg.max_staleness + 1) * _GROUPS.value if cfg.mode == "async" else _GROUPS.value
+    bench_util.warm_engine(
+        runtime.engine,
+        runtime.weight_sync.publish(runtime.learner.params, 0).params,
+        prompt_lengths=range(_PROMPT_MIN.value, _PROMPT_MAX.value + 1),
+        group_size=_GROUP_SIZE.value,
+        max_prompts=max(in_flight, math.ceil(_ETA.value * _GROUPS.value)),
+        per_sample=not cfg.group_atomic,
+        free=cfg.tail.enabled,
+        reprefill=cfg.recompute_kv,
     )
-    return driver, runtime
 
 
 def compile_counts(runtime: ThreadsRuntime) -> dict[str, int]:
@@ -275,93 +294,101 @@ def check_round(result: RoundResult, tail: bool) -> str:
     return digest.hexdigest()[:16]
 
 
-def run_modes(modes: list[str], max_length: int, max_prefill: int) -> dict[str, dict[str, Any]]:
-    """Fresh objects per mode, one warm-up round each, then the rest of the epoch interleaved.
-
-    Timed round r runs every mode still in its epoch in turn, the order rotated by one each round,
-    so a drift in the machine's speed (others' load, clocks) spreads over the modes.
-    """
-    built: dict[str, tuple[Driver, ThreadsRuntime]] = {}
-    warmup_s, compiles_warm, results = {}, {}, {m: [] for m in modes}
-    wall: dict[str, list[float]] = {m: [] for m in modes}  # each timed run_round call
-    tail = {m: m.endswith("+tail") for m in modes}
-    rounds_modes = [m for m in modes if not m.startswith("async")]
-
-    def active(m: str, r: int) -> bool:
-        if tail[m]:
-            return not built[m][0].planner.epoch_complete and r <= 4 * (_ROUNDS.value + 1)
-        return r <= _ROUNDS.value
-
-    def timed(m: str, r: int) -> None:
-        start = time.perf_counter()
-        results[m].append(built[m][0].run_round(r))
-        wall[m].append(time.perf_counter() - start)
-
-    def warm(m: str) -> None:
-        start = time.perf_counter()
-        built[m] = driver, runtime = build(m, max_length, max_prefill)
-        check_round(driver.run_round(0), tail[m])
-        warmup_s[m] = time.perf_counter() - start
-        compiles_warm[m] = compile_counts(runtime)
-        print(f"{m}: built and warmed up in {warmup_s[m]:.1f} s", flush=True)
-
-    try:
-        for m in rounds_modes:
-            warm(m)
+def run_epoch(driver: Driver, tail: bool, watch: bench_util.CompileWatch) -> dict[str, Any]:
+    """Round 0 (not timed), then the rest of the epoch timed; the timed rounds' figures."""
+    check_round(driver.run_round(0), tail)
+    results, wall = [], []
+    with watch.timed():
         for r in itertools.count(1):
-            k = (r - 1) % len(rounds_modes)
-            running = [m for m in rounds_modes[k:] + rounds_modes[:k] if active(m, r)]
-            if not running:
+            if (driver.planner.epoch_complete if tail else r > _ROUNDS.value) or r > 4 * (
+                _ROUNDS.value + 1
+            ):
                 break
-            for m in running:
-                timed(m, r)
-        for m in rounds_modes:
-            if tail[m] and not built[m][0].planner.epoch_complete:
-                raise RuntimeError(f"{m}: the epoch did not end within {r} rounds.")
-        # An async sampler keeps decoding between run_round calls: its rounds run back to back
-        # (not interleaved with other modes, which it would slow down and profit from).
-        for m in modes:
-            if m.startswith("async"):
-                warm(m)
-                for r in range(1, _ROUNDS.value + 1):
-                    timed(m, r)
-                built[m][0].close()  # stops its sampler before the next mode
-    finally:
-        for driver, runtime in built.values():
-            driver.close()
-            runtime.close()
-    out = {}
-    for m, (driver, runtime) in built.items():
-        if _GANTT_DIR.value:
-            os.makedirs(_GANTT_DIR.value, exist_ok=True)
-            stem = os.path.join(_GANTT_DIR.value, m.replace("+", "_"))
-            driver.timeline.write_chrome_trace(stem + ".json")
-            driver.timeline.write_gantt_png(stem + ".png", title=f"{m}: warm-up + timed rounds")
-        rs = results[m]
-        per_round = {k: [r.metrics[k] for r in rs] for k in METRICS}
+            start = time.perf_counter()
+            results.append(driver.run_round(r))
+            wall.append(time.perf_counter() - start)
+    if tail and not driver.planner.epoch_complete:
+        raise RuntimeError(f"The epoch did not end within {len(results)} timed rounds.")
+    per_round = {k: [r.metrics[k] for r in results] for k in METRICS}
+    groups = sum(len(r.groups) for r in results)
+    short = [r.metrics["response_len_max"] for r in results if r.kind in ("short", "plain")]
+    return dict(
+        **{k: float(np.mean(v)) for k, v in per_round.items()},
+        per_round=per_round,
+        kinds=[r.kind for r in results],
+        groups_trained=groups,
+        time_per_group_s=float(np.sum(per_round["rollout_to_train_end_s"])) / groups,
+        groups_per_s=groups / float(np.sum(wall)),  # throughput over its timed rounds
+        short_round_response_len_max=float(np.mean(short)) if short else math.nan,
+        aborted_prompts=int(sum(r.metrics["aborted_prompts"] for r in results)),
+        digests=[check_round(r, tail) for r in results],
+        reward_mean=float(np.mean([r.metrics["reward_mean"] for r in results])),
+        loss=float(np.mean([r.metrics["loss"] for r in results])),
+        first_batch_indices=[
+            sorted(g.request.index for g in r.groups[: _PER_UPDATE.value]) for r in results
+        ],
+    )
+
+
+def run_mode(mode: str, max_length: int, max_prefill: int, watch: bench_util.CompileWatch):
+    """One mode: build, warm up, --repeats epochs, close; medians over the repeats."""
+    start, timed_before = time.perf_counter(), watch.compiles_timed
+    cfg, tail = driver_config(mode), mode.endswith("+tail")
+    runtime = build(max_length, max_prefill)
+    repeats, counts = [], {}
+    try:
+        copy = lambda s: jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), s)
+        initial = copy(runtime.learner.state)  # each repeat starts from the same weights
+        warm_engine(runtime, cfg)
+        build_s = time.perf_counter() - start
+        for k in range(_REPEATS.value):
+            runtime.learner.state = copy(initial)
+            driver = runtime.driver(
+                cfg,
+                prompts=prompts(_SEED.value),
+                reward_fn=parity_reward,
+                rounds=_ROUNDS.value + 1,  # async plans nothing past the epoch
+            )
+            try:
+                before = compile_counts(runtime)
+                repeats.append(run_epoch(driver, tail, watch))
+                counts.update(bench_util.counts_diff(compile_counts(runtime), before))
+            finally:
+                driver.close()
+            if k == 0 and _GANTT_DIR.value:
+                os.makedirs(_GANTT_DIR.value, exist_ok=True)
+                stem = os.path.join(_GANTT_DIR.value, mode.replace("+", "_"))
+                driver.timeline.write_chrome_trace(stem + ".json")
+                driver.timeline.write_gantt_png(stem + ".png", title=f"{mode}: round 0 + timed")
+            del driver
         compiles = compile_counts(runtime)
-        groups = sum(len(r.groups) for r in rs)
-        short = [r.metrics["response_len_max"] for r in rs if r.kind in ("short", "plain")]
-        out[m] = dict(
-            **{k: float(np.mean(v)) for k, v in per_round.items()},
-            per_round=per_round,
-            kinds=[r.kind for r in rs],
-            groups_trained=groups,
-            time_per_group_s=float(np.sum(per_round["rollout_to_train_end_s"])) / groups,
-            groups_per_s=groups / float(np.sum(wall[m])),  # throughput over its timed rounds
-            short_round_response_len_max=float(np.mean(short)) if short else math.nan,
-            aborted_prompts=int(sum(r.metrics["aborted_prompts"] for r in rs)),
-            warmup_s=warmup_s[m],
-            digests=[check_round(r, tail[m]) for r in rs],
-            reward_mean=float(np.mean([r.metrics["reward_mean"] for r in rs])),
-            loss=float(np.mean([r.metrics["loss"] for r in rs])),
-            first_batch_indices=[
-                sorted(g.request.index for g in r.groups[: _PER_UPDATE.value]) for r in rs
-            ],
-            compile_counts=compiles,
-            new_compiles_while_timed=sum(compiles.values()) - sum(compiles_warm[m].values()),
-        )
+    finally:
+        runtime.close()
+    held = bench_util.memory_maps()
+    del runtime, initial
+    first, numeric = repeats[0], [k for k, v in repeats[0].items() if isinstance(v, float)]
+    out = dict(first, **{k: float(np.median([r[k] for r in repeats])) for k in numeric})
+    out.update(
+        spread={k: bench_util.spread(r[k] for r in repeats) for k in SPREAD},
+        repeats=repeats,
+        same_tokens_each_repeat=all(r["digests"] == first["digests"] for r in repeats),
+        build_s=build_s,
+        seconds=time.perf_counter() - start,
+        compile_counts=compiles,
+        compiles_timed=watch.compiles_timed - timed_before,
+        library_compiles_in_epochs=counts,  # round 0 of repeat 0 compiles nothing new either
+        memory_maps=dict(held=held, after_release=bench_util.release()),
+    )
+    print(
+        f"{mode}: {out['seconds']:.0f} s (build + warm-up {build_s:.0f} s), memory maps "
+        f"{held} held -> {out['memory_maps']['after_release']} released, compiles timed "
+        f"{out['compiles_timed']}",
+        flush=True,
+    )
     return out
+
+
+SPREAD = ("rollout_to_train_end_s", "first_dispatch_s", "time_per_group_s", "groups_per_s")
 
 
 def main(argv: list[str]) -> None:
@@ -386,7 +413,10 @@ def main(argv: list[str]) -> None:
     max_length = max_prefill + _MAX_NEW.value
 
     total_start = time.perf_counter()
-    out = run_modes(modes, max_length, max_prefill)
+    out = {}
+    with bench_util.CompileWatch() as watch:
+        for m in modes:
+            out[m] = run_mode(m, max_length, max_prefill, watch)
     total_s = time.perf_counter() - total_start
 
     base = out["sync"]
@@ -400,96 +430,33 @@ def main(argv: list[str]) -> None:
         r["same_tokens_as_sync"] = r["digests"] == base["digests"] if plain else None
         r["throughput_vs_sync"] = r["groups_per_s"] / base["groups_per_s"]
         r["tail_speedup_vs_sync"] = base["time_per_group_s"] / r["time_per_group_s"]
-
     lengths = np.asarray([response_length(u) for u in range(epoch_size())])
-    print(
-        f"workload: {_GROUPS.value} groups x {_GROUP_SIZE.value} samples per round, U = "
-        f"{_PER_UPDATE.value} ({_GROUPS.value // _PER_UPDATE.value} updates), {_SLOTS.value} "
-        f"slots, {_STEPS.value} steps per call; an epoch of {epoch_size()} prompts, response "
-        f"lengths median {np.median(lengths):.0f}, mean {lengths.mean():.1f}, "
-        f"{int(np.sum(lengths == _MAX_NEW.value))} at the cap {_MAX_NEW.value}; backend "
-        f"{jax.default_backend()}, {os.cpu_count()} CPU cores"
+    result = dict(
+        modes=out,
+        compiles_timed=watch.compiles_timed,
+        compiles=watch.report(),
+        config=dict(
+            {f.name: f.value for f in _ALL_FLAGS},
+            model="tiny",
+            init_std=0.3,
+            dtype="float32",
+            max_length=max_length,
+            max_prefill_length=max_prefill,
+            mesh=dict(learner_devices=1, sampler_devices=1),
+            backend=jax.default_backend(),
+            devices=jax.device_count(),
+            cpu_count=os.cpu_count(),
+            load_average=os.getloadavg(),
+            lengths=[int(x) for x in lengths],
+            total_s=total_s,
+        ),
     )
-    print(
-        f"{'mode':<30}{'rounds':>7}{'r2t_end s':>10}{'vs sync':>9}{'1st disp s':>11}{'ratio':>7}"
-        f"{'wait':>7}{'rollout s':>10}{'train s':>9}{'slot occ':>9}{'warm-up s':>10}"
-    )
-    for m, r in out.items():
-        print(
-            f"{m:<30}{len(r['kinds']):>7}{r['rollout_to_train_end_s']:>10.3f}"
-            f"{-r['rollout_to_train_end_reduction']:>+9.1%}{r['first_dispatch_s']:>11.3f}"
-            f"{r['first_dispatch_ratio']:>7.2f}{r['trainer_wait_ratio']:>7.2f}"
-            f"{r['rollout_s']:>10.3f}{r['trainer_compute_s']:>9.3f}{r['slot_occupancy']:>9.2f}"
-            f"{r['warmup_s']:>10.1f}"
-        )
-    print(
-        "rounds: timed rounds; r2t_end: rollout start -> last update's end (round mean); vs sync: "
-        "its change; 1st disp: rollout start -> first learner span; ratio: vs sync; wait: "
-        "trainer_wait_ratio; train s: learner busy time in the window"
-    )
-    print(
-        f"{'mode':<30}{'groups':>7}{'s/group':>9}{'tail_speedup':>13}{'aborted':>8}"
-        f"{'short-round max len':>20}  round kinds"
-    )
-    for m, r in out.items():
-        kinds = "".join(k[0] for k in r["kinds"])
-        print(
-            f"{m:<30}{r['groups_trained']:>7}{r['time_per_group_s']:>9.4f}"
-            f"{r['tail_speedup_vs_sync']:>12.2f}x{r['aborted_prompts']:>8}"
-            f"{r['short_round_response_len_max']:>20.1f}  {kinds}"
-        )
-    print(
-        "s/group: the timed rounds' summed r2t_end / groups they trained; tail_speedup: sync's "
-        "s/group / the mode's; short-round max len: mean over plain/short rounds of the longest "
-        "trained response; kinds: p(lain) s(hort) l(ong) f(lush)"
-    )
-    print(
-        f"{'mode':<30}{'groups/s':>9}{'vs sync':>8}{'1st disp':>9}{'ratio':>7}{'wait':>7}"
-        f"{'lag mean':>9}{'lag max':>8}{'ESS':>7}{'|dlogp|':>9}"
-    )
-    for m, r in out.items():
-        print(
-            f"{m:<30}{r['groups_per_s']:>9.2f}{r['throughput_vs_sync']:>7.2f}x"
-            f"{r['first_dispatch_s']:>9.3f}{r['first_dispatch_ratio']:>7.2f}"
-            f"{r['trainer_wait_ratio']:>7.2f}{r['lag_mean']:>9.2f}{r['lag_max']:>8.0f}"
-            f"{r['ess']:>7.3f}{r['logprob_diff_abs']:>9.4f}"
-        )
-    print(
-        "groups/s: groups trained / wall time of the timed run_round calls (async modes run their "
-        "rounds back to back, the others interleaved); lag: policy versions between a token's and "
-        "the updated params (round means of token means; max); ESS: (sum w)^2 / (N sum w^2), "
-        "w = pi_learner / mu_sampler; |dlogp|: mean |learner - sampler log-prob|"
-    )
-    for m, r in out.items():
-        print(
-            f"{m:<30}first batch (logical indices) {r['first_batch_indices']}, tokens same as "
-            f"sync: {r['same_tokens_as_sync']}, new compiles while timed: "
-            f"{r['new_compiles_while_timed']}, r2t_end per round "
-            f"{[round(x, 3) for x in r['per_round']['rollout_to_train_end_s']]}"
-        )
-    print(f"total (all modes, warm-ups included): {total_s:.1f} s")
-
+    pipeline_report.print_tables(result)
     if _JSON.value:
-        result = dict(
-            modes=out,
-            config=dict(
-                {f.name: f.value for f in _ALL_FLAGS},
-                model="tiny",
-                init_std=0.3,
-                dtype="float32",
-                max_length=max_length,
-                max_prefill_length=max_prefill,
-                mesh=dict(learner_devices=1, sampler_devices=1),
-                backend=jax.default_backend(),
-                devices=jax.device_count(),
-                cpu_count=os.cpu_count(),
-                lengths=[int(x) for x in lengths],
-                total_s=total_s,
-            ),
-        )
         with open(_JSON.value, "w") as f:
             json.dump(result, f, indent=2)
         print(f"wrote {_JSON.value}")
+    bench_util.fail_if_compiled("launch.bench_pipeline", watch.compiles_timed, watch.timed_names())
 
 
 if __name__ == "__main__":

@@ -7,17 +7,22 @@ evaluated (rl/rewards/symbolic.py bounds what it may evaluate). Per backend of t
 (`thread`, the default, and `process`) and per fraction of hostile answers, `--calls` responses
 (real answers: numbers, fractions, radicals, intervals, expressions; hostile ones: power towers,
 huge factorials and binomials, huge symbolic powers, deep nesting) are scored by the registered
-`math` reward through rl.rewards.RewardRunner, all submitted at once. The table gives calls/s, the
-ratio to the clean workload of the same backend (measured in the same process), the timeouts,
-the calls still stuck after the runner closed, and whether every real answer scored as expected.
+`math` reward through rl.rewards.RewardRunner, all submitted at once, --repeats times (fresh runner
+and fresh numbers each time). The table gives calls/s (median and min-max over the repeats), the
+ratio of medians to the clean workload of the same backend (measured in the same process), the
+timeouts and the calls still stuck after the runner closed (summed over the repeats), and whether
+every real answer scored as expected. A jax compile while scoring fails the program (compiles
+timed, in this process: 0; the process backend's workers are not watched).
 """
 
 from __future__ import annotations
 
+import json
 import time
 
 from absl import app, flags
 
+from launch import bench_util
 from rl.rewards import RewardRunner, get_reward
 from rl.types import Completion, Request
 
@@ -57,6 +62,8 @@ _WORKERS = flags.DEFINE_integer("workers", 4, "Calls run at once (task.reward_wo
 _TIMEOUT = flags.DEFINE_float("timeout_s", 2.0, "Per-call timeout (task.reward_timeout_s).")
 _HOSTILE = flags.DEFINE_list("hostile", ["0", "0.1", "0.5"], "Fractions of hostile answers.")
 _BACKENDS = flags.DEFINE_list("backends", ["thread", "process"], "Runner backends.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs of each row; the median counts.")
+_JSON = flags.DEFINE_string("json", "", "Write the rows here as JSON; empty: don't.")
 
 
 def workload(calls: int, hostile: float, offset: int) -> list[tuple[str, str, float]]:
@@ -99,7 +106,9 @@ def score(runner: RewardRunner, calls: list[tuple[str, str, float]]) -> list[flo
     return [f.result() for f in futures]
 
 
-def measure(backend: str, hostile: float, offset: int) -> dict[str, float]:
+def measure(
+    backend: str, hostile: float, offset: int, watch: bench_util.CompileWatch
+) -> dict[str, float]:
     calls = workload(_CALLS.value, hostile, offset)
     runner = RewardRunner(
         get_reward("math"),
@@ -110,9 +119,10 @@ def measure(backend: str, hostile: float, offset: int) -> dict[str, float]:
     )
     # Not timed: worker start-up, imports and sympy's first calls, on answers of their own.
     score(runner, workload(8 * _WORKERS.value, 0.0, offset + 10**6))
-    t = time.perf_counter()
-    scores = score(runner, calls)
-    seconds = time.perf_counter() - t
+    with watch.timed():
+        t = time.perf_counter()
+        scores = score(runner, calls)
+        seconds = time.perf_counter() - t
     runner.close()
     stats = runner.stats()
     return {
@@ -130,21 +140,43 @@ def main(argv: list[str]) -> None:
         f"timeout {_TIMEOUT.value} s"
     )
     print(
-        f"{'backend':<8} {'hostile':>7} {'calls/s':>8} {'vs clean':>8} {'timeouts':>8} "
-        f"{'stuck':>5}  scores"
+        f"{'backend':<8} {'hostile':>7} {'calls/s':>8} {'min-max':>13} {'vs clean':>8} "
+        f"{'timeouts':>8} {'stuck':>5}  scores"
     )
-    offset = 0
-    for backend in _BACKENDS.value:
-        clean = None
-        for fraction in map(float, _HOSTILE.value):
-            offset += 10 * _CALLS.value
-            row = measure(backend, fraction, offset)
-            clean = clean or row["calls_per_s"]
-            print(
-                f"{backend:<8} {fraction:>7.0%} {row['calls_per_s']:>8.1f} "
-                f"{row['calls_per_s'] / clean:>7.2f}x {row['timeouts']:>8d} {row['stuck']:>5d}  "
-                + ("as expected" if row["correct"] else "WRONG")
-            )
+    offset, rows = 0, []
+    with bench_util.CompileWatch() as watch:
+        for backend in _BACKENDS.value:
+            clean = None
+            for fraction in map(float, _HOSTILE.value):
+                runs = []
+                for _ in range(_REPEATS.value):
+                    offset += 10 * _CALLS.value
+                    runs.append(measure(backend, fraction, offset, watch))
+                rate = bench_util.spread(r["calls_per_s"] for r in runs)
+                clean = clean or rate["median"]
+                row = dict(
+                    backend=backend,
+                    hostile=fraction,
+                    calls_per_s=rate["median"],
+                    calls_per_s_spread=rate,
+                    vs_clean=rate["median"] / clean,
+                    timeouts=sum(r["timeouts"] for r in runs),
+                    stuck=sum(r["stuck"] for r in runs),
+                    correct=all(r["correct"] for r in runs),
+                )
+                rows.append(row)
+                print(
+                    f"{backend:<8} {fraction:>7.0%} {rate['median']:>8.1f} "
+                    f"{bench_util.range_text(rate, '.1f'):>13} {row['vs_clean']:>7.2f}x "
+                    f"{row['timeouts']:>8d} {row['stuck']:>5d}  "
+                    + ("as expected" if row["correct"] else "WRONG")
+                )
+    print(f"calls/s: median of {_REPEATS.value} runs; compiles timed: {watch.compiles_timed}")
+    if _JSON.value:
+        with open(_JSON.value, "w") as f:
+            json.dump(dict(rows=rows, compiles_timed=watch.compiles_timed), f, indent=2)
+        print(f"wrote {_JSON.value}")
+    bench_util.fail_if_compiled("launch.bench_rewards", watch.compiles_timed, watch.timed_names())
 
 
 if __name__ == "__main__":

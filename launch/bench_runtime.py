@@ -8,8 +8,14 @@ config.runtime = "threads" (one process: the sampler thread and the learner loop
 and "ray" (a local cluster: the learner worker and one sampler replica in separate processes,
 pinned to separate cores with os.sched_setaffinity when the machine has two or more). Per runtime
 and mode: one warm-up round (compiles; not timed), then --rounds timed rounds; the table gives the
-means of rl.metrics.round_metrics and the speedup against sync of the same runtime. Every
-runtime/mode pair samples the same tokens (checked: a digest of the trained groups' tokens).
+means of rl.metrics.round_metrics and the speedup against sync of the same runtime, with the
+spread of that speedup over the timed rounds (min / median / max of the per-round ratios: round r of
+every mode trains the same prompts). Every runtime/mode pair samples the same tokens (checked: a
+digest of the trained groups' tokens). Threads: the engine's admission shapes are compiled before
+round 0 (launch.bench_util.warm_engine). A compile during a timed round fails the program after its
+table (compiles timed: XLA compiles in this process plus the learner's counted programs, which under
+Ray run in the learner worker; a Ray replica's engine compiles are not seen). Each runtime is
+closed and released before the next.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from configs import base  # noqa: E402
+from launch import bench_util  # noqa: E402
 from rl.runtime.factory import build_driver  # noqa: E402
 
 MODES = {
@@ -46,6 +53,7 @@ _GROUP_SIZE = flags.DEFINE_integer("group_size", 4, "G: samples per group.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "Response length cap.")
 _SLOTS = flags.DEFINE_integer("slots", 16, "Engine slots of the sampler (one replica).")
 _PIN = flags.DEFINE_bool("pin", True, "ray: pin the learner and the replica to separate cores.")
+_RUNTIMES = flags.DEFINE_list("runtimes", list(RUNTIMES), f"Runtimes to run, from {RUNTIMES}.")
 _JSON = flags.DEFINE_string("json", "", "Write the figures here as JSON.")
 _CACHE = flags.DEFINE_string("compilation_cache", bench_env.DEFAULT_CACHE, bench_env.CACHE_HELP)
 
@@ -80,19 +88,39 @@ def pin_workers(runtime: Any) -> dict[str, list[int]]:
     }
 
 
-def run(runtime_name: str, mode: str) -> dict[str, Any]:
+def learner_compiles(runtime: Any) -> int:
+    """Programs the runtime's learner (and, threads, engines) compiled so far (rl/compiles.py)."""
+    return int(sum(v["programs"] for v in runtime.compile_stats().values()))
+
+
+def run(runtime_name: str, mode: str, watch: bench_util.CompileWatch) -> dict[str, Any]:
     rounds = 1 + _ROUNDS.value
+    timed_before = watch.compiles_timed
     runtime, driver = build_driver(config_of(runtime_name, mode), rounds=rounds)
     try:
         pinned = pin_workers(runtime) if runtime_name == "ray" else {}
+        if runtime_name == "threads":
+            bench_util.warm_engine(
+                runtime.engine,
+                runtime.weight_sync.publish(runtime.learner.params, 0).params,
+                prompt_lengths=range(1, runtime.engine.max_prefill_length + 1),
+                group_size=_GROUP_SIZE.value,
+                max_prompts=_GROUPS.value,
+            )
         results = []
         try:
-            for r in range(rounds):
-                results.append(driver.run_round(r))
+            results.append(driver.run_round(0))
+            counted = learner_compiles(runtime)
+            with watch.timed():
+                for r in range(1, rounds):
+                    results.append(driver.run_round(r))
+            counted = learner_compiles(runtime) - counted
         finally:
             driver.close()
     finally:
         runtime.close()
+    del runtime, driver
+    maps = bench_util.release()
     timed = [r.metrics for r in results[1:]]
     digest = hashlib.sha256(
         repr([[c.tokens for g in r.groups for c in g.completions] for r in results]).encode()
@@ -100,8 +128,11 @@ def run(runtime_name: str, mode: str) -> dict[str, Any]:
     return {
         **{k: float(np.mean([m[k] for m in timed])) for k in KEYS},
         "warmup_round_s": results[0].metrics["rollout_to_train_end_s"],
+        "per_round_r2t_s": [m["rollout_to_train_end_s"] for m in timed],
         "tokens_digest": digest,
         "pinned": pinned,
+        "compiles_timed": watch.compiles_timed - timed_before + counted,
+        "memory_maps_released": maps,
     }
 
 
@@ -113,50 +144,64 @@ def main(argv: list[str]) -> None:
             f"--groups ({_GROUPS.value}) must be a multiple of --groups_per_update "
             f"({_PER_UPDATE.value}) and --rounds ({_ROUNDS.value}) >= 1."
         )
+    if not _RUNTIMES.value or set(_RUNTIMES.value) - set(RUNTIMES):
+        raise app.UsageError(f"--runtimes={_RUNTIMES.value}; expected some of {RUNTIMES}.")
     bench_env.use_compilation_cache(_CACHE.value)
-    import logging
-
-    import ray
-
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE.value)  # the workers' cache
-    ray.init(
-        num_cpus=os.cpu_count(),
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level=logging.ERROR,
-    )
     out: dict[str, dict[str, Any]] = {}
     start = time.perf_counter()
+    if "ray" in _RUNTIMES.value:
+        import logging
+
+        import ray
+
+        os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE.value)  # the workers' cache
+        ray.init(
+            num_cpus=os.cpu_count(),
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
+        )
     try:
-        for runtime_name in RUNTIMES:
-            for mode in MODES:
-                out[f"{runtime_name}/{mode}"] = run(runtime_name, mode)
+        with bench_util.CompileWatch() as watch:
+            for runtime_name in _RUNTIMES.value:
+                for mode in MODES:
+                    out[f"{runtime_name}/{mode}"] = run(runtime_name, mode, watch)
     finally:
-        ray.shutdown()
+        if "ray" in _RUNTIMES.value:
+            ray.shutdown()
     digests = {r["tokens_digest"] for r in out.values()}
     print(
         f"R={_GROUPS.value} G={_GROUP_SIZE.value} U={_PER_UPDATE.value} max_new_tokens="
         f"{_MAX_NEW.value} slots={_SLOTS.value}, {_ROUNDS.value} timed rounds, "
-        f"{os.cpu_count()} cores; ray pinned: {out['ray/sync']['pinned'] or 'no'}; same tokens "
+        f"{os.cpu_count()} cores; ray pinned: {out.get('ray/sync', {}).get('pinned') or 'no'}; "
+        "same tokens "
         f"everywhere: {len(digests) == 1}; {time.perf_counter() - start:.0f} s in all"
     )
     print(
-        "| runtime | mode | rollout-to-train-end | speedup vs sync (same runtime) | first dispatch "
-        "| trainer wait | rollout |"
+        "| runtime | mode | rollout-to-train-end | speedup vs sync (same runtime) | per round min / "
+        "median / max | first dispatch | trainer wait | rollout | compiles timed |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for key, r in out.items():
         runtime_name, mode = key.split("/")
-        sync = out[f"{runtime_name}/sync"]["rollout_to_train_end_s"]
-        r["speedup_vs_sync"] = sync / r["rollout_to_train_end_s"]
+        sync = out[f"{runtime_name}/sync"]
+        r["speedup_vs_sync"] = sync["rollout_to_train_end_s"] / r["rollout_to_train_end_s"]
+        r["speedup_vs_sync_per_round"] = bench_util.spread(
+            a / b for a, b in zip(sync["per_round_r2t_s"], r["per_round_r2t_s"], strict=True)
+        )
         print(
             f"| {runtime_name} | {mode} | {r['rollout_to_train_end_s']:.2f} s | "
-            f"{r['speedup_vs_sync']:.2f}x | {r['first_dispatch_s']:.2f} s | "
-            f"{r['trainer_wait_ratio']:.2f} | {r['rollout_s']:.2f} s |"
+            f"{r['speedup_vs_sync']:.2f}x | "
+            f"{bench_util.spread_text(r['speedup_vs_sync_per_round'], '.2f')} | "
+            f"{r['first_dispatch_s']:.2f} s | {r['trainer_wait_ratio']:.2f} | "
+            f"{r['rollout_s']:.2f} s | {r['compiles_timed']} |"
         )
+    compiles_timed = sum(r["compiles_timed"] for r in out.values())
+    print(f"compiles timed: {compiles_timed}; memory maps {bench_util.memory_maps()}")
     if _JSON.value:
         with open(_JSON.value, "w") as f:
-            json.dump(out, f, indent=2)
+            json.dump(dict(runs=out, compiles_timed=compiles_timed), f, indent=2)
+    bench_util.fail_if_compiled("launch.bench_runtime", compiles_timed, watch.timed_names())
 
 
 if __name__ == "__main__":

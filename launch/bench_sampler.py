@@ -19,7 +19,9 @@ three ways:
               on the first --nocache_groups groups only (it is slow).
 Response lengths are drawn per group (SamplingParams.max_new_tokens, no stop tokens), so every
 mode produces exactly the same number of tokens per sample. Everything is compiled by a warm-up
-pass over the same workload before anything is timed; the warm-up time is reported separately.
+pass over the same workload (continuous and static) before anything is timed; the warm-up time is
+reported separately, and a compile inside a timed run makes the program exit non-zero after its
+table (compiles timed: 0). Tokens/s are given min / median / max over the --repeats runs too.
 Expect, on the default workload, one prefill per group and continuous about 2x static (2.1x fewer
 generate calls; the seconds are noisier than the call counts on a shared CPU).
 
@@ -41,6 +43,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from launch import bench_util
 from rl.admission import FCFS
 from rl.models import create_model, get_preset
 from rl.rewards import RewardRunner
@@ -93,6 +96,7 @@ _ALL_FLAGS = (
     _REWARD_WORKERS,
     _DECODE_NEW,
 )
+WATCH = bench_util.CompileWatch()  # XLA compiles; those inside timed runs fail the program
 
 
 def sleepy_verifier(request: Request, text: str, *, sleep_s: float) -> float:
@@ -172,8 +176,9 @@ def run_verifier_rows(engine: Engine, params: Any, requests: list[Request]) -> d
     runs: dict[str, list[dict[str, Any]]] = {"inline": [], "offloaded": []}
     try:
         for _ in range(_REPEATS.value):
-            runs["inline"].append(run_loop(engine, params, requests, False, inline))
-            runs["offloaded"].append(run_loop(engine, params, requests, False, runner))
+            with WATCH.timed():
+                runs["inline"].append(run_loop(engine, params, requests, False, inline))
+                runs["offloaded"].append(run_loop(engine, params, requests, False, runner))
     finally:
         runner.close()
     out = {k: sorted(v, key=lambda r: r["seconds"])[len(v) // 2] for k, v in runs.items()}
@@ -245,9 +250,10 @@ def decode_case(shape: tuple[int, int, int]) -> dict[str, Any]:
     )
     params = engine.load_params(model)
     run_loop(engine, params, requests, static=False)  # warm-up: compiles
-    seconds = [
-        run_loop(engine, params, requests, static=False)["seconds"] for _ in range(_REPEATS.value)
-    ]
+    seconds = []
+    for _ in range(_REPEATS.value):
+        with WATCH.timed():
+            seconds.append(run_loop(engine, params, requests, static=False)["seconds"])
     if _PROFILE.value and not getattr(decode_case, "profiled", False):
         decode_case.profiled = True
         with jax.profiler.trace(_PROFILE.value):
@@ -264,7 +270,10 @@ def decode_case(shape: tuple[int, int, int]) -> dict[str, Any]:
 
 def decode_main() -> dict[str, Any]:
     shapes = [parse_shape(t) for t in _DECODE_SHAPES.value]
-    rows = [decode_case(s) for s in shapes]
+    rows = []
+    for s in shapes:
+        rows.append(decode_case(s))
+        rows[-1]["memory_maps_released"] = bench_util.release()  # the shape's engines
     print(
         f"decode: {_DECODE_NEW.value} new tokens per prompt, temperature 1, log-probs, "
         f"steps_per_call {_STEPS.value}, prompts {_PROMPT_MIN.value}-{_PROMPT_MAX.value} tokens, "
@@ -288,13 +297,17 @@ def main(argv: list[str]) -> None:
     unknown = set(_MODES.value) - {"loop", "decode"}
     if unknown:
         raise app.UsageError(f"--modes {sorted(unknown)}: expected loop and/or decode.")
-    out = decode_main() if "decode" in _MODES.value else {}
-    if "loop" in _MODES.value:
-        loop_main(out)
-    elif _JSON.value:
+    with WATCH:
+        out = decode_main() if "decode" in _MODES.value else {}
+        if "loop" in _MODES.value:
+            loop_main(out)
+    print(f"compiles timed: {WATCH.compiles_timed}; memory maps {bench_util.memory_maps()}")
+    if "loop" not in _MODES.value and _JSON.value:
+        out.update(compiles_timed=WATCH.compiles_timed, compiles=WATCH.report())
         with open(_JSON.value, "w") as f:
             json.dump(out, f, indent=2)
         print(f"wrote {_JSON.value}")
+    bench_util.fail_if_compiled("launch.bench_sampler", WATCH.compiles_timed, WATCH.timed_names())
 
 
 def loop_main(extra: dict[str, Any]) -> None:
@@ -325,6 +338,7 @@ def loop_main(extra: dict[str, Any]) -> None:
     # no-cache step) is compiled before timing. Compile counts must not move after this.
     start = time.perf_counter()
     run_loop(engine, params, requests, static=False)
+    run_loop(engine, params, requests, static=True)  # admits other counts at once: compiles
     greedy_nocache(model, [requests[0].prompt] * _SLOTS.value, [1] * _SLOTS.value, max_length)
     warmup_seconds = time.perf_counter() - start
     compiles_warm = engine.compile_counts()
@@ -333,11 +347,13 @@ def loop_main(extra: dict[str, Any]) -> None:
     runs = {False: [], True: []}
     for _ in range(_REPEATS.value):
         for static in (False, True):
-            runs[static].append(run_loop(engine, params, requests, static=static))
+            with WATCH.timed():
+                runs[static].append(run_loop(engine, params, requests, static=static))
     cont, stat = (
         sorted(runs[s], key=lambda r: r["seconds"])[len(runs[s]) // 2] for s in (False, True)
     )
-    noc = run_nocache(model, nocache_requests, _SLOTS.value, max_length)
+    with WATCH.timed():
+        noc = run_nocache(model, nocache_requests, _SLOTS.value, max_length)
     verifier = run_verifier_rows(engine, params, requests) if _VERIFIER_MS.value > 0 else None
     compiles = engine.compile_counts()
     mismatched = sum(cont["outputs"][u] != stat["outputs"][u] for u in cont["outputs"])
@@ -387,7 +403,17 @@ def loop_main(extra: dict[str, Any]) -> None:
         f"{static_full_occupancy:.2f}; measured {stat['occupancy']:.2f}"
     )
     print(f"compiles after warm-up {compiles_warm}, after timing {compiles}")
-    print(f"warm-up (compiles + one continuous pass): {warmup_seconds:.1f} s")
+    rates = {s: bench_util.spread(r["tokens"] / r["seconds"] for r in runs[s]) for s in runs}
+    paired = bench_util.spread(
+        b["seconds"] / a["seconds"] for a, b in zip(runs[False], runs[True], strict=True)
+    )
+    print(
+        f"tokens/s over {_REPEATS.value} repeats, min / median / max: continuous "
+        f"{bench_util.spread_text(rates[False], '.0f')}, static "
+        f"{bench_util.spread_text(rates[True], '.0f')}; continuous vs static paired by repeat "
+        f"{bench_util.spread_text(paired, '.2f')}"
+    )
+    print(f"warm-up (compiles + one continuous and one static pass): {warmup_seconds:.1f} s")
     print(f"continuous vs static outputs: {mismatched} of {len(requests)} groups differ")
     if verifier is not None:
         ratio = rate(verifier["offloaded"]) / rate(verifier["inline"])
@@ -425,6 +451,10 @@ def loop_main(extra: dict[str, Any]) -> None:
             nocache_groups=nocache_groups,
             compile_counts=compiles,
             new_compiles_while_timed=sum(compiles.values()) - sum(compiles_warm.values()),
+            compiles_timed=WATCH.compiles_timed,
+            compiles=WATCH.report(),
+            tokens_per_s_spread=dict(continuous=rates[False], static=rates[True]),
+            continuous_vs_static_paired=paired,
             groups_with_different_outputs=mismatched,
             verifier=None
             if verifier is None

@@ -34,7 +34,8 @@ loss tokens (response tokens, counted identically) and model positions (the padd
 packed micro-batches, Tunix's 64 x 84 rows) per update, tokens/s, the first update's loss and
 gradient norm. The headline is ours / tunix tokens/s over the timed updates ("per trained token"),
 with the min / median / max of the per-update ratios; then that no compile happened while timing
-and the largest loss difference of the two trajectories (same weights, data and optimizer: about
+(if one did, the program exits non-zero after its table, naming the count) and the largest loss
+difference of the two trajectories (same weights, data and optimizer: about
 1e-8 expected). Expect parity within the machine's noise on a shared 2-core CPU (0.8-1.2x pairs).
 """
 
@@ -55,6 +56,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
+from launch import bench_util
 from learner.config import LearnerConfig, OptimizerConfig
 from learner.learner import Learner
 from learner.mesh import MeshConfig, make_meshes
@@ -83,7 +85,6 @@ MAX_RESPONSE = 64  # responses of 1..64 tokens; Tunix right-pads to this (max_to
 PAD_ID = 0  # Tunix's pad id; tokens are drawn from 1..vocab-1
 LR, CLIP_NORM, EPSILON = 1e-4, 1.0, 0.2
 TUNIX_AGGREGATION = {"seq_mean_token_mean": "sequence-mean-token-mean", "token_mean": "token-mean"}
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch
 
 
 def model_config() -> ModelConfig:
@@ -247,20 +248,6 @@ def tunix_trainer(
     return trainer
 
 
-class CompileClock:
-    """XLA backend compile seconds and counts, booked to whichever label is current."""
-
-    def __init__(self) -> None:
-        self.label = ""
-        self.seconds: dict[str, float] = {}
-        self.counts: dict[str, int] = {}
-
-    def __call__(self, event: str, duration: float, **kwargs: Any) -> None:
-        if event == BACKEND_COMPILE_EVENT:
-            self.seconds[self.label] = self.seconds.get(self.label, 0.0) + duration
-            self.counts[self.label] = self.counts.get(self.label, 0) + 1
-
-
 def run(
     *,
     updates: int = 16,
@@ -297,7 +284,7 @@ def run(
     cfg = model_config()
     model = create_model(cfg, seed=seed)
     mesh, _ = make_meshes(MeshConfig(learner_devices=1, learner_tp=1, colocated=True))
-    clock = CompileClock()
+    clock = bench_util.CompileWatch()  # XLA compiles, booked to each side's label
     jax.monitoring.register_event_duration_secs_listener(clock)
     start_s: dict[str, float] = {}
 
@@ -362,7 +349,7 @@ def run(
             groups = random_groups(rng, cfg.vocab_size, uid=k * GROUPS)
             shift = k % len(names)
             for name in names[shift:] + names[:shift]:
-                clock.label = name if k < warmup else "timed"
+                clock.label = name if k < warmup else bench_util.TIMED
                 t = time.perf_counter()
                 sides[name](groups)
                 dt = time.perf_counter() - t
@@ -412,7 +399,8 @@ def run(
             for n, p in pairs.items()
         },
         "sides": per_side,
-        "compiles_timed": clock.counts.get("timed", 0),
+        "compiles_timed": clock.compiles_timed,
+        "compiled_while_timed": clock.timed_names(),
         # same initial weights, data and optimizer: the two trajectories should stay together
         "loss_max_abs_diff": float(np.max(np.abs(np.asarray(our_losses) - tunix_losses))),
         "loss_tokens": total,
@@ -484,6 +472,9 @@ def main(argv: list[str]) -> None:
         with open(_JSON.value, "w") as f:
             json.dump(r, f, indent=2)
         print(f"wrote {_JSON.value}")
+    bench_util.fail_if_compiled(
+        "launch.bench_tunix", r["compiles_timed"], r["compiled_while_timed"]
+    )
 
 
 if __name__ == "__main__":

@@ -5,18 +5,21 @@
 Two Learners of one model (the "tiny" preset widened to d_model 128, float32, one device), one with
 learner.packing (the default), one without (one sequence per row, padded to its power-of-two row
 length). Each compiles its programs at start (Learner.precompile: every micro-batch shape of the
-config's ladder, the optimizer update), timed; then `updates` updates, each on fresh random groups
+config's ladder, the optimizer update), timed, and runs one untimed update (the host's eager ops
+compile); then `updates` updates, each on fresh random groups
 (groups x group_size completions, prompts of 16-48 tokens, responses drawn from a lognormal of
 median `median` and sigma `sigma`, clipped to [1, max_response]: the long tail of RL responses),
 packed and unpacked alternating on the same groups so the machine's load falls on both.
 Reported: warm tokens/s (loss tokens over the updates' wall time) and over the whole run including
 the start compiles, as packed / unpacked ratios; compiles after start (must be 0) and the distinct
 programs of each learner; the padded fraction of the model positions; the spread of per-update
-ratios over the run (min / median / max of 10-update windows).
+ratios over the run (min / median / max of 10-update windows). Nothing may compile while the updates
+run (compiles timed, launch/bench_util.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import statistics
@@ -26,6 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from launch.bench_util import CompileWatch
 from learner.config import LearnerConfig, OptimizerConfig
 from learner.learner import Learner
 from learner.mesh import MeshConfig, make_meshes
@@ -87,8 +91,10 @@ def run_workload(
     min_length_bucket: int = 64,
     d_model: int = 128,
     seed: int = 0,
+    watch: CompileWatch | None = None,
 ) -> dict[str, Any]:
-    """Packed vs unpacked learners over `updates` updates of fresh long-tailed groups."""
+    """Packed vs unpacked learners over `updates` updates of fresh long-tailed groups; the updates
+    are booked as timed in `watch` (if given), whose compiles_timed must not grow."""
     preset = dataclasses.replace(get_preset("tiny"), d_model=d_model, dtype="float32")
     model = create_model(preset, seed=seed)
     mesh, _ = make_meshes(MeshConfig(learner_devices=1, learner_tp=1, colocated=True))
@@ -108,32 +114,41 @@ def run_workload(
         learner.compiles.start()
         learner.begin_round(updates=1 << 30)
         learners[name] = learner
+    draw = lambda rng, uid: long_tail_groups(  # noqa: E731
+        rng,
+        groups=groups,
+        group_size=group_size,
+        vocab=preset.vocab_size,
+        max_response=max_response,
+        median=median,
+        sigma=sigma,
+        uid=uid,
+    )
+    # One untimed update each on groups of their own: the host's eager ops (GRPO advantages,
+    # staging) compile here, not in the first timed update.
+    warm = draw(np.random.default_rng(seed + 1), updates * groups)
+    for learner in learners.values():
+        learner.add_groups(warm)
+        learner.update()
     rng = np.random.default_rng(seed)
     seconds: dict[str, list[float]] = {"packed": [], "unpacked": []}
     tokens: list[float] = []
     positions = {"packed": 0, "unpacked": 0}
     real = 0
+    timed_before = watch.compiles_timed if watch else 0
     for k in range(updates):
-        batch = long_tail_groups(
-            rng,
-            groups=groups,
-            group_size=group_size,
-            vocab=preset.vocab_size,
-            max_response=max_response,
-            median=median,
-            sigma=sigma,
-            uid=k * groups,
-        )
+        batch = draw(rng, k * groups)
         lengths = [len(c.prompt) + len(c.tokens) - 1 for g in batch for c in g.completions]
         real += sum(lengths)
         order = ("packed", "unpacked") if k % 2 == 0 else ("unpacked", "packed")
         for name in order:
             learner = learners[name]
             positions[name] += learner.micro_batches.positions(lengths)
-            t = time.perf_counter()
-            learner.add_groups(batch)
-            metrics = learner.update()
-            seconds[name].append(time.perf_counter() - t)
+            with watch.timed() if watch else contextlib.nullcontext():
+                t = time.perf_counter()
+                learner.add_groups(batch)
+                metrics = learner.update()
+                seconds[name].append(time.perf_counter() - t)
         tokens.append(metrics["tokens"])
     total_tokens = sum(tokens)
     warm = {n: total_tokens / sum(s) for n, s in seconds.items()}
@@ -156,6 +171,7 @@ def run_workload(
         "compiles_after_start": int(
             sum(sum(lr.compiles.after_start().values()) for lr in learners.values())
         ),
+        "compiles_timed": (watch.compiles_timed - timed_before) if watch else None,
         "learner_programs": programs,
         "row_lengths": list(learners["packed"].micro_batches.lengths),
         "padded_fraction": {n: 1.0 - real / p for n, p in positions.items()},
@@ -203,5 +219,6 @@ def print_table(r: dict[str, Any]) -> None:
         f"packed / unpacked: {r['packing_speedup']:.2f}x warm (10-update windows: min "
         f"{w['min']:.2f} / median {w['median']:.2f} / max {w['max']:.2f}), "
         f"{r['packing_speedup_with_compiles']:.2f}x with the start compiles; compiles after "
-        f"start: {r['compiles_after_start']}"
+        f"start: {r['compiles_after_start']} (learners' counters), compiles timed: "
+        f"{r['compiles_timed']} (any XLA program)"
     )

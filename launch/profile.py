@@ -16,8 +16,10 @@ prompts of 4-12 tokens, responses up to 96. Measured, after a compile pass of ea
   contention the decode calls again while a learner thread trains, and learner updates while a
              sampler thread decodes: each side's slowdown, averaged (the two share the cores).
 Fits every StageModel term by least squares (rl/sim/calibrate.py) and writes {"model": ...,
-"fit": ..., "config": ...}: `launch.simulate --profile PATH` loads it. Takes 1-2 minutes on 2 shared
-cores.
+"fit": ..., "config": ...}: `launch.simulate --profile PATH` loads it. Takes 2-3 minutes on 2 shared
+cores. The compile pass compiles every program the measurements call (the engines' admission shapes
+by launch.bench_util.warm_engine); a compile while measuring makes the program exit non-zero after
+its report (fit.compiles_timed: 0). The update and the model's publish are given min / median / max.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import json  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
@@ -39,6 +42,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from launch import bench_util  # noqa: E402
 from learner.learner import Learner  # noqa: E402
 from rl.admission import FCFS  # noqa: E402
 from rl.runtime.compose import Setup, build_engine
@@ -164,12 +168,8 @@ def in_background(work: Callable[[], Any]) -> tuple[threading.Event, threading.T
     return stop, thread
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    if _SLOTS.value < _GROUP_SIZE.value:
-        raise app.UsageError(f"--slots ({_SLOTS.value}) must be >= --group_size.")
-    bench_env.use_compilation_cache(_CACHE.value)
+def measure(watch: bench_util.CompileWatch) -> SimpleNamespace:
+    """Everything measured (after a compile pass; the rest booked as timed in `watch`)."""
     rng = np.random.default_rng(_SEED.value)
     max_prefill = max(16, _PROMPT_MAX.value)
     rows = _PER_UPDATE.value * _GROUP_SIZE.value
@@ -207,13 +207,30 @@ def main(argv: list[str]) -> None:
     start = time.perf_counter()
     for engine in engines.values():  # compile pass
         decode_trials(engine, params, rng, limit=1)
-        for n in range(1, max_prefill + 1):
-            engine.prefill(params, prompt(rng, n))
+        bench_util.warm_engine(
+            engine,
+            params,
+            prompt_lengths=range(1, _PROMPT_MAX.value + 1),
+            group_size=_GROUP_SIZE.value,
+            max_prompts=engine.max_concurrent_decodes // _GROUP_SIZE.value,
+        )
+    for n in range(1, max_prefill + 1):  # the prefill measurement's calls
+        r = Request(
+            uid=0,
+            prompt=prompt(rng, n),
+            group_size=_GROUP_SIZE.value,
+            params=SamplingParams(max_new_tokens=_MAX_NEW.value),
+        )
+        state = engines[_STEPS.value].init_decode_state()
+        prefix = engines[_STEPS.value].prefill(params, r.prompt)
+        engines[_STEPS.value].bulk_insert(prefix, state, list(range(_GROUP_SIZE.value)), r)
     for b in batches:
         learner_trial(learner, b)
     for a in arrays:
         timed(lambda a=a: jax.device_put(a, target, may_alias=False))
+    sync.publish(learner.params, 1)
     compile_s = time.perf_counter() - start
+    watch.label = bench_util.TIMED  # everything below is measured (measure's caller ends it)
 
     decode, prefill, micro, update, publish = [], [], [], [], []
     for _ in range(_REPEATS.value):
@@ -257,52 +274,84 @@ def main(argv: list[str]) -> None:
     runtime.close()  # its reward runners (this program scores nothing with them)
     slow_sampler = float(np.median(shared) / np.median(alone))
     slow_learner = float(np.median(learner_shared) / np.median(learner_alone))
-
-    meas = Measurements(
+    return SimpleNamespace(
         decode=decode,
         prefill=prefill,
         micro=micro,
         update=update,
         publish=publish,
-        contention=(slow_sampler + slow_learner) / 2 - 1,
+        slow_sampler=slow_sampler,
+        slow_learner=slow_learner,
+        rows=rows,
+        learner_cfg=learner.cfg,
+        param_bytes=param_bytes,
+        model_publish=model_publish,
+        compile_s=compile_s,
+    )
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    if _SLOTS.value < _GROUP_SIZE.value:
+        raise app.UsageError(f"--slots ({_SLOTS.value}) must be >= --group_size.")
+    bench_env.use_compilation_cache(_CACHE.value)
+    with bench_util.CompileWatch() as watch:
+        m = measure(watch)
+    meas = Measurements(
+        decode=m.decode,
+        prefill=m.prefill,
+        micro=m.micro,
+        update=m.update,
+        publish=m.publish,
+        contention=(m.slow_sampler + m.slow_learner) / 2 - 1,
     )
     fitted, report = fit_stage_model(
         meas,
         steps_per_call=_STEPS.value,
-        micro_batch_rows=rows,
-        pad_rows=not learner.cfg.packing,  # packed: the simulator counts real tokens
-        min_length_bucket=learner.cfg.min_length_bucket,
-        param_bytes=param_bytes,
+        micro_batch_rows=m.rows,
+        pad_rows=not m.learner_cfg.packing,  # packed: the simulator counts real tokens
+        min_length_bucket=m.learner_cfg.min_length_bucket,
+        param_bytes=m.param_bytes,
         source=f"launch.profile on {jax.default_backend()}, {os.cpu_count()} cores",
     )
     # The per-byte cost comes from single arrays; the model's publish moves a tree of many leaves,
     # whose per-leaf dispatch is the fixed cost: taken from the model's own measured publish.
     fitted = fitted.replace(
         publish_fixed=max(
-            0.0, float(np.median(model_publish)) - fitted.publish_per_byte * param_bytes
+            0.0, float(np.median(m.model_publish)) - fitted.publish_per_byte * m.param_bytes
         )
     )
     report.update(
-        slowdown_sampler=slow_sampler,
-        slowdown_learner=slow_learner,
-        model_publish_s=float(np.median(model_publish)),
+        slowdown_sampler=m.slow_sampler,
+        slowdown_learner=m.slow_learner,
+        model_publish_s=float(np.median(m.model_publish)),
         model_publish_predicted_s=fitted.publish_s(),
-        compile_s=compile_s,
+        compile_s=m.compile_s,
+        update_s_spread=bench_util.spread(m.update),
+        model_publish_s_spread=bench_util.spread(m.model_publish),
+        compiles_timed=watch.compiles_timed,
+        compiles=watch.report(),
+        memory_maps=bench_util.memory_maps(),
     )
-    print(f"compile pass {compile_s:.1f} s; fitted stage model ({fitted.source}):")
+    print(f"compile pass {m.compile_s:.1f} s; fitted stage model ({fitted.source}):")
     for stage in ("decode", "prefill", "micro_step", "publish"):
         r = report[stage]
         coef = ", ".join(f"{k} {v:.3g}" for k, v in r["coef"].items())
         print(f"  {stage:<10} {coef}  ({r['n']} points, rel. RMS error {r['rel_rms']:.1%})")
-    print(f"  update     {fitted.update_s * 1e3:.2f} ms (median of {len(update)})")
     print(
-        f"  contention sampler x{slow_sampler:.2f}, learner x{slow_learner:.2f} while both run "
+        f"  update     {fitted.update_s * 1e3:.2f} ms (min / median / max of {len(m.update)}: "
+        f"{bench_util.spread_text({k: 1e3 * v for k, v in report['update_s_spread'].items()})})"
+    )
+    print(
+        f"  contention sampler x{m.slow_sampler:.2f}, learner x{m.slow_learner:.2f} while both run "
         f"-> contention {fitted.contention:.2f}"
     )
     print(
-        f"  publish of the model ({param_bytes} B): {report['model_publish_s'] * 1e3:.2f} ms "
-        f"measured, {fitted.publish_s() * 1e3:.2f} ms predicted"
+        f"  publish of the model ({m.param_bytes} B): {report['model_publish_s'] * 1e3:.2f} ms "
+        f"measured (median of {len(m.model_publish)}), {fitted.publish_s() * 1e3:.2f} ms predicted"
     )
+    print(f"compiles timed: {watch.compiles_timed}; memory maps {report['memory_maps']}")
     if _JSON.value:
         config = {
             f: flags.FLAGS[f].value
@@ -320,6 +369,7 @@ def main(argv: list[str]) -> None:
         with open(_JSON.value, "w") as f:
             json.dump(dict(model=fitted.to_dict(), fit=report, config=config), f, indent=2)
         print(f"wrote {_JSON.value}")
+    bench_util.fail_if_compiled("launch.profile", watch.compiles_timed, watch.timed_names())
 
 
 if __name__ == "__main__":
