@@ -23,6 +23,7 @@ import time
 from absl import app, flags
 
 from launch import bench_util
+from launch.hostile_answers import HOSTILE
 from rl.rewards import RewardRunner, get_reward
 from rl.types import Completion, Request
 
@@ -44,18 +45,6 @@ def real(i: int, offset: int = 0) -> tuple[str, str, float]:
     ]
     return kinds[i % len(kinds)]
 
-
-# Short answers on which sympy computes for hours or runs out of memory if it evaluates them.
-HOSTILE = [
-    "9^{9^{9^{9}}}",
-    "2^{10^{10}}",
-    "(10^{9})!",
-    "100000000!",
-    "\\binom{10^{9}}{5\\cdot 10^{8}}",
-    "(x+1)^{100000}",
-    "2^{-10^{10}}",
-    "(" * 400 + "1" + ")" * 400,
-]
 
 _CALLS = flags.DEFINE_integer("calls", 400, "Reward calls per backend and hostile fraction.")
 _WORKERS = flags.DEFINE_integer("workers", 4, "Calls run at once (task.reward_workers).")

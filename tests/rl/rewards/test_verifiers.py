@@ -5,7 +5,7 @@ from fractions import Fraction
 
 import pytest
 
-from launch.bench_rewards import HOSTILE
+from launch.hostile_answers import HOSTILE
 from rl import rewards
 from rl.rewards import verifiers as v
 from rl.types import Request
