@@ -177,7 +177,7 @@ def warm_engine(
     """
     cfg = engine.config
     g, slots = group_size, cfg.max_slots
-    by_bucket = {engine.bucket(n): n for n in sorted(set(prompt_lengths))}
+    by_bucket = {cfg.bucket(n): n for n in sorted(set(prompt_lengths))}
     pow2 = lambda n: 1 << (n - 1).bit_length()  # noqa: E731
     counts = {(n, n * g) for n in range(1, min(max_prompts, slots // g) + 1)}
     if per_sample:
