@@ -9,6 +9,7 @@ from typing import Any
 from rl.advantages import ADVANTAGE_ESTIMATORS
 from rl.aggregation import AGGREGATIONS
 from rl.losses import POLICY_LOSSES, LossConfig, loss_config_from
+from rl.sections import from_section
 
 LR_SCHEDULES = ("constant", "cosine")
 OLD_LOGPROBS = ("snapshot", "sampler")
@@ -132,16 +133,12 @@ def learner_config_from(
         optimizer["total_steps"] = total_updates
     # `distributed` names the learner's process group (learner/distributed.py), not its math.
     fields = {k: v for k, v in dict(cfg).items() if k not in ("optimizer", "loss", "distributed")}
-    known = {f.name for f in dataclasses.fields(LearnerConfig)}
-    unknown = set(fields) - known
-    if unknown:
-        raise ValueError(
-            f"Unknown learner config fields {sorted(unknown)}; expected some of {sorted(known)}."
-        )
-    return LearnerConfig(
-        optimizer=OptimizerConfig(**optimizer),
+    return from_section(
+        LearnerConfig,
+        fields,
+        name="learner",
+        optimizer=from_section(OptimizerConfig, optimizer, name="learner.optimizer"),
         loss=loss_config_from(cfg.get("loss", {})),
         temperature=temperature if temperature > 0 else 1.0,
         max_length=max_length,
-        **fields,
     )

@@ -35,6 +35,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from learner.mesh import MeshConfig
+from rl.sections import from_section
 
 ENV = {  # config field -> the environment variable a default value falls back to
     "coordinator_address": "JAX_COORDINATOR_ADDRESS",
@@ -110,13 +111,6 @@ def distributed_config_from(
     """
     env = os.environ if env is None else env
     fields = dict(cfg or {})
-    known = {f.name for f in dataclasses.fields(DistributedConfig)}
-    unknown = set(fields) - known
-    if unknown:
-        raise ValueError(
-            f"Unknown learner.distributed fields {sorted(unknown)}; expected some of "
-            f"{sorted(known)}."
-        )
     if not fields.get("coordinator_address"):
         fields["coordinator_address"] = env.get(ENV["coordinator_address"], "")
     if fields.get("num_processes", 0) == 0:
@@ -125,7 +119,7 @@ def distributed_config_from(
     if fields.get("process_id", -1) == -1:
         name = ENV["process_id"]
         fields["process_id"] = _env_int(env, name) if env.get(name) else 0
-    return DistributedConfig(**fields)
+    return from_section(DistributedConfig, fields, name="learner.distributed")
 
 
 def initialize(cfg: DistributedConfig, *, recoverable: bool = False) -> None:
@@ -233,7 +227,7 @@ def init_learner_group(config: Any) -> Mesh:
       The (fsdp, tp) mesh over every device of the group (`make_learner_mesh`).
     """
     initialize(distributed_config_from(config.learner.get("distributed")))
-    return make_learner_mesh(MeshConfig(**config.mesh))
+    return make_learner_mesh(from_section(MeshConfig, config.mesh, name="mesh"))
 
 
 def coordinator_address_here(host: str = "") -> str:

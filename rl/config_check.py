@@ -22,8 +22,7 @@ from configs import base
 from learner.config import LearnerConfig, OptimizerConfig, learner_config_from
 from learner.distributed import distributed_config_from
 from learner.mesh import MeshConfig, make_meshes
-from rl.driver import DriverConfig, driver_config_from
-from rl.elastic.borrowing import BorrowConfig
+from rl.driver import DriverConfig
 from rl.losses import LOSS_OPTIONS, LossConfig
 from rl.models.build import model_config_from
 from rl.models.config import DTYPES
@@ -33,9 +32,10 @@ from rl.overlong import OverlongPenalty
 from rl.rewards import get_reward
 from rl.rewards.runner import BACKENDS as REWARD_BACKENDS
 from rl.round_planner import TailConfig
-from rl.runtime.compose import migration_config_from
+from rl.runtime.compose import borrow_config_from, migration_config_from
 from rl.runtime.factory import RUNTIMES
 from rl.runtime.ray_config import RayConfig, check_ray_config
+from rl.sections import from_section
 from rl.tasks.data import data_config_from
 from rl.tasks.registry import TASKS
 from rl.types import SamplingParams
@@ -282,12 +282,20 @@ def check_config(config: Any) -> None:
     # Sampling, engine, driver, learner, mesh: the typed configs' own checks.
     sampling = engine = driver = learner = mesh = meshes = None
     if clean("sampling"):
-        sampling = p.build("sampling", lambda: SamplingParams(**config.sampling))
+        sampling = p.build(
+            "sampling", lambda: from_section(SamplingParams, config.sampling, name="sampling")
+        )
     if clean("engine"):
-        engine = p.build("engine", lambda: EngineConfig(**config.engine, seed=seed))
+        engine = p.build(
+            "engine",
+            lambda: from_section(EngineConfig, config.engine, name="engine", seed=seed),
+        )
     if sampling is not None and clean("driver"):
         driver = p.build(
-            "driver", lambda: driver_config_from(config.driver, sampling=sampling, epoch_size=0)
+            "driver",
+            lambda: from_section(
+                DriverConfig, config.driver, name="driver", sampling=sampling, epoch_size=0
+            ),
         )
     if clean("learner"):
         rounds = config.rounds if isinstance(config.get("rounds"), int) else 0
@@ -325,7 +333,7 @@ def check_config(config: Any) -> None:
     elastic = None
     if clean("elastic") and "elastic" in config:
         p.build("elastic", lambda: migration_config_from(config))
-        elastic = p.build("elastic", lambda: BorrowConfig.from_section(config.elastic))
+        elastic = p.build("elastic", lambda: borrow_config_from(config))
         if elastic is not None and elastic.borrowing != "off" and not elastic.stage_model:
             p.add(
                 f"config.elastic.borrowing={elastic.borrowing!r} with no config.elastic."
@@ -347,7 +355,7 @@ def check_config(config: Any) -> None:
                     "update, so devices would move back and forth each update."
                 )
     if clean("mesh"):
-        mesh = p.build("mesh", lambda: MeshConfig(**config.mesh))
+        mesh = p.build("mesh", lambda: from_section(MeshConfig, config.mesh, name="mesh"))
         if mesh is not None and mesh.split == "plan":
             if not config.get("elastic", {}).get("stage_model"):
                 p.add(

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from rl.metrics import migration_metrics, replica_metrics, round_metrics, staleness_metrics
-from rl.round_planner import RoundPlan, RoundPlanner, TailConfig
+from rl.round_planner import RoundPlan, RoundPlanner
 from rl.schedules import (
     Action,
     Add,
@@ -79,17 +79,6 @@ class DriverConfig(ScheduleConfig):
             )
         if not isinstance(self.group_atomic, bool):
             raise ValueError(f"driver.group_atomic must be a bool; received {self.group_atomic!r}.")
-
-
-def driver_config_from(
-    driver: Any, *, sampling: SamplingParams, epoch_size: int = 0
-) -> DriverConfig:
-    """DriverConfig from a config's `driver` ConfigDict (or mapping); `tail` becomes TailConfig."""
-    fields = dict(driver)
-    tail = fields.pop("tail", {})
-    return DriverConfig(
-        **fields, tail=TailConfig(**dict(tail)), sampling=sampling, epoch_size=epoch_size
-    )
 
 
 @dataclasses.dataclass

@@ -22,6 +22,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
         "learner",
         "launch",
         "rl.types",
+        "rl.sections",
         "rl.registry",
         "rl.compiles",
         "rl.timeline",

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 from rl.elastic.stage import StageModel
 
@@ -62,12 +61,6 @@ class BorrowConfig:
                 or v < 0
             ):
                 raise ValueError(f"config.elastic.{name}={v!r}; expected a finite number >= 0.")
-
-    @classmethod
-    def from_section(cls, elastic: Any) -> BorrowConfig:
-        """From config.elastic (a ConfigDict or mapping): its fields of this dataclass."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in dict(elastic).items() if k in names})
 
     def allows(self, direction: str) -> bool:
         return self.borrowing in (direction, "both")

@@ -35,6 +35,7 @@ from rl.overlong import OverlongPenalty
 from rl.rewards import RewardRunner, get_reward
 from rl.runtime.lending import LearnerBorrower, SamplerLender
 from rl.runtime.mesh_plan import split_models
+from rl.sections import from_section
 from rl.tasks.data import DataConfig, data_config_from
 from rl.tasks.pipeline import prompt_dataset
 from rl.types import SamplingParams
@@ -59,7 +60,12 @@ class Setup:
             data=data_config_from(config),
             rules=normalize_rules(config.sharding_rules),
             tokenizer=tokenizer,
-            sampling=SamplingParams(**config.sampling, stop_token_ids=(tokenizer.eos_id,)),
+            sampling=from_section(
+                SamplingParams,
+                config.sampling,
+                name="sampling",
+                stop_token_ids=(tokenizer.eos_id,),
+            ),
             max_prompt_tokens=max(1, min(config.engine.max_prefill_length, max_prompt)),
         )
 
@@ -127,7 +133,10 @@ def build_sft(config: Any, setup: Setup, learner: Learner, records: Any) -> SftT
 def build_engine(config: Any, setup: Setup, mesh: Mesh, model: Any) -> Engine:
     """A sampler Engine on `mesh`; `model` gives its structure (weights come by WeightSync)."""
     return Engine(
-        model, EngineConfig(**config.engine, seed=config.seed), mesh=mesh, rules=setup.rules
+        model,
+        from_section(EngineConfig, config.engine, name="engine", seed=config.seed),
+        mesh=mesh,
+        rules=setup.rules,
     )
 
 
@@ -191,7 +200,7 @@ def build_borrower(
     """The learner's borrower of the sampler's `devices` (config.elastic), its steps compiled
     ahead; None when borrowing is off. `learner` is a Learner (threads: `devices` are the sampler
     mesh's) or the Ray runtime's LearnerClient (the replicas' device ids in the learner's job)."""
-    cfg = BorrowConfig.from_section(config.elastic)
+    cfg = borrow_config_from(config)
     if not cfg.allows("learner"):
         return None
     replicas = config.mesh.sampler_replicas
@@ -218,7 +227,7 @@ def build_lender(
     """The sampler's lender of the learner's devices (config.elastic): `make_replicas` builds the
     extra replicas, mesh.sampler_devices of the learner's devices each (engines for the threaded
     sampler, handles for the Ray router); None when that direction is off."""
-    cfg = BorrowConfig.from_section(config.elastic)
+    cfg = borrow_config_from(config)
     if not cfg.allows("sampler"):
         return None
     per, replicas = config.mesh.sampler_devices or 1, config.mesh.sampler_replicas
@@ -242,11 +251,13 @@ def lent_engines(config: Any, setup: Setup, model: Any, devices: list[Any]) -> l
     return [build_engine(config, setup, m, model) for m in lent_meshes(devices, per, tp)]
 
 
+def borrow_config_from(config: Any) -> BorrowConfig:
+    """config.elastic's borrowing fields as a typed rl.elastic.borrowing.BorrowConfig."""
+    return from_section(BorrowConfig, config.elastic, name="elastic", shared=True)
+
+
 def migration_config_from(config: Any) -> MigrationConfig:
     """config.elastic as a typed rl.elastic.migration.MigrationConfig (validated)."""
-    e = config.elastic
-    return MigrationConfig(
-        policy=e.migration,
-        max_running_fraction=e.max_running_fraction,
-        min_tokens_left=e.min_tokens_left,
+    return from_section(
+        MigrationConfig, config.elastic, name="elastic", shared=True, rename={"migration": "policy"}
     )

@@ -29,8 +29,9 @@ from absl import logging
 
 from learner.mesh import MeshConfig
 from rl.device_split import Split, plan
-from rl.driver import driver_config_from
+from rl.driver import DriverConfig
 from rl.elastic.stage import StageModel
+from rl.sections import from_section
 from rl.sim.presets import Preset, gpu_preset
 from rl.sim.simulator import SimConfig
 from rl.sim.workload import Workload, WorkloadConfig
@@ -108,7 +109,7 @@ class MeshPlan:
 def plan_mesh(config: Any, devices: int) -> tuple[Any, MeshPlan]:
     """The MeshConfig (split "fixed") the planner picks for `devices`; see the module docstring."""
 
-    mesh = MeshConfig(**config.mesh)
+    mesh = from_section(MeshConfig, config.mesh, name="mesh")
     if mesh.split != "plan":
         raise ValueError(f"plan_mesh needs config.mesh.split='plan'; received {mesh.split!r}.")
     if mesh.learner_devices or mesh.sampler_devices or mesh.sampler_replicas != 1 or mesh.colocated:
@@ -120,7 +121,9 @@ def plan_mesh(config: Any, devices: int) -> tuple[Any, MeshPlan]:
         )
 
     cap = config.sampling.max_new_tokens
-    driver = driver_config_from(config.driver, sampling=SamplingParams(max_new_tokens=cap))
+    driver = from_section(
+        DriverConfig, config.driver, name="driver", sampling=SamplingParams(max_new_tokens=cap)
+    )
     shared = {f.name for f in dataclasses.fields(SimConfig)} & {
         f.name for f in dataclasses.fields(driver)
     }

@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from rl.runtime.routing import ROUTINGS
+from rl.sections import from_section
 
 ON_REPLICA_FAILURE = ("resample", "stop")
 
@@ -63,7 +64,7 @@ def check_ray_config(config: Any) -> RayConfig:
         raise ValueError(
             f"config.mesh.sampler_replicas must be an int >= 1; received {mesh.sampler_replicas!r}."
         )
-    r = RayConfig(**config.ray)
+    r = from_section(RayConfig, config.ray, name="ray")
     if config.elastic.borrowing != "off" and r.learner_workers > 1:
         raise ValueError(
             f"config.elastic.borrowing={config.elastic.borrowing!r} with config.ray."

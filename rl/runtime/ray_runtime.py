@@ -49,9 +49,13 @@ import ray
 from ray.exceptions import RayActorError
 
 from rl.driver import Driver
-from rl.elastic.borrowing import BorrowConfig
 from rl.elastic.migration import make_migration_policy
-from rl.runtime.compose import build_borrower, build_lender, migration_config_from
+from rl.runtime.compose import (
+    borrow_config_from,
+    build_borrower,
+    build_lender,
+    migration_config_from,
+)
 
 # (connect and worker_env are imported from here too: launch/bench_elastic.py)
 from rl.runtime.ray_cluster import actor_name, connect, planned_config, worker_env
@@ -117,9 +121,7 @@ class RayRuntime:
         # Learner borrowing: the replicas join the learner worker's jax.distributed job (ranks
         # 1..N) from the start; the learner's mesh extends over their devices while it borrows.
         lenders = (
-            config.mesh.sampler_replicas
-            if BorrowConfig.from_section(config.elastic).allows("learner")
-            else 0
+            config.mesh.sampler_replicas if borrow_config_from(config).allows("learner") else 0
         )
         coordinator = ray.get(workers[0].coordinator.remote()) if group > 1 or lenders else ""
         built = [w.build.remote(coordinator, group, lenders) for w in workers]

@@ -49,6 +49,7 @@ from rl.runtime.compose import (
 )
 from rl.runtime.mesh_plan import plan_mesh
 from rl.runtime.replicas import ReplicaSampler
+from rl.sections import from_section
 from rl.timeline import Timeline
 from rl.types import Prompt
 from sampler.engine import Engine
@@ -129,7 +130,7 @@ class ThreadsRuntime:
 
     def __init__(self, config: Any, setup: Setup, *, total_updates: int):
         self.config, self.setup = config, setup
-        mesh_cfg, self.mesh_plan = MeshConfig(**config.mesh), None
+        mesh_cfg, self.mesh_plan = from_section(MeshConfig, config.mesh, name="mesh"), None
         if (
             mesh_cfg.split == "plan"
         ):  # an open split: the planner picks it (rl/runtime/mesh_plan.py)

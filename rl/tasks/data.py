@@ -30,6 +30,7 @@ from absl import logging
 
 from rl.models.tokenizer import Tokenizer
 from rl.rewards.verifiers import parse_number
+from rl.sections import from_section
 from rl.tasks.registry import get_task
 from rl.tasks.templates import check_template, render_prompt
 
@@ -96,37 +97,21 @@ class DataConfig:
         return render_prompt(record, tokenizer, **self.prompt_kwargs)
 
 
-# DataConfig fields that come from `config.data` (the rest from config.task, seed, eval).
-_DATA_FIELDS = (
-    "train_path",
-    "heldout_path",
-    "on_error",
-    "numeric_answers_only",
-    "template",
-    "system",
-    "instruction",
-)
-
-
 def data_config_from(config: Any) -> DataConfig:
     """The DataConfig of a run config: `config.task`, `config.data`, `config.eval.heldout_size`.
 
     The task's options are read from `config.task` (options of other tasks there are ignored).
     """
-    data = dict(config.data) if "data" in config else {}
-    unknown = set(data) - set(_DATA_FIELDS)
-    if unknown:
-        raise ValueError(
-            f"Unknown config.data fields {sorted(unknown)}; expected some of {_DATA_FIELDS}."
-        )
     task = get_task(config.task.name)
-    return DataConfig(
+    return from_section(
+        DataConfig,
+        config.data if "data" in config else None,
+        name="data",
         task=task.name,
         options={k: config.task[k] for k in task.options if k in config.task},
         seed=config.seed,
         train_size=config.task.train_size,
         heldout_size=config.eval.heldout_size,
-        **data,
     )
 
 

@@ -7,10 +7,15 @@ import os
 import pytest
 
 import configs
-from learner.config import learner_config_from
+from learner.config import LearnerConfig, learner_config_from
 from learner.mesh import MeshConfig
+from rl.driver import DriverConfig
 from rl.models.build import model_config_from
 from rl.models.sharding import normalize_rules
+from rl.sections import from_section
+from rl.tasks.data import DataConfig, data_config_from
+from rl.types import SamplingParams
+from sampler.engine import EngineConfig
 
 CONFIG_DIR = os.path.dirname(configs.__file__)
 FILES = sorted(
@@ -31,7 +36,7 @@ def test_config_parses_and_builds_typed_objects(name, arg):
     assert config.model.hf_path or model_config_from(config.model).num_params() > 0
     normalize_rules(config.sharding_rules)
     learner_config_from(config.learner, total_updates=config.rounds)
-    MeshConfig(**config.mesh)
+    from_section(MeshConfig, config.mesh, name="mesh")
     if arg == "smoke":
         assert model_config_from(config.model).num_params() < 1_000_000
         assert config.tokenizer == "byte"
@@ -151,21 +156,16 @@ def test_the_drift_check_sees_a_changed_default(monkeypatch):
 @pytest.mark.parametrize("name", FILES)
 @pytest.mark.parametrize("arg", [None, "smoke"])
 def test_every_typed_config_builds_from_every_config_file(name, arg):
-    from learner.config import LearnerConfig
-    from rl.driver import DriverConfig, driver_config_from
-    from rl.tasks.data import DataConfig, data_config_from
-    from rl.types import SamplingParams
-    from sampler.engine import EngineConfig
-
     config = importlib.import_module(f"configs.{name}").get_config(arg)
     if not config.data.train_path:  # the JSONL recipes take their files on the command line
         config.data.train_path = "/data/train.jsonl"
     if not config.data.heldout_path and not config.eval.heldout_size:
         config.data.heldout_path = "/data/test.jsonl"
-    sampling = SamplingParams(**config.sampling)
+    sampling = from_section(SamplingParams, config.sampling, name="sampling")
     assert isinstance(data_config_from(config), DataConfig)
-    assert isinstance(EngineConfig(**config.engine, seed=config.seed), EngineConfig)
-    driver = driver_config_from(config.driver, sampling=sampling)
+    engine = from_section(EngineConfig, config.engine, name="engine", seed=config.seed)
+    assert isinstance(engine, EngineConfig)
+    driver = from_section(DriverConfig, config.driver, name="driver", sampling=sampling)
     assert isinstance(driver, DriverConfig) and driver.sampling == sampling
     learner = learner_config_from(
         config.learner, total_updates=config.rounds, temperature=sampling.temperature

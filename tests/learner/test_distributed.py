@@ -164,7 +164,9 @@ def test_bad_distributed_config_gets_clear_errors():
         DistributedConfig(num_processes="2")
     with pytest.raises(ValueError, match=r"\$JAX_NUM_PROCESSES='two'; expected an integer"):
         distributed_config_from({}, env={"JAX_NUM_PROCESSES": "two"})
-    with pytest.raises(ValueError, match=r"Unknown learner.distributed fields \['num_hosts'\]"):
+    with pytest.raises(
+        ValueError, match=r"config.learner.distributed has unknown fields \['num_hosts'\]"
+    ):
         distributed_config_from({"num_hosts": 2}, env={})
     # jax already ran in this process (its backends are up): joining a job now is refused.
     import jax

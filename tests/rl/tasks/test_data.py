@@ -122,7 +122,7 @@ def test_config_errors():
         DataConfig(system="Be brief.")
     config = base.get_config()
     config.data.train_file = "x.jsonl"
-    with pytest.raises(ValueError, match=r"Unknown config.data fields \['train_file'\]"):
+    with pytest.raises(ValueError, match=r"config.data has unknown fields \['train_file'\]"):
         data_config_from(config)
 
 
