@@ -29,6 +29,7 @@ INSTALL_REQUIRES = [
 EXTRAS = {
     "test": [
         "pytest>=9.2",
+        "pytest-xdist>=3.8",  # pytest.ini runs the suite on 2 workers
         "hypothesis>=6.170",
         # Parity tests build tiny random Hugging Face models on the CPU. torch is pinned exactly:
         # 2.13.0 is a CPU build, while a looser spec resolves to a multi-GB CUDA build.

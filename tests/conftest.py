@@ -54,6 +54,14 @@ def pytest_terminal_summary(terminalreporter):
     )
 
 
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (pytest.ini: -n 2 --dist loadgroup) every test of the Ray cluster runs
+    on one worker, so the session starts one cluster, not one per worker."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
 # One local Ray cluster (2 CPUs) for the whole pytest session: its startup is paid once.
 @pytest.fixture(scope="session")
 def ray_cluster():

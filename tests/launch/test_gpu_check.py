@@ -30,6 +30,7 @@ def test_peak_tables_match_device_kinds(kind, hbm, flops):
     assert peak(PEAK_BF16_FLOPS, kind) == flops
 
 
+@pytest.mark.slow  # the GPU check end to end on CPU (~25 s cold)
 def test_gpu_check_tiny_preset_runs_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = dict(

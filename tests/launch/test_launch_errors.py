@@ -100,6 +100,7 @@ def test_invalid_config_leaves_a_finished_run_untouched(finished, override, mess
     assert message in one_line_error(proc)
 
 
+@pytest.mark.slow  # two launch.train processes (~19 s cold)
 def test_fresh_run_into_a_finished_workdir_stops_unless_overwrite(finished, tmp_path):
     workdir = tmp_path / "copy"
     shutil.copytree(finished["workdir"], workdir)

@@ -40,9 +40,10 @@ def _run(borrow_at: set[int], seed: int, kl: float = 0.0):
     return learner
 
 
-@pytest.mark.parametrize(
-    "seed,kl", [(0, 0.0), pytest.param(1, 0.1, marks=pytest.mark.slow)]
-)  # kl: the reference moves too
+# Both in the slow tier (~35 s cold each: a learner on its own and on an extended mesh); the quick
+# tier keeps borrowing's policy, lending and simulator tests.
+@pytest.mark.slow
+@pytest.mark.parametrize("seed,kl", [(0, 0.0), (1, 0.1)])  # kl: the reference moves too
 def test_update_on_borrowed_mesh_equals_own_mesh_and_run_continues(seed, kl):
     own = _run(set(), seed, kl)
     borrowed = _run({0, 2}, seed, kl)  # borrow for update 0-1 (returned mid-update 1), again at 2

@@ -41,6 +41,7 @@ def _logits_match(model, path):
     np.testing.assert_allclose(ref[valid], ours[valid], atol=TOL, rtol=0)
 
 
+@pytest.mark.slow  # a whole launch.train run, then an export (~16 s cold)
 def test_a_trained_run_exports_its_final_policy(tmp_path):
     from rl.run import train
 

@@ -78,6 +78,7 @@ def test_borrowing_run_equals_static_and_switches_back_each_round(seed):
     assert runtime.learner.compile_counts()["apply@borrowed"] == 1
 
 
+@pytest.mark.slow  # the planner's split built as a whole runtime (~15 s cold)
 def test_planner_picks_the_open_split_and_the_runtime_builds_it():
     from rl.runtime.compose import Setup
     from rl.runtime.threads import ThreadsRuntime

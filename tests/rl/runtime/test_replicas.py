@@ -454,6 +454,7 @@ def assert_each_prompt_trained_once_or_queued(results, driver, submitted):
     assert driver.sampler.pending() == driver.sampler.busy_slots() == 0
 
 
+@pytest.mark.slow  # a tail-batched round on a replica sampler (~12 s cold)
 def test_tail_batching_with_one_replica_is_the_loops_own_cut():
     """One replica: the replica sampler trains the tokens and reaches the parameters of its
     SamplerLoop used alone (the loop's own cut), bitwise; the cut requests are forgotten."""
