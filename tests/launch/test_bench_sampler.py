@@ -10,7 +10,10 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
 
+
+@pytest.mark.slow  # ~18 s cold: the benchmark's baseline loop, not product code
 def test_static_baseline_runs_each_full_batch_for_its_longest_group(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(

@@ -81,6 +81,7 @@ def test_smoke_console_holds_bars_metrics_and_table_and_chatter_goes_to_run_log(
     assert "CheckpointManager created" in log and re.search(ABSL_LINE, log, re.MULTILINE)
 
 
+@pytest.mark.slow  # three more launch.train processes (the finished run is shared)
 @pytest.mark.parametrize(
     "override,message",
     [
@@ -141,7 +142,7 @@ HANGING_REWARD = (
             "",
             "launch.train: GSM8K file '.' is a directory; expected a JSONL file",
         ),
-        (
+        pytest.param(
             [
                 "--config.learner.optimizer.lr=1e39",
                 "--config.driver.groups_per_update=4",
@@ -150,6 +151,7 @@ HANGING_REWARD = (
             ],
             "",
             "launch.train: Non-finite values in params/",
+            marks=pytest.mark.slow,  # ~17 s cold: a round before the non-finite update
         ),
         pytest.param(
             [

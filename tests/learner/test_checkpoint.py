@@ -149,6 +149,7 @@ def run(tmp_path_factory):
     return dict(dir=directory, meta=meta, at_save=at_save, final=final, losses=losses, data=data)
 
 
+@pytest.mark.slow  # ~16 s cold: a fresh process; launch.train's resume tests stay quick
 def test_resume_in_fresh_process_continues_the_exact_trajectory(run, tmp_path):
     out = tmp_path / "resumed.npz"
     env = dict(

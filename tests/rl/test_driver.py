@@ -113,7 +113,11 @@ def tokens_of(results):
     ]
 
 
-@pytest.mark.parametrize("U", [4, 2], ids=["S=1", "S=2"])
+@pytest.mark.parametrize(
+    "U",
+    [pytest.param(4, marks=pytest.mark.slow), 2],
+    ids=["S=1", "S=2"],  # ~14 s cold each
+)
 def test_cgp_ordered_equals_sync(U):
     sync_driver, cgp_driver = build("sync", U=U), build("cgp", "ordered", U=U)
     sync, cgp = run(sync_driver), run(cgp_driver)

@@ -93,6 +93,7 @@ def sample(
     return out, sampler, timeline
 
 
+@pytest.mark.slow  # ~20 s cold; the forced-migration equality below stays quick
 @pytest.mark.parametrize("seed", [0, 1])
 def test_replicas_and_migration_do_not_change_tokens(model, engines, seed):
     one, _, _ = sample(model, engines, [0], seed=seed)
