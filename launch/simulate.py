@@ -218,7 +218,7 @@ def print_modes(title: str, rows: dict[str, dict[str, float]]) -> None:
     )
 
 
-ROLLPACKER = dict(median_tokens=500.0, max_new_tokens=16384)  # P75 ~910, max 16k
+ROLLPACKER = papers.ROLLPACKER_WORKLOAD  # P75 ~910, max 16k
 
 
 def max_new_tokens() -> int:
