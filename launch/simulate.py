@@ -4,6 +4,7 @@ validation of the simulator against a real run.
     python -m launch.simulate --json /tmp/sim.json [--gpu h100 --sampler_gpus 4 --learner_gpus 4]
     python -m launch.simulate --profile /tmp/profile.json --validate /tmp/bench_pipeline.json
     python -m launch.simulate --plan_budgets 8,16,32
+    python -m launch.simulate --papers --json /tmp/papers.json   # the seed headlines, ~80 s
     python -m launch.simulate --borrowing off,both,off+migration,both+migration \
         --sampler_gpus 8 --learner_gpus 24 --setups 256
     python -m launch.simulate --migration tail --modes sync,cgp+frontier+fifo,async+frontier+s1
@@ -14,9 +15,16 @@ Comparison table (default): for each RolloutPipe setup (G = 8, U = 2, R in --set
 sync (slime-like: rollout all, then train), cgp+fcfs / cgp+frontier (complete-group pipelining,
 batches in completion order as RolloutPipe), cgp+shuffled (requests reach the engine in a random
 order, as slime's asynchronous submission; frontier is immune to it), sync+tail and
-cgp+frontier+tail (RollPacker tail batching, eta --eta), async+frontier+s{1,2} (bounded staleness:
-a publish after every update, the sampler up to s versions ahead) and async+shuffled+s2 (FCFS over
-requests arriving in a random order, where frontier differs), simulated with rl/sim on the stage-time
+cgp+frontier+tail (RollPacker tail batching, eta --eta), and async (bounded staleness: a publish
+after every update, the sampler up to s versions ahead): async+frontier+s1 at U = 2, whose window
+of (s + 1) x U = 4 groups (32 sequences) cannot fill the sampler's slots (4 x 145 on the H100
+preset), so it runs a fraction of the engine and looks several times slower than sync; then
+async+frontier+s1+fill and s4+fill, where each row's U is the smallest divisor of R whose window
+keeps every slot busy on the workload's long tail, (s + 1) x U x G >= slots x cap / mean response
+(rl.schedules.asynchronous.fill_groups_per_update; U = R = 64 at R = 64 on the H100 preset: AReaL
+and PipelineRL train batches of hundreds of sequences per update for the same reason), and
+async+shuffled+s4+fill (FCFS over requests arriving in a random order, where frontier differs).
+Simulated with rl/sim on the stage-time
 model of --preset on --gpu (rl/sim/presets.py; or --profile's fitted model) and a long-tailed
 workload (rl/sim/workload.py). Every mode runs --rounds rounds of the same prompt stream; the
 figures are means over rounds. A second block ("paper balance") scales the learner so that sync's
@@ -39,6 +47,13 @@ and simulated figures and the error, cgp also without the contention term.
 migration (rl/elastic/migration.py, thresholds --migration_fraction and --migration_min_left; a
 move costs StageModel.migrate_s: the request's KV bytes over NVLink plus a fixed 10 ms in the GPU
 presets): throughput (groups/s) and the sampler replica-seconds busy, each vs the static split.
+`tail` acts only where the replicas it frees have a consumer (async, or a learner that borrows:
+rl.elastic.migration.has_consumer); a round mode's rows are then the static split.
+
+--papers prints only the seed systems' headline table (rl/sim/papers.py): for RolloutPipe,
+PipelineRL, RollPacker, BiDiRL and JigsawRL, our figure at the paper's setting as close as the
+presets allow, beside the paper's, with the baseline and the setting; --json writes
+{"papers": {NAME: {"paper", "ours", "metric", "setting"}}}.
 
 --plan_budgets runs rl/device_split.py on each budget: the planner's split beside every split's simulated
 time per round.
@@ -57,6 +72,7 @@ runtime lacks).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -67,6 +83,7 @@ from rl.device_split import Split, compare, format_table
 from rl.elastic.migration import MIGRATION_POLICIES, MigrationConfig
 from rl.elastic.stage import StageModel
 from rl.round_planner import TailConfig
+from rl.sim import papers
 from rl.sim.compare import (
     balance_learner,
     compare_borrowing,
@@ -88,9 +105,10 @@ MODES = (
     "cgp+frontier+fifo",
     "sync+tail",
     "cgp+frontier+tail",
-    "async+frontier+s1",
-    "async+frontier+s2",
-    "async+shuffled+s2",
+    "async+frontier+s1",  # at U = --groups_per_update: the window is too small (see the docstring)
+    "async+frontier+s1+fill",
+    "async+frontier+s4+fill",
+    "async+shuffled+s4+fill",
 )
 
 _JSON = flags.DEFINE_string("json", "", "Write the results here as JSON; empty: don't.")
@@ -153,6 +171,11 @@ _CHECKPOINTS = flags.DEFINE_list(
     "Add the async checkpoint block: throughput of the async --modes with a checkpoint every k "
     "rounds (exact: a barrier, nothing in flight; no_bubble), for each k given, vs none.",
 )
+_PAPERS = flags.DEFINE_bool(
+    "papers",
+    False,
+    "Only the seed systems' headline table (rl/sim/papers.py), ours vs the paper's.",
+)
 _GANTT_DIR = flags.DEFINE_string("gantt_dir", "", "Write simulated Gantt PNGs of setup R=32 here.")
 
 
@@ -170,7 +193,7 @@ def stage_model() -> tuple[StageModel, int]:
 def print_modes(title: str, rows: dict[str, dict[str, float]]) -> None:
     print(title)
     print(
-        f"  {'mode':<30}{'r2t_end s':>10}{'vs sync':>9}{'1st disp s':>11}{'wait':>7}"
+        f"  {'mode':<30}{'U':>4}{'r2t_end s':>10}{'vs sync':>9}{'1st disp s':>11}{'wait':>7}"
         f"{'rollout s':>10}{'train s':>9}{'s/group':>9}{'vs sync':>8}{'long rds':>9}"
         f"{'groups/s':>9}"
         f"{'vs sync':>8}{'vs cgp':>7}{'lag':>6}"
@@ -178,7 +201,7 @@ def print_modes(title: str, rows: dict[str, dict[str, float]]) -> None:
     cgp = rows.get("cgp+frontier+fifo", {}).get("groups_per_s", float("nan"))
     for m, r in rows.items():
         print(
-            f"  {m:<30}{r['rollout_to_train_end_s']:>10.2f}{-r['reduction_vs_sync']:>+9.1%}"
+            f"  {m:<30}{r['groups_per_update']:>4}{r['rollout_to_train_end_s']:>10.2f}{-r['reduction_vs_sync']:>+9.1%}"
             f"{r['first_dispatch_s']:>11.2f}{r['trainer_wait_ratio']:>7.2f}{r['rollout_s']:>10.2f}"
             f"{r['trainer_compute_s']:>9.2f}{r['time_per_group_s']:>9.3f}"
             f"{r['speedup_per_group_vs_sync']:>7.2f}x{r['long_rounds']:>9.0f}"
@@ -186,7 +209,8 @@ def print_modes(title: str, rows: dict[str, dict[str, float]]) -> None:
             f"{r['groups_per_s'] / cgp:>6.2f}x{r['lag_mean']:>6.2f}"
         )
     print(
-        "  s/group: rollout-to-train-end per trained group, its vs sync: sync's s/group / the "
+        "  U: groups per update (a +fill row's is the smallest whose staleness window, (s + 1) x U "
+        "groups, keeps every slot busy); s/group: rollout-to-train-end per trained group, its vs sync: sync's s/group / the "
         "mode's (a speedup); groups/s: groups trained / time between round starts (the throughput; async rounds "
         "overlap, so their r2t, 1st disp and s/group count from a round's first submission, which "
         "precedes the previous round's end); vs cgp: vs cgp+frontier+fifo; lag: mean version lag "
@@ -194,7 +218,7 @@ def print_modes(title: str, rows: dict[str, dict[str, float]]) -> None:
     )
 
 
-ROLLPACKER = dict(median_tokens=500.0, max_new_tokens=16384)  # P75 ~910, max 16k
+ROLLPACKER = papers.ROLLPACKER_WORKLOAD  # P75 ~910, max 16k
 
 
 def max_new_tokens() -> int:
@@ -281,7 +305,7 @@ def comparison(model: StageModel, slots: int, out: dict[str, Any]) -> None:
             )
             out[label][f"R{r}"] = dict(modes=rows, learner_scale=scale)
             print_modes(
-                f"{label} R={r} (G={_GROUP_SIZE.value}, U={_PER_UPDATE.value}"
+                f"{label} R={r} (G={_GROUP_SIZE.value}, U={_PER_UPDATE.value} unless a row says"
                 + (f", learner x{scale:.1f} for sync wait {balance:.0%}" if balance else "")
                 + ")",
                 rows,
@@ -468,6 +492,31 @@ def checkpoint_barriers(model: StageModel, slots: int, out: dict[str, Any]) -> N
             print(f"  R={r:<6}{m:<22}{none:>8.3f}" + "".join(f"{c:>19}" for c in cells))
 
 
+def paper_headlines(model: StageModel, slots: int, out: dict[str, Any]) -> None:
+    borrow = gpu_preset(
+        _PRESET.value, _GPU.value, learner_gpus=papers.PaperSetup.borrow_learner_gpus
+    )
+    setup = papers.PaperSetup(
+        model=model,
+        borrow_model=borrow.model,
+        replicas=_SAMPLER_GPUS.value // _SAMPLER_TP.value,
+        slots=slots,
+        rounds=_ROUNDS.value,
+        seed=_SEED.value,
+    )
+    rows = papers.headlines(setup)
+    out["papers"] = {name: dataclasses.asdict(h) for name, h in rows.items()}
+    print(
+        f"seed systems' headlines: {model.source}, {setup.replicas} x {slots} slots, "
+        f"{_ROUNDS.value} rounds per run, workload seed {_SEED.value}"
+    )
+    print(f"  {'system':<23}{'ours':>8}{'paper':>8}  metric / our setting")
+    for name, h in rows.items():
+        ours = "-" if h.ours is None else f"{h.ours:.3g}"
+        print(f"  {name:<23}{ours:>8}{h.paper:>8.3g}  {h.metric}")
+        print(f"  {'':<39}{h.setting}")
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -475,7 +524,9 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("--validate needs --profile (the fitted model of the same machine).")
     model, slots = stage_model()
     out: dict[str, Any] = {}
-    if _VALIDATE.value:
+    if _PAPERS.value:
+        paper_headlines(model, slots, out)
+    elif _VALIDATE.value:
         validation(model, out)
     elif not _BORROWING.value or flags.FLAGS["modes"].present:  # --borrowing alone: only it
         comparison(model, slots, out)

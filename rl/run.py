@@ -28,6 +28,7 @@ from rl.metrics_writer import MetricsWriter
 from rl.round_planner import prompt_from_json, prompt_to_json
 from rl.runtime.compose import Setup
 from rl.runtime.factory import check_runtime_config, make_runtime
+from rl.schedules.asynchronous import window_warning
 from rl.sections import from_section
 from rl.tasks.data import load_task
 
@@ -155,6 +156,9 @@ def train(
         sampling=setup.sampling,
         epoch_size=len(data.train),
     )
+    slots = config.engine.max_slots * config.mesh.sampler_replicas
+    if (warning := window_warning(driver_cfg, slots)) is not None:
+        logging.warning("%s", warning)
     # Everything the run starts (workers, threads, processes, actors, files) ends with it, when it
     # returns or raises: each is closed by `run`, newest first.
     with contextlib.ExitStack() as run:

@@ -21,6 +21,12 @@ Policies (`make_migration_policy`, names in MIGRATION_POLICIES):
           is unmovable; requests with fewer than `min_tokens_left` tokens to go (when known) stay.
   always  every movable request moves to the next replica (in index order, wrapping) with room,
           at every opportunity: the exactness test's forcing mode.
+
+A consumer: consolidating a tail does not make it faster (each move adds the moved KV cache to
+the destination's decode steps, which read it every step), it frees replicas. That pays only if
+the freed replicas get other work: async's next requests, or the learner borrowing them
+(`has_consumer`). Without one, `tail` would only slow the round (0.68-0.71x the static split in
+the simulator at paper scale), so `make_migration_policy(..., consumer=False)` gives Off for it.
 """
 
 from __future__ import annotations
@@ -205,10 +211,18 @@ class Tail:
         return run.movable and (left is None or left >= self.config.min_tokens_left)
 
 
-def make_migration_policy(config: MigrationConfig) -> MigrationPolicy:
-    """The policy `config.policy` names."""
+def has_consumer(mode: str, borrowing: str) -> bool:
+    """Whether replicas that migration frees get other work: under `async` the next updates'
+    requests take them; in round modes only a learner that borrows the sampler's devices
+    (rl.elastic.borrowing: borrowing "learner" or "both") does."""
+    return mode == "async" or borrowing in ("learner", "both")
+
+
+def make_migration_policy(config: MigrationConfig, *, consumer: bool = True) -> MigrationPolicy:
+    """The policy `config.policy` names; `tail` without a consumer for what it frees
+    (`has_consumer`) is Off. `always`, the forcing mode, moves regardless."""
     if config.policy == "tail":
-        return Tail(config)
+        return Tail(config) if consumer else Off()
     if config.policy == "always":
         return Always()
     return Off()

@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from absl import logging
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -25,7 +26,12 @@ from learner.mesh import lent_meshes
 from learner.sft import SftTrainer
 from rl.device_split import Split
 from rl.elastic.borrowing import BorrowConfig, BorrowPolicy
-from rl.elastic.migration import MigrationConfig
+from rl.elastic.migration import (
+    MigrationConfig,
+    MigrationPolicy,
+    has_consumer,
+    make_migration_policy,
+)
 from rl.evaluate import evaluate
 from rl.models.build import build_model
 from rl.models.export import export_hf
@@ -261,3 +267,21 @@ def migration_config_from(config: Any) -> MigrationConfig:
     return from_section(
         MigrationConfig, config.elastic, name="elastic", shared=True, rename={"migration": "policy"}
     )
+
+
+def build_migration(config: Any) -> MigrationPolicy:
+    """The run's long-tail migration policy (config.elastic.migration). `tail` without a consumer
+    for the replicas it frees (round modes without the learner borrowing) would only slow the
+    rounds; it is off then, and the log says so."""
+    cfg = migration_config_from(config)
+    consumer = has_consumer(config.driver.mode, config.elastic.borrowing)
+    if cfg.policy == "tail" and not consumer:
+        logging.warning(
+            "config.elastic.migration='tail' with driver.mode=%r and elastic.borrowing=%r: the "
+            "replicas it would free get no other work, and consolidating a tail only slows it; "
+            "migration is off for this run (it acts under mode='async' or with the learner "
+            "borrowing).",
+            config.driver.mode,
+            config.elastic.borrowing,
+        )
+    return make_migration_policy(cfg, consumer=consumer)

@@ -49,12 +49,11 @@ import ray
 from ray.exceptions import RayActorError
 
 from rl.driver import Driver
-from rl.elastic.migration import make_migration_policy
 from rl.runtime.compose import (
     borrow_config_from,
     build_borrower,
     build_lender,
-    migration_config_from,
+    build_migration,
 )
 
 # (connect and worker_env are imported from here too: launch/bench_elastic.py)
@@ -145,7 +144,7 @@ class RayRuntime:
         )
         self.weight_sync = ObjectStoreSync()
         self.router: ReplicaRouter | None = None
-        self.migration = make_migration_policy(migration_config_from(config))
+        self.migration = build_migration(config)
         learner_devices = ray.get(workers[0].devices.remote())
         self.lend = build_lender(
             config, learner_devices=learner_devices, make_replicas=self._lent_replicas

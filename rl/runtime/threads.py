@@ -29,7 +29,7 @@ from learner.sft import SftTrainer
 from rl.admission import make_policy
 from rl.compiles import compile_stats
 from rl.driver import Driver, DriverConfig
-from rl.elastic.migration import MigrationPolicy, make_migration_policy
+from rl.elastic.migration import MigrationPolicy
 from rl.queue import GroupQueue
 from rl.runtime.compose import (
     Setup,
@@ -38,12 +38,12 @@ from rl.runtime.compose import (
     build_engine,
     build_learner,
     build_lender,
+    build_migration,
     build_reward,
     build_sft,
     evaluate_heldout,
     export_policy,
     lent_engines,
-    migration_config_from,
     rollout_reward,
     updates_per_round,
 )
@@ -137,7 +137,7 @@ class ThreadsRuntime:
             mesh_cfg, self.mesh_plan = plan_mesh(config, len(jax.devices()))
         learner_mesh, sampler_mesh = make_meshes(mesh_cfg)
         self.sampler_devices = list(sampler_mesh.devices.flat)
-        self.migration = make_migration_policy(migration_config_from(config))
+        self.migration = build_migration(config)
         model = build_checked_model(config, setup, learner_mesh)
         self.learner = build_learner(
             config, setup, model, learner_mesh, total_updates=total_updates

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 
 from rl.round_planner import RoundPlan, RoundPlanner
 from rl.schedules.base import (
@@ -51,6 +52,60 @@ from rl.schedules.base import (
     Update,
 )
 from rl.types import Group, Prompt, Request
+
+
+def fill_groups_per_update(
+    *,
+    slots: int,
+    group_size: int,
+    max_staleness: int,
+    groups_per_round: int,
+    tail_factor: float = 1.0,
+) -> int:
+    """The smallest groups per update U (a divisor of R = `groups_per_round`) whose staleness
+    window keeps the sampler's `slots` (all replicas') busy; R when none does.
+
+    The window holds (s + 1) x U groups of G = `group_size` sequences. An update trains only once
+    its batch's longest sequence ends, and while that one decodes each slot serves about
+    `tail_factor` = longest / mean response length sequences, so the window must hold
+    slots x tail_factor sequences: with tail_factor 1 it merely covers the slots. A smaller U
+    leaves slots idle whatever the sampler's speed: with U = 2, s = 1 and G = 8 at most 32
+    sequences run on, say, 4 replicas x 145 slots.
+    """
+    if tail_factor < 1.0:
+        raise ValueError(
+            f"tail_factor must be >= 1 (longest / mean length); received {tail_factor}."
+        )
+    need = math.ceil(slots * tail_factor / (group_size * (max_staleness + 1)))
+    return next(
+        (u for u in range(max(1, need), groups_per_round + 1) if groups_per_round % u == 0),
+        groups_per_round,
+    )
+
+
+def window_warning(cfg: object, slots: int) -> str | None:
+    """A line for the log when an async schedule's staleness window, (s + 1) x U groups of G, is
+    smaller than the sampler's `slots` (all replicas'): those slots can never all be busy. None
+    when the window covers them, or for another mode."""
+    if cfg.mode != "async":  # type: ignore[attr-defined]
+        return None
+    s, u, g = cfg.max_staleness, cfg.groups_per_update, cfg.group_size  # type: ignore[attr-defined]
+    window = (s + 1) * u * g
+    if window >= slots:
+        return None
+    fill = fill_groups_per_update(
+        slots=slots,
+        group_size=g,
+        max_staleness=s,
+        groups_per_round=cfg.groups_per_round,  # type: ignore[attr-defined]
+    )
+    return (
+        f"driver.mode='async' keeps at most (max_staleness + 1) x groups_per_update x group_size "
+        f"= ({s} + 1) x {u} x {g} = {window} sequences in flight on {slots} sampler slots, so "
+        f"the sampler runs part-empty; groups_per_update={fill} (or a larger max_staleness) "
+        "covers the slots, and a long-tailed workload wants a few times that (launch.simulate's "
+        "+fill rows)."
+    )
 
 
 @dataclasses.dataclass

@@ -2,7 +2,9 @@
 
 A mode name is what the benchmarks and launch.simulate print: "sync", "cgp+<admission>+<batching>",
 "sync+tail", "cgp+<admission>+tail" (tail batching; cgp batches then form in completion order),
-"async+<admission>+s<max_staleness>".
+"async+<admission>+s<max_staleness>", which may end in "+u<groups_per_update>" (an async row's own
+batch per update) or "+fill" (the smallest batch per update whose staleness window keeps the
+sampler's slots busy: rl.schedules.asynchronous.fill_groups_per_update).
 """
 
 from __future__ import annotations
@@ -126,9 +128,13 @@ class ScheduleConfig:
         return f"cgp+{self.admission}+{self.batching}" + ("+tail" if self.tail.enabled else "")
 
 
+FILL = "fill"  # mode_fields' groups_per_update for "+fill": resolved against the sampler's slots
+
+
 def mode_fields(name: str) -> dict[str, Any]:
     """The ScheduleConfig fields a mode name sets (mode, admission, batching, max_staleness,
-    tail.enabled as `tail_enabled`).
+    tail.enabled as `tail_enabled`; an async name's "+u<N>" sets groups_per_update to N, "+fill"
+    to FILL).
 
     Raises:
       ValueError: the name is not one of the forms in the module docstring.
@@ -142,13 +148,25 @@ def mode_fields(name: str) -> dict[str, Any]:
         out.update(mode="sync", admission="fcfs", batching="ordered")
     elif len(parts) == 3 and parts[0] == "cgp":
         out.update(mode="cgp", admission=parts[1], batching=parts[2])
-    elif len(parts) == 3 and parts[0] == "async" and parts[2][:1] == "s" and parts[2][1:].isdigit():
+    elif (
+        len(parts) in (3, 4)
+        and parts[0] == "async"
+        and parts[2][:1] == "s"
+        and parts[2][1:].isdigit()
+        and (len(parts) == 3 or parts[3] == FILL or _is_u(parts[3]))
+    ):
         out.update(
             mode="async", admission=parts[1], batching="ordered", max_staleness=int(parts[2][1:])
         )
+        if len(parts) == 4:
+            out["groups_per_update"] = FILL if parts[3] == FILL else int(parts[3][1:])
     else:
         raise ValueError(
             f"Mode {name!r}; expected sync, cgp+<admission>+<batching>, sync+tail, "
-            "cgp+<admission>+tail or async+<admission>+s<max_staleness>."
+            "cgp+<admission>+tail or async+<admission>+s<max_staleness>[+u<N>|+fill]."
         )
     return out
+
+
+def _is_u(part: str) -> bool:
+    return part[:1] == "u" and part[1:].isdigit() and int(part[1:]) > 0

@@ -2,7 +2,8 @@
 
 A mode name is what launch.bench_pipeline uses (rl.schedules.mode_fields parses it): "sync",
 "cgp+<admission>+<batching>", "sync+tail", "cgp+<admission>+tail" (tail batching; cgp's batches
-then form in completion order), "async+<admission>+s<max_staleness>".
+then form in completion order), "async+<admission>+s<max_staleness>", optionally "+u<N>" or
+"+fill" (its own groups per update; rl.schedules.config).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from rl.elastic.borrowing import BorrowConfig, BorrowPolicy
 from rl.elastic.stage import StageModel
 from rl.round_planner import TailConfig
 from rl.schedules import mode_fields
+from rl.schedules.asynchronous import fill_groups_per_update
+from rl.schedules.config import FILL
 from rl.sim.borrow import SimBorrower
 from rl.sim.simulator import SimConfig, SimResult, Simulator
 from rl.sim.workload import Workload, WorkloadConfig
@@ -31,13 +34,28 @@ def make_admission(name: str) -> AdmissionPolicy:
     return make_policy(name)
 
 
-def sim_config(mode: str, **fields: Any) -> SimConfig:
+def sim_config(mode: str, *, tail_factor: float = 1.0, **fields: Any) -> SimConfig:
     """The SimConfig of a mode name (rl.schedules.mode_fields); `fields` fill the rest (tail fields
-    via `tail`)."""
+    via `tail`). An async "+fill" name's groups per update keeps every slot busy on a workload whose
+    longest response is `tail_factor` x its mean (rl.schedules.asynchronous.fill_groups_per_update;
+    fill_factor gives it for a WorkloadConfig)."""
     mf = mode_fields(mode)
     tail_cfg = fields.pop("tail", TailConfig())
     tail = dataclasses.replace(tail_cfg, enabled=mf.pop("tail_enabled"))
-    return SimConfig(**mf, tail=tail, **fields)
+    if mf.get("groups_per_update") == FILL:  # the async row's window covers every slot
+        mf["groups_per_update"] = fill_groups_per_update(
+            slots=fields.get("slots", SimConfig.slots) * fields.get("replicas", SimConfig.replicas),
+            group_size=fields.get("group_size", SimConfig.group_size),
+            max_staleness=mf["max_staleness"],
+            groups_per_round=fields.get("groups_per_round", SimConfig.groups_per_round),
+            tail_factor=tail_factor,
+        )
+    return SimConfig(**{**fields, **mf}, tail=tail)
+
+
+def fill_factor(workload: WorkloadConfig, group_size: int = 8) -> float:
+    """The workload's tail factor for "+fill" modes: its cap over its mean response length."""
+    return max(1.0, workload.max_new_tokens / Workload(workload).mean_length(group_size))
 
 
 def summarize(result: SimResult, skip: int = 0) -> dict[str, Any]:
@@ -86,6 +104,7 @@ def run_modes(
       **fields: SimConfig fields (R, U, G, slots, replicas, tail, epoch_size, ...).
     """
     out: dict[str, dict[str, float]] = {}
+    factor = fill_factor(workload, fields.get("group_size", SimConfig.group_size))
     variants = [(m, model) for m in modes]
     if contention_off and model.contention:
         variants += [
@@ -94,11 +113,11 @@ def run_modes(
             if m.startswith("cgp")
         ]
     for name, mdl in variants:
-        cfg = sim_config(name.split("/")[0], **dict(fields))
+        cfg = sim_config(name.split("/")[0], tail_factor=factor, **dict(fields))
         result = Simulator(cfg, mdl, Workload(workload), make_admission=make_admission).run(rounds)
         if on_result is not None:
             on_result(name, result)
-        out[name] = summarize(result, skip)
+        out[name] = summarize(result, skip) | {"groups_per_update": cfg.groups_per_update}
     base = out[modes[0]]
     for r in out.values():
         r["reduction_vs_sync"] = 1.0 - r["rollout_to_train_end_s"] / base["rollout_to_train_end_s"]
@@ -215,6 +234,7 @@ def compare_borrowing(
     """
 
     out: dict[str, dict[str, dict[str, Any]]] = {}
+    factor = fill_factor(workload, fields.get("group_size", SimConfig.group_size))
     for mode in modes:
         out[mode] = {}
         for name in borrowings:
@@ -232,7 +252,7 @@ def compare_borrowing(
                 borrow = SimBorrower(
                     policy, learner_devices=learner_devices, replica_devices=replica_devices
                 )
-            cfg = sim_config(mode, **extra, **dict(fields))
+            cfg = sim_config(mode, tail_factor=factor, **extra, **dict(fields))
             sim = Simulator(cfg, model, Workload(workload), borrow=borrow)
             result = sim.run(rounds)
             sim_rounds = result.rounds
@@ -264,10 +284,13 @@ def compare_migration(
     and groups_per_s_vs_static / busy_vs_static (the migration row over its static row).
     """
     out: dict[str, dict[str, Any]] = {}
+    factor = fill_factor(workload, fields.get("group_size", SimConfig.group_size))
     for mode in modes:
         for name, mig in ((mode, None), (f"{mode}+migration", migration)):
             extra = {} if mig is None else {"migration": mig}
-            cfg = sim_config(mode, routing="round_robin", **extra, **dict(fields))
+            cfg = sim_config(
+                mode, routing="round_robin", tail_factor=factor, **extra, **dict(fields)
+            )
             result = Simulator(cfg, model, Workload(workload)).run(rounds)
             row = summarize(result)
             n = max(1, len(result.rounds))

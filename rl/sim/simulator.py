@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from rl.admission import AdmissionPolicy, make_policy
-from rl.elastic.migration import MigrationConfig, make_migration_policy
+from rl.elastic.migration import MigrationConfig, has_consumer, make_migration_policy
 from rl.elastic.stage import StageModel
 from rl.formation import BatchFormer
 from rl.metrics import migration_metrics, round_metrics, staleness_metrics
@@ -160,7 +160,12 @@ class Simulator:
             timeline=self.timeline,
             migration=None
             if cfg.migration.policy == "off"
-            else make_migration_policy(cfg.migration),
+            else make_migration_policy(
+                cfg.migration,
+                consumer=has_consumer(
+                    cfg.mode, borrow.policy.cfg.borrowing if borrow is not None else "off"
+                ),
+            ),
         )
         self.schedule: Any = None
         self.on_update: Callable[[Update], None] | None = None  # called as each update ends

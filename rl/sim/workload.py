@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from rl.types import Prompt, Request
+from rl.types import Prompt, Request, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,6 +102,22 @@ class Workload:
         loops = rng.random(g) < (self.cfg.runaway_p if runaway else 0.0)
         out = np.where(loops, cap, np.clip(np.rint(body), 1, cap))
         return tuple(int(x) for x in out)
+
+    def mean_length(self, group_size: int, *, prompts: int = 500) -> float:
+        """The mean response length over the first `prompts` prompts' samples (round 0)."""
+        params = SamplingParams(max_new_tokens=self.cfg.max_new_tokens)
+        n = min(prompts, len(self.cfg.fixed_lengths) or prompts)
+        return float(
+            np.mean(
+                [
+                    x
+                    for uid in range(n)
+                    for x in self.lengths(
+                        Request(uid=uid, prompt=(0,), group_size=group_size, params=params)
+                    )
+                ]
+            )
+        )
 
 
 def summarize(lengths: Sequence[int]) -> dict[str, float]:

@@ -31,7 +31,12 @@ def test_simulate_writes_the_documented_keys(tmp_path):
         for setup in ("R8", "R16"):
             modes = result[block][setup]["modes"]
             assert list(modes)[0] == "sync" and "cgp+frontier+tail" in modes
-            assert {"async+frontier+s1", "async+frontier+s2", "async+shuffled+s2"} <= set(modes)
+            assert {
+                "async+frontier+s1",
+                "async+frontier+s1+fill",
+                "async+frontier+s4+fill",
+                "async+shuffled+s4+fill",
+            } <= set(modes)
             for m in modes.values():
                 for key in (
                     "rollout_to_train_end_s",
@@ -42,8 +47,10 @@ def test_simulate_writes_the_documented_keys(tmp_path):
                     "throughput_vs_sync",
                 ):
                     assert isinstance(m[key], float)
-            for s in (1, 2):  # the staleness bound holds at paper scale too
-                assert 0 < modes[f"async+frontier+s{s}"]["lag_max"] <= s
+            for name, s in (("async+frontier+s1", 1), ("async+frontier+s4+fill", 4)):
+                assert 0 < modes[name]["lag_max"] <= s  # the staleness bound holds at scale too
+            # +fill: the smallest divisor of R whose window keeps the slots busy, or R
+            assert modes["async+frontier+s4+fill"]["groups_per_update"] >= 2
     assert result["paper_balance"]["R8"]["modes"]["sync"]["trainer_wait_ratio"] == pytest.approx(
         0.5, abs=0.02
     )
@@ -114,3 +121,23 @@ def test_simulate_borrowing_alone_writes_the_comparison(tmp_path):
         assert list(by) == ["off", "both"] and by["off"]["throughput_vs_static"] == 1.0
         assert by["both"]["groups_per_s"] > 0 and by["off"]["moves_learner"] == 0
     assert "BiDiRL reports up to 1.94x" in proc.stdout
+
+
+def test_simulate_papers_writes_the_headline_contract(tmp_path):
+    out = tmp_path / "sim.json"
+    cmd = [sys.executable, "-m", "launch.simulate", f"--json={out}", "--papers", "--rounds=1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["papers"]
+    assert set(rows) == {
+        "rolloutpipe_cgp",
+        "pipelinerl_async",
+        "rollpacker_tail",
+        "bidirl_borrowing",
+        "jigsawrl_migration",
+        "jigsawrl_multiplexing",
+    }
+    for row in rows.values():
+        assert set(row) == {"paper", "ours", "metric", "setting"}
+    assert rows["jigsawrl_multiplexing"]["ours"] is None
+    assert "pipelinerl_async" in proc.stdout

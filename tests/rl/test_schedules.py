@@ -23,6 +23,8 @@ from rl.schedules import (
     make_schedule,
     mode_fields,
 )
+from rl.schedules.asynchronous import fill_groups_per_update, window_warning
+from rl.schedules.config import FILL
 from rl.types import Completion, Group, Prompt, SamplingParams
 
 
@@ -160,10 +162,46 @@ def test_one_list_of_modes_and_names():
         assert config(name).name == name
     with pytest.raises(ValueError, match=r"Mode 'async\+frontier'; expected"):
         mode_fields("async+frontier")
+    # an async row's own groups per update: "+u<N>", or "+fill" (resolved against the slots)
+    assert mode_fields("async+frontier+s4+u64")["groups_per_update"] == 64
+    assert mode_fields("async+frontier+s4+fill")["groups_per_update"] == FILL
+    for bad in ("async+frontier+s4+u0", "async+frontier+s4+x", "cgp+frontier+fifo+u8"):
+        with pytest.raises(ValueError, match="expected"):
+            mode_fields(bad)
     with pytest.raises(ValueError, match="tail.enabled=True; expected tail batching off"):
         ScheduleConfig(mode="async", tail=TailConfig(enabled=True))
     with pytest.raises(ValueError, match="max_staleness must be >= 0; received -1"):
         ScheduleConfig(mode="async", max_staleness=-1)
+
+
+@pytest.mark.parametrize(
+    "slots,g,s,r,factor,expected",
+    [
+        (580, 8, 1, 64, 1.0, 64),  # 37 groups needed: the smallest divisor of 64 above is 64
+        (580, 8, 4, 64, 1.0, 16),  # 15 needed
+        (580, 8, 4, 64, 3.8, 64),  # a long tail: 56 needed
+        (580, 8, 0, 32, 4.0, 32),  # more than a round: the round
+        (16, 8, 1, 8, 1.0, 1),
+    ],
+)
+def test_fill_keeps_every_slot_busy_with_the_smallest_batch(slots, g, s, r, factor, expected):
+    u = fill_groups_per_update(
+        slots=slots, group_size=g, max_staleness=s, groups_per_round=r, tail_factor=factor
+    )
+    assert u == expected and r % u == 0
+    if u < r:  # the window holds the slots' worth of sequences, and a smaller divisor would not
+        assert (s + 1) * u * g >= slots * factor
+        assert all((s + 1) * d * g < slots * factor for d in range(1, u) if r % d == 0)
+
+
+def test_an_async_window_smaller_than_the_slots_is_named_in_the_log():
+    small = config("async+frontier+s1", groups_per_round=64, groups_per_update=2, group_size=8)
+    text = window_warning(small, slots=580)
+    assert "(1 + 1) x 2 x 8 = 32 sequences in flight on 580 sampler slots" in text
+    assert "groups_per_update=64" in text
+    big = config("async+frontier+s4", groups_per_round=64, groups_per_update=16, group_size=8)
+    assert window_warning(big, slots=580) is None  # 5 x 16 x 8 = 640 >= 580
+    assert window_warning(config("cgp+frontier+ordered"), slots=580) is None
 
 
 @settings(max_examples=60, deadline=None)

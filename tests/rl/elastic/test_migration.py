@@ -10,6 +10,7 @@ from rl.elastic.migration import (
     ReplicaView,
     RunningView,
     check_moves,
+    has_consumer,
     make_migration_policy,
 )
 
@@ -34,6 +35,18 @@ def test_tail_consolidates_onto_the_most_loaded_replica():
     check_moves(replicas, moves)
     # replicas 0 and 1 (4 sequences) fit in replica 2's 5 free slots: both empty into it
     assert set(moves) == {Move((0, 0), 0, 2), Move((0, 1), 1, 2), Move((0, 2), 1, 2)}
+
+
+def test_tail_without_a_consumer_for_freed_replicas_never_moves():
+    # round modes without the learner borrowing: a consolidated tail frees replicas for nothing
+    assert not has_consumer("sync", "off") and not has_consumer("cgp", "sampler")
+    assert has_consumer("async", "off") and has_consumer("cgp", "learner")
+    replicas = [view(8, (0, 2)), view(8, (1, 1), (2, 1)), view(8, (3, 3))]
+    tail = MigrationConfig(policy="tail", max_running_fraction=0.5)
+    assert make_migration_policy(tail, consumer=False).moves(replicas) == []
+    assert make_migration_policy(tail, consumer=True).moves(replicas)
+    always = make_migration_policy(MigrationConfig(policy="always"), consumer=False)
+    assert always.moves(replicas)  # the forcing mode of the exactness tests moves regardless
 
 
 def test_tail_waits_while_work_is_queued_or_many_run():

@@ -3,6 +3,8 @@
 import pytest
 
 from configs import base
+from rl.elastic.migration import Off, Tail
+from rl.runtime.compose import build_migration
 from rl.runtime.factory import check_runtime_config
 
 
@@ -68,3 +70,14 @@ def test_good_runtime_configs_pass():
     # migration between replica actors, and the learner worker lending its devices to the sampler
     elastic = {"elastic.migration": "tail", "elastic.borrowing": "sampler"}
     check_runtime_config(config(runtime="ray", **{"mesh.sampler_replicas": 2}, **elastic))
+
+
+def test_tail_migration_runs_only_where_the_freed_replicas_have_a_consumer(caplog):
+    cgp = config(**{"elastic.migration": "tail", "mesh.sampler_replicas": 2})
+    with caplog.at_level("WARNING"):
+        assert isinstance(build_migration(cgp), Off)
+    assert "get no other work" in caplog.text and "migration is off for this run" in caplog.text
+    async_ = config(**{"elastic.migration": "tail", "driver.mode": "async"})
+    assert isinstance(build_migration(async_), Tail)
+    lending = config(**{"elastic.migration": "tail", "elastic.borrowing": "learner"})
+    assert isinstance(build_migration(lending), Tail)

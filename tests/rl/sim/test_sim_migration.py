@@ -28,9 +28,9 @@ GPU_LIKE = StageModel(
 WORKLOAD = WorkloadConfig(max_new_tokens=2048, median_tokens=300, runaway_fraction=0.2)
 
 
-def simulate(policy, seed, routing="round_robin", replicas=4):
+def simulate(policy, seed, routing="round_robin", replicas=4, mode="cgp+frontier+ordered"):
     cfg = sim_config(
-        "cgp+frontier+ordered",
+        mode,
         groups_per_round=16,
         groups_per_update=2,
         group_size=4,
@@ -47,8 +47,9 @@ def simulate(policy, seed, routing="round_robin", replicas=4):
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("routing", ["round_robin", "shared"])
 def test_migration_moves_work_and_loses_nothing(seed, routing):
-    static, _ = simulate("off", seed, routing)
-    moved, sim = simulate("tail", seed, routing)
+    # async: the replicas a consolidated tail frees take the next requests (a consumer exists)
+    static, _ = simulate("off", seed, routing, mode="async+frontier+s1")
+    moved, sim = simulate("tail", seed, routing, mode="async+frontier+s1")
     assert sum(r["migrations"] for r in moved.rounds) > 0
     assert all(r["migrations"] == 0 for r in static.rounds)
     for a, b in zip(static.rounds, moved.rounds, strict=True):  # same work, counted once

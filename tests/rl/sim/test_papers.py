@@ -1,0 +1,88 @@
+"""The seed systems' headlines on the simulator (rl/sim/papers.py) and the payoff they show."""
+
+import dataclasses
+import math
+
+import pytest
+
+from rl.elastic.migration import MigrationConfig
+from rl.sim import papers
+from rl.sim.compare import compare_migration, fill_factor, run_modes
+from rl.sim.presets import gpu_preset
+
+H100 = gpu_preset("qwen3-1.7b", "h100", learner_gpus=4)
+
+
+def small_setup(**kw):
+    """The headline runs at a fraction of paper scale (seconds, not minutes)."""
+    fields = dict(
+        model=H100.model,
+        borrow_model=gpu_preset("qwen3-1.7b", "h100", learner_gpus=6).model,
+        replicas=2,
+        slots=40,
+        borrow_sampler_gpus=2,
+        borrow_learner_gpus=6,
+        rounds=3,
+        groups_per_round=16,
+        rollpacker_groups=16,
+        borrow_groups=16,
+    )
+    return papers.PaperSetup(**(fields | kw))
+
+
+def test_every_headline_names_its_paper_figure_metric_and_setting():
+    rows = papers.headlines(small_setup())
+    assert list(rows) == [
+        "rolloutpipe_cgp",
+        "pipelinerl_async",
+        "rollpacker_tail",
+        "bidirl_borrowing",
+        "jigsawrl_migration",
+        "jigsawrl_multiplexing",
+    ]
+    for name, h in rows.items():
+        d = dataclasses.asdict(h)
+        assert set(d) == {"paper", "ours", "metric", "setting"}
+        assert isinstance(h.paper, float) and h.metric and h.setting
+        if name == "jigsawrl_multiplexing":
+            assert h.ours is None  # not built: no figure, not a placeholder one
+        else:
+            assert isinstance(h.ours, float) and math.isfinite(h.ours)
+    assert 0 < rows["rolloutpipe_cgp"].ours < 1  # a reduction, as a fraction
+    assert rows["bidirl_borrowing"].ours >= 1.0  # the best setting is never below the static one
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_async_that_fills_the_engine_beats_sync_at_paper_scale_and_u2_does_not(seed):
+    """PipelineRL's payoff on the H100 preset (4 x 145 slots, R = 64): a staleness window that
+    keeps the slots busy (+fill) gives ~2x sync's groups/s; the U = 2 window (32 sequences) gives
+    a fraction of it."""
+    workload = papers.PaperSetup(model=H100.model, borrow_model=H100.model, seed=seed).workload()
+    fields = papers.PaperSetup(model=H100.model, borrow_model=H100.model).fields(64)
+    rows = run_modes(
+        ["sync", "async+frontier+s1", "async+frontier+s4+fill"],
+        H100.model,
+        workload,
+        rounds=6,
+        **fields,
+    )
+    assert rows["async+frontier+s4+fill"]["groups_per_update"] == 64
+    assert rows["async+frontier+s4+fill"]["throughput_vs_sync"] > 1.7  # 2.15x at seed 0
+    assert rows["async+frontier+s4+fill"]["lag_max"] <= 4
+    assert rows["async+frontier+s1"]["throughput_vs_sync"] < 0.5  # 0.19x: the window is too small
+    assert fill_factor(workload) > 3  # the long tail: the cap is ~4x the mean response
+
+
+def test_migration_with_no_consumer_leaves_round_modes_as_the_static_split():
+    setup = small_setup()
+    rows = compare_migration(
+        ["sync", "cgp+frontier+fifo"],
+        setup.model,
+        setup.workload(),
+        MigrationConfig(policy="tail"),
+        rounds=3,
+        **setup.fields(16),
+    )
+    for mode in ("sync", "cgp+frontier+fifo"):
+        moved = rows[f"{mode}+migration"]
+        assert moved["migrations"] == 0 and moved["groups_per_s_vs_static"] == 1.0
