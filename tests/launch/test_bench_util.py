@@ -65,6 +65,7 @@ def test_release_frees_the_memory_maps_of_dropped_programs():
     assert bench_util.release() < held
 
 
+@pytest.mark.slow  # ~13 s cold each: the benchmarks' warm-up helper, not product code
 @pytest.mark.parametrize("per_sample", [False, True])
 def test_warm_engine_compiles_every_admission_a_loop_makes(per_sample):
     model = create_model(get_preset("tiny", init_std=0.3), seed=0)

@@ -23,6 +23,7 @@ def _sleeps(request, text):
     return 1.0
 
 
+@pytest.mark.slow  # a launch.train run each (~30 s cold); RewardRunner's own tests stay quick
 @pytest.mark.parametrize(
     ("name", "fn", "counter"),
     [("test_raises", _raises, "reward_errors"), ("test_sleeps", _sleeps, "reward_timeouts")],

@@ -195,7 +195,10 @@ def _shift_logprobs(group, c):
 
 @pytest.mark.parametrize(
     "loss, keys",
-    [("tis_reinforce", {"is_weight"}), ("ppo_clip", {"clip_frac_low", "clip_frac_high"})],
+    [
+        pytest.param("tis_reinforce", {"is_weight"}, marks=pytest.mark.slow),  # ~16 s cold
+        ("ppo_clip", {"clip_frac_low", "clip_frac_high"}),
+    ],
 )
 def test_update_reports_every_loss_metric_the_sampler_mismatch_and_the_ess(loss, keys):
     model = create_model(get_preset("tiny"), seed=3)

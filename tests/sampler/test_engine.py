@@ -243,7 +243,10 @@ def test_batched_prefill_and_live_blocks_leave_a_request_bitwise_unchanged(model
         assert a.logprobs == b.logprobs  # bitwise
 
 
-@pytest.mark.parametrize("remat", ["full", "dots"])
+@pytest.mark.parametrize(
+    "remat",
+    ["full", pytest.param("dots", marks=pytest.mark.slow)],  # ~13 s cold each
+)
 def test_an_engine_of_a_remat_model_decodes_as_without_remat(model, remat):
     # The GPU recipes train with remat; the engine built from that model must still decode (nnx
     # remat cannot trace inside the decode scan) and draw exactly what a plain model draws.

@@ -113,6 +113,7 @@ def test_replicas_and_migration_do_not_change_tokens(model, engines, seed):
     assert sum(s.args["tokens"] for s in spans if s.lane.startswith("sampler/slot")) == tokens
 
 
+@pytest.mark.slow  # ~14 s cold; the forced-migration equality stays quick
 def test_tail_consolidates_and_frees_a_replica(model, engines):
     # round-robin: each replica gets a long and a short group; the two long tails consolidate
     lengths = [40, 40, 4, 4]
