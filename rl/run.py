@@ -22,14 +22,11 @@ from learner.checkpoint import NoIntactCheckpointError, saved_steps
 from rl.compiles import round_compiles
 from rl.config_check import check_config
 from rl.curves import read_metrics, write_learning_curve_png
-from rl.driver import DriverConfig
 from rl.logs import flush_held_to
 from rl.metrics_writer import MetricsWriter
 from rl.round_planner import prompt_from_json, prompt_to_json
 from rl.runtime.compose import Setup
 from rl.runtime.factory import check_runtime_config, make_runtime
-from rl.schedules.asynchronous import window_warning
-from rl.sections import from_section
 from rl.tasks.data import load_task
 
 # What a run writes into its workdir; a fresh run replaces them only with config.overwrite.
@@ -149,16 +146,7 @@ def train(
     data = load_task(data_cfg, setup.tokenizer, max_prompt_tokens=setup.max_prompt_tokens)
     resume = _prepare_workdir(config)  # the config and data are good: the workdir may change now
     flush_held_to(os.path.join(config.workdir, "run.log"))  # launch.train: library logging
-    driver_cfg = from_section(
-        DriverConfig,
-        config.driver,
-        name="driver",
-        sampling=setup.sampling,
-        epoch_size=len(data.train),
-    )
-    slots = config.engine.max_slots * config.mesh.sampler_replicas
-    if (warning := window_warning(driver_cfg, slots)) is not None:
-        logging.warning("%s", warning)
+    driver_cfg = setup.driver_config(config, epoch_size=len(data.train))
     # Everything the run starts (workers, threads, processes, actors, files) ends with it, when it
     # returns or raises: each is closed by `run`, newest first.
     with contextlib.ExitStack() as run:

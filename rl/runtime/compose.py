@@ -25,6 +25,7 @@ from learner.learner import Learner
 from learner.mesh import lent_meshes
 from learner.sft import SftTrainer
 from rl.device_split import Split
+from rl.driver import DriverConfig
 from rl.elastic.borrowing import BorrowConfig, BorrowPolicy
 from rl.elastic.migration import (
     MigrationConfig,
@@ -41,6 +42,7 @@ from rl.overlong import OverlongPenalty
 from rl.rewards import RewardRunner, get_reward
 from rl.runtime.lending import LearnerBorrower, SamplerLender
 from rl.runtime.mesh_plan import split_models
+from rl.schedules.asynchronous import window_warning
 from rl.sections import from_section
 from rl.tasks.data import DataConfig, data_config_from
 from rl.tasks.pipeline import prompt_dataset
@@ -74,6 +76,22 @@ class Setup:
             ),
             max_prompt_tokens=max(1, min(config.engine.max_prefill_length, max_prompt)),
         )
+
+    def driver_config(self, config: Any, *, epoch_size: int) -> DriverConfig:
+        """config.driver as the driver's typed config (this setup's sampling; `epoch_size`
+        prompts per epoch). An async window smaller than the sampler's slots is logged
+        (rl.schedules.asynchronous.window_warning)."""
+        cfg = from_section(
+            DriverConfig,
+            config.driver,
+            name="driver",
+            sampling=self.sampling,
+            epoch_size=epoch_size,
+        )
+        slots = config.engine.max_slots * config.mesh.sampler_replicas
+        if (warning := window_warning(cfg, slots)) is not None:
+            logging.warning("%s", warning)
+        return cfg
 
     def prompts(self, records: Any, *, seed: int) -> Any:
         """The training prompt stream over `records` (a grain iterator: get_state / set_state),

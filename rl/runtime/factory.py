@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from rl.driver import Driver, DriverConfig
+from rl.driver import Driver
 from rl.runtime.compose import Setup
 from rl.runtime.ray_config import check_ray_config
 from rl.runtime.threads import ThreadsRuntime
-from rl.sections import from_section
 from rl.tasks.data import load_task
 
 RUNTIMES = ("threads", "ray")  # config.runtime
@@ -43,13 +42,7 @@ def build_driver(config: Any, *, rounds: int) -> tuple[Any, Driver]:
     check_runtime_config(config)
     setup = Setup.from_config(config)
     data = load_task(setup.data, setup.tokenizer, max_prompt_tokens=setup.max_prompt_tokens)
-    driver_cfg = from_section(
-        DriverConfig,
-        config.driver,
-        name="driver",
-        sampling=setup.sampling,
-        epoch_size=len(data.train),
-    )
+    driver_cfg = setup.driver_config(config, epoch_size=len(data.train))
     runtime = make_runtime(config, setup, total_updates=rounds * driver_cfg.updates_per_round)
     try:
         prompts = setup.prompts(data.train, seed=config.seed)
