@@ -145,9 +145,7 @@ class Engine:
         return prefill.prefill_prompt(self._model(params), tokens_T, self.layout.dtype)
 
     def _prefill_insert_impl(self, params: Any, state: DecodeState, *arrays: jax.Array) -> Any:
-        return prefill.prefill_insert(
-            self._model(params), state, *arrays, seed=self.config.seed, dtype=self.layout.dtype
-        )
+        return prefill.prefill_insert(self._model(params), state, *arrays, dtype=self.layout.dtype)
 
     def _generate_impl(
         self, params: Any, state: DecodeState, blocks: int

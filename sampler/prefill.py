@@ -113,7 +113,7 @@ def pack_bucket(items: Sequence[Item], bucket: int, config: EngineConfig) -> tup
     tokens = np.zeros((pow2(n_prompts), bucket), np.int32)
     rows = np.zeros((pow2(n_slots),), np.int32)
     slots = np.full((pow2(n_slots),), config.max_slots, np.int32)
-    ids = np.zeros((pow2(n_slots), 6), np.int32)
+    ids = np.zeros((pow2(n_slots), 7), np.int32)
     sampling = np.zeros((pow2(n_slots), 3), np.float32)
     stop = np.full((pow2(n_slots), config.max_stop_tokens), -1, np.int32)
     n = 0
@@ -122,7 +122,7 @@ def pack_bucket(items: Sequence[Item], bucket: int, config: EngineConfig) -> tup
         tokens[row, : len(r.prompt)] = r.prompt
         for slot, i in zip(s, samples, strict=True):
             rows[n], slots[n] = row, slot
-            ids[n] = (r.round, r.uid, i, p.max_new_tokens, len(r.prompt), r.prompt[-1])
+            ids[n] = (config.seed, r.round, r.uid, i, p.max_new_tokens, len(r.prompt), r.prompt[-1])
             sampling[n] = (p.temperature, p.top_k, p.top_p)
             stop[n, : len(p.stop_token_ids)] = p.stop_token_ids
             n += 1
@@ -203,11 +203,10 @@ def prefill_insert(
     tokens_PxT: jax.Array,
     rows_N: jax.Array,
     slots_N: jax.Array,
-    ids_Nx6: jax.Array,
+    ids_Nx7: jax.Array,
     sampling_Nx3: jax.Array,
     stop_NxS: jax.Array,
     *,
-    seed: int,
     dtype: Any,
 ) -> DecodeState:
     """Prefills P prompts and writes prompt rows_N[i] into slots_N[i] (out of range: dropped);
@@ -215,11 +214,12 @@ def prefill_insert(
     k, v = prefill_rows(model, tokens_PxT, dtype)
     rows = lambda kv: tuple(x[rows_N] for x in kv)
     cache = state.cache.put(slots_N, rows(k), rows(v), mode="drop")
-    rnd, uid, sample, max_new, length, last_token = (ids_Nx6[:, i] for i in range(6))
-    root = jax.random.key(seed)
+    seed, rnd, uid, sample, max_new, length, last_token = (ids_Nx7[:, i] for i in range(7))
     keys_N = jax.vmap(
-        lambda r, u, i: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(root, r), u), i)
-    )(rnd, uid, sample)
+        lambda s, r, u, i: jax.random.fold_in(
+            jax.random.fold_in(jax.random.fold_in(jax.random.key(s), r), u), i
+        )
+    )(seed, rnd, uid, sample)
     fill = lambda arr, value: arr.at[slots_N].set(value, mode="drop")
     return DecodeState(
         cache=cache,

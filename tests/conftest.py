@@ -15,23 +15,26 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"  # (CONVENTIONS §9)
+# Many tests build the same tiny programs through fresh closures (a new Learner, a new Engine):
+# XLA's persistent cache, keyed by the compiled program, turns those recompiles into lookups. It is
+# bounded (least recently used entries go first; the LRU cache keeps an access time per entry,
+# hence a directory of its own) and reported at the end of the session. Set in the environment
+# before jax is imported, so this process and every process a test starts (launch.train runs, the
+# benchmarks, Ray workers, the kill tests) share it.
+CACHE_DIR = os.environ.setdefault(
+    "ROLLOUTPIPE_JAX_CACHE", os.path.join(tempfile.gettempdir(), "rolloutpipe-xla-cache")
+)
+CACHE_MAX_BYTES = 512 * 2**20
+os.environ.update(
+    JAX_COMPILATION_CACHE_DIR=CACHE_DIR,
+    JAX_COMPILATION_CACHE_MAX_SIZE=str(CACHE_MAX_BYTES),
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2",
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+)
 
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
-# Many tests build the same tiny programs through fresh closures (a new Learner, a new Engine):
-# XLA's persistent cache, keyed by the compiled program, turns those recompiles into lookups. It is
-# bounded (least recently used entries go first; the LRU cache keeps an access time per entry,
-# hence a directory of its own) and reported at the end of the session.
-CACHE_DIR = os.environ.get(
-    "ROLLOUTPIPE_JAX_CACHE", os.path.join(tempfile.gettempdir(), "rolloutpipe-xla-cache")
-)
-CACHE_MAX_BYTES = 512 * 2**20
-jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
-jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(CACHE_MAX_BYTES)  # processes the tests start
 
 
 def _cache_usage() -> tuple[int, int]:
@@ -68,11 +71,9 @@ def ray_cluster():
     import ray
 
     # The workers' JAX matches this process's (tests/conftest.py): CPU, 8 fake devices, strict
-    # rank promotion (set above), the same compilation cache. rl.runtime.ray_cluster.worker_env
-    # passes JAX_* and XLA_* variables on to them.
+    # rank promotion, the same compilation cache (all set in the environment above);
+    # rl.runtime.ray_cluster.worker_env passes JAX_* and XLA_* variables on to them.
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", CACHE_DIR)
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
     ray.init(
         num_cpus=2,
         include_dashboard=False,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,15 +25,25 @@ def create_model(
     cfg: ModelConfig, *, seed: int = 0, mesh: Mesh | None = None, rules: Rules | None = None
 ) -> Transformer:
     """A freshly initialised model; with `mesh`, each parameter is created already sharded."""
+    graphdef, init = _initializer(cfg, mesh, rules)
+    return nnx.merge(graphdef, init(jax.random.key(seed)))
+
+
+@functools.lru_cache(maxsize=8)
+def _initializer(cfg: ModelConfig, mesh: Mesh | None, rules: Rules | None) -> tuple[Any, Any]:
+    """(graphdef, jitted init: key -> state) for one config and layout.
+
+    One compiled program instead of eager op-by-op init, shared by every seed (the key is an
+    argument, not a constant) and by every model of this config the process creates; with a mesh
+    each parameter is created already sharded (no replicated copy first).
+    """
     graphdef, abstract_state = nnx.split(abstract_model(cfg))
 
-    def init() -> Any:
-        return nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))
+    def init(key: jax.Array) -> Any:
+        return nnx.state(Transformer(cfg, rngs=nnx.Rngs(key)))
 
-    # One compiled program instead of eager op-by-op init; with a mesh each parameter is created
-    # already sharded (no replicated copy first).
     out = {} if mesh is None else dict(out_shardings=tree_shardings(abstract_state, mesh, rules))
-    return nnx.merge(graphdef, jax.jit(init, **out)())
+    return graphdef, jax.jit(init, **out)
 
 
 def param_count(model: Transformer) -> int:

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -19,10 +18,6 @@ def test_static_baseline_runs_each_full_batch_for_its_longest_group(tmp_path):
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        JAX_COMPILATION_CACHE_DIR=os.environ.get(
-            "ROLLOUTPIPE_JAX_CACHE", os.path.join(tempfile.gettempdir(), "rolloutpipe-jax-cache")
-        ),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2",
     )
     # 6 groups of 2 in 4 slots: static batching admits 2 groups whenever every slot is free.
     flags = "--groups=6 --group_size=2 --slots=4 --max_new_tokens=12 --short_tokens=4"

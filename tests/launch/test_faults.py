@@ -50,17 +50,10 @@ MODES = {
 }
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["JAX_COMPILATION_CACHE_DIR"] = jax.config.jax_compilation_cache_dir
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
-    return env
-
-
 def _start(workdir, flags) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "launch.train", *COMMON, *flags, f"--config.workdir={workdir}"]
     return subprocess.Popen(
-        cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
 
 

@@ -9,7 +9,6 @@ import shutil
 import subprocess
 import sys
 
-import jax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -22,9 +21,6 @@ def _env() -> dict[str, str]:
     return dict(
         os.environ,
         PYTHONPATH=str(ROOT),
-        JAX_COMPILATION_CACHE_DIR=str(jax.config.jax_compilation_cache_dir or ""),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )
 
 

@@ -131,10 +131,11 @@ def test_packed_batch_gives_the_same_loss_and_gradients(policy_loss, aggregation
     ref = jax.tree.map(lambda p: p * 0.9, params) if kl else None
     groups = _long_tail_groups(n=5, g=4, seed=1)
     advs = _advantages(groups)
-    fn = jax.jit(
-        lambda b, behavior: accumulate(
-            zero_accum(params, sum_keys(cfg)),
-            params,
+    # The weights are arguments, not constants the program closes over (those compile slower).
+    step = jax.jit(
+        lambda p, b, behavior, ref: accumulate(
+            zero_accum(p, sum_keys(cfg)),
+            p,
             b,
             graphdef=graphdef,
             cfg=cfg,
@@ -142,6 +143,7 @@ def test_packed_batch_gives_the_same_loss_and_gradients(policy_loss, aggregation
             ref_params=ref,
         )
     )
+    fn = lambda b, behavior: step(params, b, behavior, ref)
     plain = make_batch(groups, advs, rows=4, min_length_bucket=8)
     packed = make_batch(groups, advs, rows=4, min_length_bucket=8, pack=True, row_multiple=2)
     assert packed.inputs.size < plain.inputs.size / 2

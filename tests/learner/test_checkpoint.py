@@ -156,7 +156,6 @@ def test_resume_in_fresh_process_continues_the_exact_trajectory(run, tmp_path):
         os.environ,
         PYTHONPATH=str(ROOT),
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
     )
     cmd = [sys.executable, __file__, str(run["dir"]), str(out)]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -439,8 +438,6 @@ def test_save_killed_at_a_random_point_resumes_from_an_intact_step_to_the_same_p
         os.environ,
         PYTHONPATH=str(ROOT),
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
-        JAX_COMPILATION_CACHE_DIR=str(jax.config.jax_compilation_cache_dir or ""),
     )
     directory = tmp_path / "ckpt"
     cmd = [sys.executable, __file__, "kill", str(directory), str(seed)]

@@ -84,8 +84,12 @@ def test_accumulating_any_split_equals_one_batch(aggregation):
     advs = _advantages(groups)
     state, _ = create_train_state(params, tx, mesh=_single_mesh())
     # Every micro-batch is padded to the full batch's 8 rows: one compile, padding rows add nothing.
-    acc_fn = jax.jit(lambda a, b: accumulate(a, state.params, b, graphdef=graphdef, cfg=cfg))
-    apply_fn = jax.jit(lambda a: apply(state, a, tx=tx, schedule=schedule))
+    # The state is an argument, not a constant the programs close over (closed-over weights make
+    # each program distinct and slower to compile).
+    acc_jit = jax.jit(lambda a, p, b: accumulate(a, p, b, graphdef=graphdef, cfg=cfg))
+    acc_fn = lambda a, b: acc_jit(a, state.params, b)
+    apply_jit = jax.jit(lambda s, a: apply(s, a, tx=tx, schedule=schedule))
+    apply_fn = lambda a: apply_jit(state, a)
     full_acc = acc_fn(zero_accum(params), make_batch(groups, advs, rows=8))
     full_state, full_metrics = apply_fn(full_acc)
     if aggregation == "token_mean":  # train_step is exactly apply(accumulate(zero, ...))
