@@ -39,9 +39,8 @@ Modes:
                          running samples are re-prefilled (prompt + tokens so far) with the new
                          weights instead of continuing with the old KV cache.
 Modes run one at a time (each mode's compiled programs hold thousands of memory maps; all modes
-alive at once pass vm.max_map_count and LLVM aborts): build the runtime (the learner compiles its
-programs at build), compile the engine's for every admission shape (launch.bench_util.warm_engine),
-then --repeats runs of the epoch, each a fresh Driver from the same initial learner state, its round
+alive at once pass vm.max_map_count and LLVM aborts): build the runtime (the learner and the
+engine compile every program a run calls at build: rl/compiles.py), then --repeats runs of the epoch, each a fresh Driver from the same initial learner state, its round
 0 not timed (repeat 0's compiles), the rest of the epoch timed (--rounds rounds for the plain modes;
 as many as the tail modes' planner makes); then close the mode and release what it held. Any XLA
 compile inside a timed round makes the program exit non-zero after its table (compiles timed: 0).
@@ -232,9 +231,10 @@ def driver_config(mode: str) -> DriverConfig:
     return cfg
 
 
-def build(max_length: int, max_prefill: int) -> ThreadsRuntime:
+def build(max_length: int, max_prefill: int, cfg: DriverConfig) -> ThreadsRuntime:
     """A fresh runtime (rl.runtime.compose: model, learner, engine, weight sync) for this
-    workload; the same seeds for every mode. Close its drivers, then it."""
+    workload and mode, every program compiled (re-prefills with cfg.recompute_kv); the same seeds
+    for every mode. Close its drivers, then it."""
     config = bench_env.tiny_config(
         seed=_SEED.value,
         lr=_LR.value,
@@ -244,22 +244,8 @@ def build(max_length: int, max_prefill: int) -> ThreadsRuntime:
         max_prefill=max_prefill,
         steps_per_call=_STEPS.value,
     )
+    config.driver.recompute_kv = cfg.recompute_kv
     return ThreadsRuntime(config, Setup.from_config(config), total_updates=0)
-
-
-def warm_engine(runtime: ThreadsRuntime, cfg: DriverConfig) -> None:
-    """Compiles the engine's programs for every admission a round of this mode can make."""
-    in_flight = (cfg.max_staleness + 1) * _GROUPS.value if cfg.mode == "async" else _GROUPS.value
-    bench_util.warm_engine(
-        runtime.engine,
-        runtime.weight_sync.publish(runtime.learner.params, 0).params,
-        prompt_lengths=range(_PROMPT_MIN.value, _PROMPT_MAX.value + 1),
-        group_size=_GROUP_SIZE.value,
-        max_prompts=max(in_flight, math.ceil(_ETA.value * _GROUPS.value)),
-        per_sample=not cfg.group_atomic,
-        free=cfg.tail.enabled,
-        reprefill=cfg.recompute_kv,
-    )
 
 
 def compile_counts(runtime: ThreadsRuntime) -> dict[str, int]:
@@ -334,12 +320,11 @@ def run_mode(mode: str, max_length: int, max_prefill: int, watch: bench_util.Com
     """One mode: build, warm up, --repeats epochs, close; medians over the repeats."""
     start, timed_before = time.perf_counter(), watch.compiles_timed
     cfg, tail = driver_config(mode), mode.endswith("+tail")
-    runtime = build(max_length, max_prefill)
+    runtime = build(max_length, max_prefill, cfg)
     repeats, counts = [], {}
     try:
         copy = lambda s: jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), s)
         initial = copy(runtime.learner.state)  # each repeat starts from the same weights
-        warm_engine(runtime, cfg)
         build_s = time.perf_counter() - start
         for k in range(_REPEATS.value):
             runtime.learner.state = copy(initial)

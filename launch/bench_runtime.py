@@ -11,8 +11,8 @@ and mode: one warm-up round (compiles; not timed), then --rounds timed rounds; t
 means of rl.metrics.round_metrics and the speedup against sync of the same runtime, with the
 spread of that speedup over the timed rounds (min / median / max of the per-round ratios: round r of
 every mode trains the same prompts). Every runtime/mode pair samples the same tokens (checked: a
-digest of the trained groups' tokens). Threads: the engine's admission shapes are compiled before
-round 0 (launch.bench_util.warm_engine). A compile during a timed round fails the program after its
+digest of the trained groups' tokens). The runtime compiles every learner and engine program before
+round 0 (rl/compiles.py). A compile during a timed round fails the program after its
 table (compiles timed: XLA compiles in this process plus the learner's counted programs, which under
 Ray run in the learner worker; a Ray replica's engine compiles are not seen). Each runtime is
 closed and released before the next.
@@ -99,14 +99,6 @@ def run(runtime_name: str, mode: str, watch: bench_util.CompileWatch) -> dict[st
     runtime, driver = build_driver(config_of(runtime_name, mode), rounds=rounds)
     try:
         pinned = pin_workers(runtime) if runtime_name == "ray" else {}
-        if runtime_name == "threads":
-            bench_util.warm_engine(
-                runtime.engine,
-                runtime.weight_sync.publish(runtime.learner.params, 0).params,
-                prompt_lengths=range(1, runtime.engine.max_prefill_length + 1),
-                group_size=_GROUP_SIZE.value,
-                max_prompts=_GROUPS.value,
-            )
         results = []
         try:
             results.append(driver.run_round(0))

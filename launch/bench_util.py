@@ -32,8 +32,6 @@ from typing import Any
 
 import jax
 
-from rl.types import Request, SamplingParams
-
 # Recorded around every XLA compile (and persistent-cache load): jax._src.dispatch.
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 TIMED = "timed"
@@ -151,68 +149,6 @@ def fail_if_compiled(program: str, compiles_timed: int, names: dict[str, int] | 
 def counts_diff(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     """Programs compiled between two compile_counts() snapshots (rl/compiles.py), nonzero ones."""
     return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
-
-
-def warm_engine(
-    engine: Any,
-    params: Any,
-    *,
-    prompt_lengths: Iterable[int],
-    group_size: int,
-    max_prompts: int,
-    per_sample: bool = False,
-    free: bool = False,
-    reprefill: bool = False,
-) -> None:
-    """Compiles, through the engine's public calls on a scratch decode state, every program a round
-    of the workload can reach whatever its timing (a sampler thread's admissions depend on when
-    slots free up, so one warm-up round need not meet them all):
-      prefill_insert of 1..max_prompts whole groups at once, per prompt-length bucket;
-      per_sample: also every (prompts, slots) pair of powers of two with prompts <= slots <=
-        prompts * group_size (per-sample admission starts any number of a group's samples; the
-        engine pads both counts to powers of two);
-      free: freeing every multiple of group_size slots (aborts free whole groups);
-      reprefill: re-prefilling one slot at every prefill bucket and at max_length (recompute_kv);
-      one generate call.
-    """
-    cfg = engine.config
-    g, slots = group_size, cfg.max_slots
-    by_bucket = {cfg.bucket(n): n for n in sorted(set(prompt_lengths))}
-    pow2 = lambda n: 1 << (n - 1).bit_length()  # noqa: E731
-    counts = {(n, n * g) for n in range(1, min(max_prompts, slots // g) + 1)}
-    if per_sample:
-        for p in (1 << i for i in range(pow2(max_prompts).bit_length())):
-            for s in (1 << i for i in range(pow2(slots).bit_length())):
-                n, m = min(p, max_prompts), min(s, slots)
-                if p <= s <= p * g and n <= m <= n * g:
-                    counts.add((n, m))
-    uid = iter(range(1 << 30))
-    request = lambda n, new: Request(  # noqa: E731
-        uid=next(uid),
-        prompt=(1,) * n,
-        group_size=g,
-        params=SamplingParams(max_new_tokens=new),
-    )
-    state = engine.init_decode_state()
-    for length in by_bucket.values():
-        for n, m in sorted(counts):
-            shares = [m // n + (i < m % n) for i in range(n)]
-            items, first = [], 0
-            for k in shares:
-                items.append((request(length, 1), list(range(first, first + k)), list(range(k))))
-                first += k
-            state = engine.prefill_insert(params, state, items)
-    if free:
-        for m in range(g, slots + 1, g):
-            state = engine.free(state, list(range(m)))
-    if reprefill:
-        prompt = min(by_bucket.values())
-        for total in (*cfg.buckets(), cfg.max_prefill_length + 1):
-            if prompt < total < cfg.max_length:
-                r = request(prompt, cfg.max_length - prompt)
-                state = engine.reprefill(params, state, 0, r, 0, (1,) * (total - prompt))
-    state, _ = engine.generate(params, state)
-    jax.block_until_ready(state)
 
 
 def range_text(s: dict[str, float], fmt: str = ".2f") -> str:

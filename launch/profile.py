@@ -17,8 +17,8 @@ prompts of 4-12 tokens, responses up to 96. Measured, after a compile pass of ea
              sampler thread decodes: each side's slowdown, averaged (the two share the cores).
 Fits every StageModel term by least squares (rl/sim/calibrate.py) and writes {"model": ...,
 "fit": ..., "config": ...}: `launch.simulate --profile PATH` loads it. Takes 2-3 minutes on 2 shared
-cores. The compile pass compiles every program the measurements call (the engines' admission shapes
-by launch.bench_util.warm_engine); a compile while measuring makes the program exit non-zero after
+cores. The compile pass compiles every program the measurements call (the engines' by
+Engine.precompile); a compile while measuring makes the program exit non-zero after
 its report (fit.compiles_timed: 0). The update and the model's publish are given min / median / max.
 """
 
@@ -206,14 +206,8 @@ def measure(watch: bench_util.CompileWatch) -> SimpleNamespace:
 
     start = time.perf_counter()
     for engine in engines.values():  # compile pass
+        engine.precompile(params)  # the runtime's engine did at build: no-op there
         decode_trials(engine, params, rng, limit=1)
-        bench_util.warm_engine(
-            engine,
-            params,
-            prompt_lengths=range(1, _PROMPT_MAX.value + 1),
-            group_size=_GROUP_SIZE.value,
-            max_prompts=engine.max_concurrent_decodes // _GROUP_SIZE.value,
-        )
     for n in range(1, max_prefill + 1):  # the prefill measurement's calls
         r = Request(
             uid=0,

@@ -111,6 +111,17 @@ class DevicePutSync:
         return Published(params=out, version=version, seconds=time.perf_counter() - start)
 
 
+def published_shapes(params_like: Any, dtype: str = "") -> Any:
+    """The shapes and dtypes a publish hands the sampler for parameters like `params_like`: floating
+    leaves in `dtype` (a config.sampler_dtype; empty: their own). What an engine compiles for."""
+    if dtype and dtype not in DTYPES:
+        raise ValueError(
+            f"published_shapes dtype={dtype!r}; expected one of {tuple(DTYPES)} or ''."
+        )
+    cast = functools.partial(_cast, dtype=DTYPES[dtype] if dtype else None)
+    return jax.eval_shape(lambda p: jax.tree.map(cast, p), params_like)
+
+
 def _cast(x: Any, *, dtype: Any) -> Any:
     """A floating parameter in the sampler's dtype (None: its own); others unchanged."""
     if dtype is None or not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype:

@@ -32,8 +32,11 @@ import jax
 log = logging.getLogger(__name__)
 
 
-def signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """What selects a compiled program: the arguments' tree structure and each leaf's shape/dtype.
+def signature(
+    args: tuple[Any, ...], kwargs: dict[str, Any], static: tuple[Any, ...] = ()
+) -> tuple[Any, ...]:
+    """What selects a compiled program: the arguments' tree structure, each leaf's shape/dtype, and
+    the values of the static arguments.
 
     Leaves without a shape (Python scalars) count by type, as jax traces them (weakly typed).
     """
@@ -44,20 +47,23 @@ def signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
             (tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else type(x).__name__
             for x in leaves
         ),
+        static,
     )
 
 
 def describe(sig: tuple[Any, ...]) -> str:
-    """A signature's shapes, short: "f32[8,64] i32[8] ..." (at most 8 leaves)."""
+    """A signature's shapes, short: "(+40 leaves) f32[8,64] i32[8] static (3,)": the last 8 leaves
+    (the data; parameters and states come first) and the static arguments' values."""
     parts = []
-    for leaf in sig[1][:8]:
+    for leaf in sig[1][-8:]:
         if isinstance(leaf, str):
             parts.append(leaf)
         else:
             shape, dtype = leaf
             parts.append(f"{dtype}[{','.join(map(str, shape))}]")
     more = len(sig[1]) - 8
-    return " ".join(parts) + (f" (+{more} leaves)" if more > 0 else "")
+    text = (f"(+{more} leaves) " if more > 0 else "") + " ".join(parts)
+    return text + (f" static {sig[2]}" if sig[2] else "")
 
 
 class Program:
@@ -73,7 +79,15 @@ class Program:
 
         self._fn = fn
         self._jit = jax.jit(traced, **jit_kwargs)
+        static = jit_kwargs.get("static_argnums", ())
+        self._static = (static,) if isinstance(static, int) else tuple(static)
         self._compiled: dict[tuple[Any, ...], Any] = {}
+
+    def _split(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
+        """The call's signature, and its dynamic arguments (what a compiled executable takes)."""
+        dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
+        static = tuple(args[i] for i in self._static if i < len(args))
+        return signature(dynamic, kwargs, static), dynamic
 
     def precompile(self, *args: Any, **kwargs: Any) -> None:
         """Compiles the program for these (abstract or concrete) arguments now and keeps it.
@@ -81,7 +95,7 @@ class Program:
         Arguments are jax.ShapeDtypeStruct (with the sharding the real arrays will have) or
         arrays; a later call whose arguments have the same signature runs this executable.
         """
-        sig = signature(args, kwargs)
+        sig, _ = self._split(args, kwargs)
         if sig in self._compiled:
             return
         start = time.perf_counter()
@@ -90,18 +104,29 @@ class Program:
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """The outputs' shapes and dtypes (jax.eval_shape of the function; compiles nothing)."""
-        return jax.eval_shape(self._fn, *args, **kwargs)
+        positions = [i for i in range(len(args)) if i not in self._static]
+
+        def dynamic_only(*dynamic: Any, **kw: Any) -> Any:
+            full = list(args)
+            for i, x in zip(positions, dynamic, strict=True):
+                full[i] = x
+            return self._fn(*full, **kw)
+
+        return jax.eval_shape(dynamic_only, *(args[i] for i in positions), **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._compiled:
-            compiled = self._compiled.get(signature(args, kwargs))
+            sig, dynamic = self._split(args, kwargs)
+            compiled = self._compiled.get(sig)
             if compiled is not None:
-                return compiled(*args, **kwargs)
+                return compiled(*dynamic, **kwargs)
         before = self._counter.counts()[self.name]
         start = time.perf_counter()
         out = self._jit(*args, **kwargs)
         if self._counter.counts()[self.name] != before:  # this call traced and compiled
-            self._counter._timed(self.name, time.perf_counter() - start, signature(args, kwargs))
+            self._counter._timed(
+                self.name, time.perf_counter() - start, self._split(args, kwargs)[0]
+            )
         return out
 
 

@@ -180,6 +180,7 @@ def check_memory(
         )
 
 
-def free(state: DecodeState, slots: jax.Array) -> DecodeState:
-    """`state` with `slots` deactivated (they may be inserted into at once)."""
-    return dataclasses.replace(state, active=state.active.at[slots].set(False))
+def free(state: DecodeState, mask_B: jax.Array) -> DecodeState:
+    """`state` with the slots of `mask_B` (B,) deactivated (they may be inserted into at once):
+    one program for any set of slots."""
+    return dataclasses.replace(state, active=state.active & ~mask_B)

@@ -67,6 +67,29 @@ class EngineConfig:
             f"Prompt of {length} tokens exceeds max_prefill_length ({self.max_prefill_length})."
         )
 
+    def reprefill_buckets(self) -> tuple[int, ...]:
+        """Padded lengths of a re-prefill (prompt + tokens so far, recompute_kv): the prompt
+        buckets, then max_length for anything longer."""
+        longer = (self.max_length,) if self.max_length > self.max_prefill_length else ()
+        return (*self.buckets(), *longer)
+
+    def reprefill_bucket(self, length: int) -> int:
+        """The padded length of a re-prefill of `length` tokens (at most max_length)."""
+        return next(b for b in self.reprefill_buckets() if length <= b)
+
+    def slot_rungs(self) -> tuple[int, ...]:
+        """Slot counts an admission call is padded to (one compiled program each, per bucket):
+        the powers of two below max_slots, then max_slots."""
+        out, n = [], 1
+        while n < self.max_slots:
+            out.append(n)
+            n *= 2
+        return (*out, self.max_slots)
+
+    def slot_rung(self, n: int) -> int:
+        """The smallest slot rung that holds `n` slots."""
+        return next(r for r in self.slot_rungs() if n <= r)
+
     def check_request(self, request: Request, vocab_size: int) -> None:
         """Raises a clear error if `request` can never run on an engine of this config."""
         p, n = request.params, len(request.prompt)

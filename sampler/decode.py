@@ -67,6 +67,18 @@ def generate(
     )
 
 
+def block_rungs(*, block: int, cache_length: int) -> tuple[int, ...]:
+    """Every count `live_blocks` can return (one generate program each): 0 (the whole cache) when
+    `block` is 0, else the powers of two below the cache's blocks, then all of them."""
+    if not block:
+        return (0,)
+    total, out, n = cache_length // block, [], 1
+    while n < total:
+        out.append(n)
+        n *= 2
+    return (*out, total)
+
+
 def live_blocks(
     positions_B: np.ndarray,
     active_B: np.ndarray,

@@ -21,12 +21,14 @@ other requests in the batch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
@@ -115,6 +117,57 @@ class Engine:
         """How many programs each jitted entry point has compiled (prefill: one per bucket)."""
         return self._compiles.counts()
 
+    # ---------------------------------------------------------------------------- compile budget
+
+    def precompile(
+        self, params_like: Any, *, recompute: bool = False, migrate_rows: int = 0
+    ) -> None:
+        """Compiles, now, every program a run calls on this engine (rl/compiles.py), for
+        parameters shaped like `params_like` (arrays or ShapeDtypeStructs: what a publish hands
+        the engine, in the sampler's dtype): the empty state, prefill_insert for every prompt
+        bucket x slot rung (`recompute`: also re-prefill's max_length bucket), generate for every
+        count of live attention blocks, free, and (`migrate_rows` > 0: a migration moves up to
+        that many slots at once) export and import of every row count x length.
+
+        The JetStream-shaped `prefill` and `bulk_insert` are not compiled: a run does not call
+        them.
+        """
+        c = self.config
+        host = lambda x: self._abstract(x, None)  # arrays the host builds each call
+        state = jax.eval_shape(self.layout.init)
+        if self.mesh is None:
+            params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_like)
+        else:
+            params = jax.tree.map(self._abstract, params_like, self._param_shardings)
+            state = jax.tree.map(
+                self._abstract, state, self.layout.shardings(self.mesh, self.rules)
+            )
+        with self._context():
+            self._init.precompile()
+            buckets = c.reprefill_buckets() if recompute else c.buckets()
+            for bucket in buckets:
+                for n in c.slot_rungs():
+                    arrays = map(host, prefill.abstract_chunk(bucket, n, c))
+                    self._prefill_insert.precompile(params, state, *arrays)
+            rungs = decode.block_rungs(block=c.attention_block, cache_length=self.layout.length)
+            for blocks in rungs:
+                self._generate.precompile(params, state, blocks)
+            self._free.precompile(state, host(jax.ShapeDtypeStruct((c.max_slots,), bool)))
+            if migrate_rows:
+                rows, lengths = slot_export.rungs(self.layout, migrate_rows)
+                for n in rows:
+                    slots = host(jax.ShapeDtypeStruct((n,), np.int32))
+                    for length in lengths:
+                        self._export.precompile(state, slots, length)
+                        moved = jax.tree.map(host, self._export.eval_shape(state, slots, length))
+                        self._import.precompile(state, moved, slots)
+
+    def _abstract(self, x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
+        """`x`'s shape and dtype with `sharding`; None: replicated on the mesh (host arrays)."""
+        if sharding is None and self.mesh is not None:
+            sharding = NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
     # ----------------------------------------------------------------------------------- params
 
     def load_params(self, model: Transformer) -> Any:
@@ -133,10 +186,17 @@ class Engine:
     def _model(self, params: Any) -> Transformer:
         return nnx.merge(self._graphdef, params)
 
-    def _call(self, fn: Any, *args: Any) -> Any:
+    def _context(self) -> Any:
+        """The mesh and sharding rules the programs trace under (none without a mesh)."""
         if self.mesh is None:
-            return fn(*args)
-        with jax.set_mesh(self.mesh), axis_rules(self.rules):
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(self.mesh))
+        stack.enter_context(axis_rules(self.rules))
+        return stack
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        with self._context():
             return fn(*args)
 
     # --------------------------------------------------------------------- jitted with the model
@@ -205,7 +265,8 @@ class Engine:
         state: DecodeState,
         items: Sequence[tuple[Request, Sequence[int], Sequence[int] | None]],
     ) -> DecodeState:
-        """Prefills the prompts of `items` and inserts them: one call per prompt-length bucket.
+        """Prefills the prompts of `items` and inserts them: one call per PREFILL_CHUNK prompts
+        of a prompt-length bucket (sampler/prefill.py `pack_chunk`: shapes compiled ahead).
 
         Args:
           items: (request, slots, samples): sample samples[i] of the request starts in slots[i]
@@ -219,47 +280,62 @@ class Engine:
         used = [x for _, s, _ in checked for x in s]
         if len(set(used)) != len(used):
             raise ValueError(f"prefill_insert: slots must be distinct over items; got {used}.")
-        for bucket, group in prefill.by_bucket(checked, self.config):
-            arrays = prefill.pack_bucket(group, bucket, self.config)
-            state = self._call(
-                self._prefill_insert, params, state, *(jnp.asarray(x) for x in arrays)
-            )
+        return self._insert_chunks(params, state, checked, self.config.bucket)
+
+    def _insert_chunks(
+        self,
+        params: Any,
+        state: DecodeState,
+        items: Sequence[prefill.Item],
+        bucket: Callable[[int], int],
+    ) -> DecodeState:
+        """Prefills and inserts `items`: one call per PREFILL_CHUNK prompts of a bucket."""
+        for length, group in prefill.by_bucket(items, bucket):
+            for chunk in prefill.chunks(group):
+                arrays = prefill.pack_chunk(chunk, length, self.config)
+                state = self._call(self._prefill_insert, params, state, *map(jnp.asarray, arrays))
         return state
 
     def reprefill(
         self,
         params: Any,
         state: DecodeState,
-        slot: int,
-        request: Request,
-        sample: int,
-        generated: tuple[int, ...] | list[int],
+        running: Sequence[tuple[int, Request, int, Sequence[int]]],
     ) -> DecodeState:
-        """Recomputes a running sample's KV cache with `params` (AReaL interruptible generation).
+        """Recomputes running samples' KV cache with `params` (AReaL interruptible generation).
 
-        The prompt and the `generated` tokens so far are prefilled again into `slot`, which then
-        continues as if it had decoded them with `params`: same random stream (the sample's key),
-        same end (prompt length - 1 + max_new_tokens). Sequences longer than max_prefill_length
-        use one prefill bucket of max_length.
+        Args:
+          running: (slot, request, sample, generated): the prompt and the `generated` tokens so
+            far are prefilled again into `slot`, which then continues as if it had decoded them
+            with `params`: same random stream (the sample's key), same end (prompt length - 1 +
+            max_new_tokens). Batched as `prefill_insert` is, a resumed sample being a request
+            whose prompt is its prompt and tokens so far; those longer than max_prefill_length
+            are padded to max_length (`EngineConfig.reprefill_buckets`).
         """
-        tokens = (*request.prompt, *generated)
-        left = request.params.max_new_tokens - len(generated)
-        if left < 1:
-            raise ValueError(
-                f"reprefill: request uid={request.uid} sample {sample} has {len(generated)} tokens "
-                f"of max_new_tokens={request.params.max_new_tokens}; expected fewer (it is done)."
+        items = []
+        for slot, request, sample, generated in running:
+            left = request.params.max_new_tokens - len(generated)
+            if left < 1:
+                raise ValueError(
+                    f"reprefill: request uid={request.uid} sample {sample} has {len(generated)} "
+                    f"tokens of max_new_tokens={request.params.max_new_tokens}; expected fewer "
+                    "(it is done)."
+                )
+            if not 0 <= slot < self.config.max_slots:
+                raise ValueError(
+                    f"reprefill: slot must be in [0, {self.config.max_slots}); received {slot}."
+                )
+            self.validate(request)
+            resumed = dataclasses.replace(
+                request,
+                prompt=(*request.prompt, *generated),
+                params=dataclasses.replace(request.params, max_new_tokens=left),
             )
-        if not 0 <= slot < self.config.max_slots:
-            raise ValueError(
-                f"reprefill: slot must be in [0, {self.config.max_slots}); received {slot}."
-            )
-        self.validate(request)
-        bucket = next(
-            (b for b in self.config.buckets() if len(tokens) <= b), self.config.max_length
-        )
-        k, v = self._call(self._prefill, params, jnp.asarray(prefill.padded(tokens, bucket)))
-        prefix = Prefix(k=k, v=v, length=len(tokens), last_token=int(tokens[-1]))
-        return self._put(prefix, state, [slot], [sample], request, left)
+            items.append((resumed, (slot,), (sample,)))
+        slots = [slot for slot, *_ in running]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"reprefill: slots must be distinct; received {slots}.")
+        return self._insert_chunks(params, state, items, self.config.reprefill_bucket)
 
     def _check_insert(
         self, slots: Sequence[int], request: Request, samples: Sequence[int] | None
@@ -310,7 +386,9 @@ class Engine:
 
     def free(self, state: DecodeState, slots: list[int] | tuple[int, ...]) -> DecodeState:
         """Deactivates slots (abort); they can be inserted into again at once."""
-        return self._call(self._free, state, jnp.asarray(slots, jnp.int32))
+        mask = np.zeros((self.config.max_slots,), bool)
+        mask[np.asarray(slots, np.int64)] = True
+        return self._call(self._free, state, jnp.asarray(mask))
 
     # --------------------------------------------------------------------------------- migration
 
@@ -340,5 +418,6 @@ class Engine:
             if self.mesh is None
             else NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         )
-        moved = jax.device_put(moved, target)
+        # `count` is static in SlotState: the program must not depend on it (import_plan used it).
+        moved = jax.device_put(dataclasses.replace(moved, count=0), target)
         return self._call(self._import, state, moved, jnp.asarray(padded))

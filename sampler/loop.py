@@ -261,8 +261,8 @@ class SamplerLoop:
             running = [
                 (s, run, i, tuple(run.samples[i].tokens)) for s, run, i in self._table.running()
             ]
-        for s, run, i, generated in running:
-            self._state = self.engine.reprefill(params, self._state, s, run.request, i, generated)
+        items = [(s, run.request, i, generated) for s, run, i, generated in running]
+        self._state = self.engine.reprefill(params, self._state, items)
         with self._lock:
             self.stats.recomputes += len(running)
             self.stats.recomputed_tokens += sum(

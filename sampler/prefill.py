@@ -9,15 +9,18 @@ admitted with it.
 
 Two ways in, writing the same floats: `prefill_prompt` (one prompt, padded to its length bucket)
 then `insert` (its keys/values copied into the slots of the samples it starts), JetStream's shape;
-or `prefill_insert`, every prompt admitted together in one call per length bucket. Both prefill in
-chunks of PREFILL_CHUNK prompts of one fixed shape (`prefill_rows`). The functions without a `model`
+or `prefill_insert`, the prompts admitted together in one call per PREFILL_CHUNK prompts of a
+length bucket, the slots they start padded to a rung of `EngineConfig.slot_rungs` (`pack_chunk`):
+its programs are (bucket x slot rung), few and known from the config, so a run compiles them all
+at start (rl/compiles.py). Both prefill in chunks of PREFILL_CHUNK prompts of one fixed shape
+(`prefill_rows`). The functions without a `model`
 argument run on the host and build the arrays the device functions take.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -97,25 +100,31 @@ def insert_args(
     return np.asarray(ids, np.int32), sampling, stop
 
 
-def by_bucket(items: Sequence[Item], config: EngineConfig) -> list[tuple[int, list[Item]]]:
-    """`items` grouped by their prompts' length bucket, shortest bucket first."""
+def by_bucket(items: Sequence[Item], bucket: Callable[[int], int]) -> list[tuple[int, list[Item]]]:
+    """`items` grouped by their prompts' length bucket (`bucket(length)`), shortest first."""
     out: dict[int, list[Item]] = {}
     for item in items:
-        out.setdefault(config.bucket(len(item[0].prompt)), []).append(item)
+        out.setdefault(bucket(len(item[0].prompt)), []).append(item)
     return sorted(out.items())
 
 
-def pack_bucket(items: Sequence[Item], bucket: int, config: EngineConfig) -> tuple[np.ndarray, ...]:
-    """`prefill_insert`'s arrays (tokens, rows, slots, ids, sampling, stop) for one bucket's
-    items, padded to powers of two (few compiles; padding slots are out of range: dropped)."""
-    pow2 = lambda n: 1 << (n - 1).bit_length()
-    n_prompts, n_slots = len(items), sum(len(s) for _, s, _ in items)
-    tokens = np.zeros((pow2(n_prompts), bucket), np.int32)
-    rows = np.zeros((pow2(n_slots),), np.int32)
-    slots = np.full((pow2(n_slots),), config.max_slots, np.int32)
-    ids = np.zeros((pow2(n_slots), 7), np.int32)
-    sampling = np.zeros((pow2(n_slots), 3), np.float32)
-    stop = np.full((pow2(n_slots), config.max_stop_tokens), -1, np.int32)
+def chunks(items: Sequence[Item]) -> list[Sequence[Item]]:
+    """`items` in calls of at most PREFILL_CHUNK prompts."""
+    return [items[i : i + PREFILL_CHUNK] for i in range(0, len(items), PREFILL_CHUNK)]
+
+
+def pack_chunk(items: Sequence[Item], bucket: int, config: EngineConfig) -> tuple[np.ndarray, ...]:
+    """`prefill_insert`'s arrays (tokens, rows, slots, ids, sampling, stop) for at most
+    PREFILL_CHUNK prompts of one bucket: PREFILL_CHUNK prompt rows, the slots padded to their
+    rung (`EngineConfig.slot_rungs`; padding slots are out of range: dropped). The shapes come
+    from a fixed set, so every program is compiled ahead (`abstract_chunk`)."""
+    if len(items) > PREFILL_CHUNK:
+        raise ValueError(f"pack_chunk takes at most {PREFILL_CHUNK} prompts; got {len(items)}.")
+    rung = config.slot_rung(sum(len(s) for _, s, _ in items))
+    shapes = abstract_chunk(bucket, rung, config)
+    tokens, rows, slots, ids, sampling, stop = (np.zeros(x.shape, x.dtype) for x in shapes)
+    slots[:] = config.max_slots
+    stop[:] = -1
     n = 0
     for row, (r, s, samples) in enumerate(items):
         p = r.params
@@ -127,6 +136,19 @@ def pack_bucket(items: Sequence[Item], bucket: int, config: EngineConfig) -> tup
             stop[n, : len(p.stop_token_ids)] = p.stop_token_ids
             n += 1
     return tokens, rows, slots, ids, sampling, stop
+
+
+def abstract_chunk(bucket: int, n: int, config: EngineConfig) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The shapes and dtypes of `pack_chunk`'s arrays for prompt bucket `bucket` and `n` slots."""
+    s = jax.ShapeDtypeStruct
+    return (
+        s((PREFILL_CHUNK, bucket), np.int32),
+        s((n,), np.int32),
+        s((n,), np.int32),
+        s((n, 7), np.int32),
+        s((n, 3), np.float32),
+        s((n, config.max_stop_tokens), np.int32),
+    )
 
 
 # ---------------------------------------------------------------------------------------- device

@@ -82,6 +82,15 @@ def export_plan(
     return np.asarray(slots + [slots[0]] * (n - len(slots)), np.int32), length
 
 
+def rungs(layout: CacheLayout, max_rows: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The row counts and position counts `export_plan` picks for up to `max_rows` slots at once:
+    one export and one import program per pair."""
+    pow2s = lambda top: tuple(1 << i for i in range(top.bit_length()) if 1 << i <= top)
+    rows = pow2s(1 << (max_rows - 1).bit_length())
+    lengths = sorted({min(EXPORT_BLOCK * b, layout.length) for b in pow2s(2 * layout.length)})
+    return rows, tuple(lengths)
+
+
 def import_plan(
     state: DecodeState, moved: SlotState, slots: list[int], layout: CacheLayout
 ) -> np.ndarray:

@@ -13,6 +13,7 @@ wire nothing by hand. This module only builds parts; rl.runtime.factory picks th
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -161,6 +162,20 @@ def build_engine(config: Any, setup: Setup, mesh: Mesh, model: Any) -> Engine:
         from_section(EngineConfig, config.engine, name="engine", seed=config.seed),
         mesh=mesh,
         rules=setup.rules,
+    )
+
+
+def precompile_engine(config: Any, engine: Engine, params_like: Any) -> None:
+    """Compiles, now, every program the run calls on `engine` (sampler/engine.py `precompile`)
+    for published parameters like `params_like` (`learner.publish.published_shapes`): re-prefill
+    with driver.recompute_kv, and migration's export/import of up to a request's launched samples
+    when config.elastic.migration can move requests between replicas."""
+    migrates = config.elastic.migration != "off" and config.mesh.sampler_replicas > 1
+    launched = math.ceil(config.driver.tail.response_eta * config.driver.group_size)
+    engine.precompile(
+        params_like,
+        recompute=config.driver.recompute_kv,
+        migrate_rows=launched if migrates else 0,
     )
 
 

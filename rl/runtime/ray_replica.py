@@ -18,13 +18,14 @@ import jax
 import ray
 from flax import nnx
 
-from learner.publish import DevicePutSync
+from learner.publish import DevicePutSync, published_shapes
 from rl.admission import make_policy
 from rl.models.build import create_model, model_config_from
 from rl.runtime.compose import (
     Setup,
     build_checked_model,
     build_engine,
+    precompile_engine,
     build_learner,
     build_reward,
     evaluate_heldout,
@@ -78,8 +79,10 @@ class ReplicaCore:
             mesh = local_mesh(config, "sampler")
         model = build_checked_model(config, self.setup, mesh)  # structure; weights are published
         self.engine = build_engine(config, self.setup, mesh, model)
+        params_like = nnx.split(model)[1]
+        precompile_engine(config, self.engine, published_shapes(params_like, config.sampler_dtype))
         # The learner worker already cast to the sampler dtype: this only places the arrays.
-        self.sync = DevicePutSync(nnx.split(model)[1], mesh, rules=self.setup.rules)
+        self.sync = DevicePutSync(params_like, mesh, rules=self.setup.rules)
         self.reward = build_reward(config, self.setup)
         self.eval_reward = build_reward(config, self.setup)
         self.timeline = Timeline()
@@ -143,6 +146,13 @@ class ReplicaCore:
 
     def reward_stats(self) -> tuple[dict[str, int], dict[str, int]]:
         return self.reward.stats(), self.eval_reward.stats()
+
+    def compile_stats(self, owner: str) -> dict[str, dict[str, float]]:
+        """The engine's programs: compiled, seconds, after start (rl/compiles.py)."""
+        return self.engine.compiles.stats(owner)
+
+    def start_compile_budget(self) -> None:
+        self.engine.compiles.start()
 
     def evaluate(self, params: Any, records: list[Any], k: int) -> dict[str, float]:
 

@@ -222,11 +222,17 @@ class RayRuntime:
         return dict(out[0]), dict(out[1])
 
     def compile_stats(self) -> dict[str, dict[str, float]]:
-        """The learner worker's programs: compiled, seconds, after start (rl/compiles.py)."""
-        return self.learner.compile_stats()
+        """The learner worker's and the live replicas' programs: compiled, seconds, after start
+        (rl/compiles.py)."""
+        stats = self.learner.compile_stats()
+        calls = [self.replicas[i].compile_stats.remote(f"engine{i}") for i in self._live()]
+        for replica in ray.get(calls):
+            stats.update(replica)
+        return stats
 
     def start_compile_budget(self) -> None:
         self.learner.start_compile_budget()
+        ray.get([self.replicas[i].start_compile_budget.remote() for i in self._live()])
 
     def checkpointer(self, directory: str) -> RemoteCheckpoints:
         return RemoteCheckpoints(self.learner, directory)

@@ -24,7 +24,7 @@ import jax
 from learner.checkpoint import Checkpointer
 from learner.learner import Learner
 from learner.mesh import MeshConfig, make_meshes, replica_meshes
-from learner.publish import DevicePutSync, WeightSync
+from learner.publish import DevicePutSync, WeightSync, published_shapes
 from learner.sft import SftTrainer
 from rl.admission import make_policy
 from rl.compiles import compile_stats
@@ -44,6 +44,7 @@ from rl.runtime.compose import (
     evaluate_heldout,
     export_policy,
     lent_engines,
+    precompile_engine,
     rollout_reward,
     updates_per_round,
 )
@@ -155,11 +156,14 @@ class ThreadsRuntime:
             rules=setup.rules,
             share_with=self.learner,
         )
-        # Every learner program a run calls, compiled now (learner/learner.py precompile).
+        # Every learner and engine program a run calls, compiled now (rl/compiles.py).
         self.learner.precompile(
             updates_per_round=updates_per_round(config),
             shared_params=self.weight_sync.shares_params,
         )
+        published = published_shapes(self.learner.params, config.sampler_dtype)
+        for engine in self.engines:
+            precompile_engine(config, engine, published)
         self.reward, self.eval_reward = build_reward(config, setup), build_reward(config, setup)
         self._ckpt = None
         self.borrow = build_borrower(
@@ -230,9 +234,11 @@ class ThreadsRuntime:
         return compile_stats(counters)
 
     def start_compile_budget(self) -> None:
-        """Start-up is over: a later learner compile is counted as after start, and warned about
-        once (the engines' compiles are counted, not yet budgeted: their shapes are not fixed)."""
+        """Start-up is over: a later learner or engine compile is counted as after start, and
+        warned about once per program."""
         self.learner.compiles.start()
+        for engine in self.engines:
+            engine.compiles.start()
 
     def checkpointer(self, directory: str) -> LocalCheckpoints:
         return LocalCheckpoints(directory, self.learner)

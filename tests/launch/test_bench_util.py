@@ -1,6 +1,5 @@
 """launch.bench_util: compiles are booked to the timed region they happen in, a benchmark whose
-timed part compiled exits non-zero naming itself and the count, spreads, memory maps, and
-warm_engine compiling ahead what a sampler loop's admissions call."""
+timed part compiled exits non-zero naming itself and the count, spreads, and memory maps."""
 
 import threading
 
@@ -10,11 +9,6 @@ import numpy as np
 import pytest
 
 from launch import bench_util
-from rl.admission import FCFS
-from rl.models import create_model, get_preset
-from rl.types import Request, SamplingParams
-from sampler.engine import Engine, EngineConfig
-from sampler.loop import SamplerLoop
 
 
 def test_compiles_are_booked_to_the_timed_region_they_happen_in_whatever_the_thread():
@@ -63,45 +57,3 @@ def test_release_frees_the_memory_maps_of_dropped_programs():
     held = bench_util.memory_maps()
     del fns, f
     assert bench_util.release() < held
-
-
-@pytest.mark.slow  # ~13 s cold each: the benchmarks' warm-up helper, not product code
-@pytest.mark.parametrize("per_sample", [False, True])
-def test_warm_engine_compiles_every_admission_a_loop_makes(per_sample):
-    model = create_model(get_preset("tiny", init_std=0.3), seed=0)
-    engine = Engine(
-        model, EngineConfig(max_slots=4, max_length=48, max_prefill_length=16, steps_per_call=2)
-    )
-    params = engine.load_params(model)
-    rng = np.random.default_rng(0)
-    requests = [
-        Request(
-            uid=i,
-            prompt=tuple(int(t) for t in rng.integers(0, 256, int(rng.integers(3, 15)))),
-            group_size=2,
-            params=SamplingParams(max_new_tokens=int(rng.integers(1, 12))),
-        )
-        for i in range(7)
-    ]
-    with bench_util.CompileWatch() as watch:
-        bench_util.warm_engine(
-            engine,
-            params,
-            prompt_lengths=range(3, 15),
-            group_size=2,
-            max_prompts=len(requests),
-            per_sample=per_sample,
-            free=True,
-        )
-        with watch.timed():
-            loop = SamplerLoop(
-                engine,
-                params,
-                admission=FCFS(),
-                reward_fn=lambda r, c: 0.0,
-                emit=lambda g: None,
-                group_atomic=not per_sample,
-            )
-            loop.submit(requests)
-            loop.run_until_idle()
-    assert watch.compiles_timed == 0, watch.timed_names()

@@ -97,7 +97,7 @@ def test_reprefill_rejects_a_finished_sample(engine, model):
     params, state = engine.load_params(model), engine.init_decode_state()
     request = _request(n_new=3)
     with pytest.raises(ValueError, match="has 3 tokens of max_new_tokens=3; expected fewer"):
-        engine.reprefill(params, state, 0, request, 0, (1, 2, 3))
+        engine.reprefill(params, state, [(0, request, 0, (1, 2, 3))])
 
 
 class _PublishDuringStep:
