@@ -13,9 +13,9 @@ spread of that speedup over the timed rounds (min / median / max of the per-roun
 every mode trains the same prompts). Every runtime/mode pair samples the same tokens (checked: a
 digest of the trained groups' tokens). The runtime compiles every learner and engine program before
 round 0 (rl/compiles.py). A compile during a timed round fails the program after its
-table (compiles timed: XLA compiles in this process plus the learner's counted programs, which under
-Ray run in the learner worker; a Ray replica's engine compiles are not seen). Each runtime is
-closed and released before the next.
+table (compiles timed: XLA compiles in this process plus the programs the learner and the engines
+count, which under Ray run in the learner worker and the replicas). Each runtime is closed and
+released before the next.
 """
 
 from __future__ import annotations
@@ -88,8 +88,9 @@ def pin_workers(runtime: Any) -> dict[str, list[int]]:
     }
 
 
-def learner_compiles(runtime: Any) -> int:
-    """Programs the runtime's learner (and, threads, engines) compiled so far (rl/compiles.py)."""
+def counted_compiles(runtime: Any) -> int:
+    """Programs the runtime's learner and engines compiled so far (rl/compiles.py; under Ray, its
+    workers' and replicas')."""
     return int(sum(v["programs"] for v in runtime.compile_stats().values()))
 
 
@@ -102,11 +103,11 @@ def run(runtime_name: str, mode: str, watch: bench_util.CompileWatch) -> dict[st
         results = []
         try:
             results.append(driver.run_round(0))
-            counted = learner_compiles(runtime)
+            counted = counted_compiles(runtime)
             with watch.timed():
                 for r in range(1, rounds):
                     results.append(driver.run_round(r))
-            counted = learner_compiles(runtime) - counted
+            counted = counted_compiles(runtime) - counted
         finally:
             driver.close()
     finally:

@@ -27,6 +27,11 @@ optimizer step per update on the whole update. Contestants, timed per update, in
               GRPOLearner installs (`grpo_loss_fn`), then a block on the new parameters.
   tunix_step  the same example through Tunix's jitted train step alone (a second Trainer's
               `jit_train_and_eval_step`), loss and grad norm fetched: Tunix minus its Python loop.
+`--micro_batch_rows` sets ours' micro-batch (rows of up to 128 positions; LearnerConfig's default
+16: 2,048 positions, two micro-batches an update), `--tunix_accumulation k` splits Tunix's update
+into k micro-steps of 8 / k groups (gradient accumulation, as RLCluster's train_micro_batch_size
+does; seq_mean_token_mean only, where the micro-steps' mean loss is the update's): on XLA:CPU both
+sides run faster on smaller micro-batches, so compare them at the same granularity too.
 The first `--warmup` updates are not timed (Tunix's Trainer traces its step twice: warm-up 2).
 Reported per side: XLA programs compiled before the timed updates (tiny eager ops included) and
 their seconds (jax.monitoring), start seconds (building, compiling, warm-up), median ms per update,
@@ -77,6 +82,18 @@ _AGGREGATION = flags.DEFINE_enum(
 )
 _TUNIX_STEP = flags.DEFINE_bool(
     "tunix_step", True, "Also time Tunix's jitted train step without its Trainer loop."
+)
+_ROWS = flags.DEFINE_integer(
+    "micro_batch_rows",
+    0,
+    "Ours: learner.micro_batch_rows (a micro-batch holds this many rows of the longest row "
+    "length, 128 here); 0: LearnerConfig's default.",
+)
+_ACCUMULATION = flags.DEFINE_integer(
+    "tunix_accumulation",
+    1,
+    "Tunix: micro-steps per update (TrainingConfig.gradient_accumulation_steps, optax.MultiSteps), "
+    "each on GROUPS / this many groups; 1: the whole update in one step (GRPOLearner's default).",
 )
 
 GROUPS, GROUP_SIZE = 8, 8  # prompts per update, completions per prompt (Tunix num_generations)
@@ -196,11 +213,14 @@ def tunix_example(tx: SimpleNamespace, groups: list[Group]) -> Any:
     )
 
 
-def our_learner(model: Any, mesh: Any, aggregation: str) -> Learner:
-    """Our Learner for the workload: PPO-clip, no KL, the sampler's log-probs, packed rows."""
+def our_learner(model: Any, mesh: Any, aggregation: str, micro_batch_rows: int = 0) -> Learner:
+    """Our Learner for the workload: PPO-clip, no KL, the sampler's log-probs, packed rows
+    (`micro_batch_rows` per micro-batch; 0: LearnerConfig's default)."""
+    rows = dict(micro_batch_rows=micro_batch_rows) if micro_batch_rows else {}
     return Learner(
         model,
         LearnerConfig(
+            **rows,
             optimizer=OptimizerConfig(lr=LR, grad_clip_norm=CLIP_NORM),
             loss=LossConfig(ppo_clip=PpoClipOptions(clip_low=EPSILON, clip_high=EPSILON)),
             policy_loss="ppo_clip",
@@ -213,9 +233,16 @@ def our_learner(model: Any, mesh: Any, aggregation: str) -> Learner:
 
 
 def tunix_trainer(
-    tx: SimpleNamespace, hf_dir: str, cfg: ModelConfig, mesh: Any, aggregation: str
+    tx: SimpleNamespace,
+    hf_dir: str,
+    cfg: ModelConfig,
+    mesh: Any,
+    aggregation: str,
+    accumulation: int = 1,
 ) -> Any:
-    """A Tunix RL Trainer as RLCluster builds the actor's, with GRPOLearner's loss installed."""
+    """A Tunix RL Trainer as RLCluster builds the actor's, with GRPOLearner's loss installed
+    (`accumulation` > 1: that many micro-steps per optimizer step, as RLCluster sets it from
+    train_micro_batch_size)."""
     model = tx.qwen3_params.create_model_from_safe_tensors(
         hf_dir, tunix_model_config(tx, cfg), mesh=mesh
     )
@@ -231,7 +258,10 @@ def tunix_trainer(
         model=model,
         optimizer=make_optimizer(OptimizerConfig(lr=LR, grad_clip_norm=CLIP_NORM)),
         training_config=tx.peft_trainer.TrainingConfig(
-            eval_every_n_steps=1 << 30, metrics_prefix="actor", pbar_description=None
+            eval_every_n_steps=1 << 30,
+            metrics_prefix="actor",
+            pbar_description=None,
+            gradient_accumulation_steps=accumulation if accumulation > 1 else None,
         ),
         custom_checkpoint_metadata_fn=lambda: {"role": "actor"},
     )
@@ -255,6 +285,8 @@ def run(
     seed: int = 0,
     aggregation: str = "seq_mean_token_mean",
     tunix_step: bool = True,
+    micro_batch_rows: int = 0,
+    tunix_accumulation: int = 1,
 ) -> dict[str, Any]:
     """Builds every side, runs `warmup` + `updates` updates in rotating order, returns figures.
 
@@ -263,7 +295,11 @@ def run(
       warmup: untimed updates per side before them (their compiles and time go to start_s).
       seed: of the model's initial weights and of the groups.
       aggregation: "seq_mean_token_mean" or "token_mean" (Tunix's loss_agg_mode of the same math).
-      tunix_step: also time Tunix's jitted train step called without its Trainer loop.
+      tunix_step: also time Tunix's jitted train step called without its Trainer loop (one
+        step per update: not with tunix_accumulation > 1).
+      micro_batch_rows: ours, rows per micro-batch (0: LearnerConfig's default).
+      tunix_accumulation: Tunix's micro-steps per update (gradient accumulation), each on
+        GROUPS / tunix_accumulation whole groups.
 
     Returns:
       Per side: compiles, their seconds, start seconds, median ms, loss tokens and model positions
@@ -279,6 +315,21 @@ def run(
         raise ValueError(
             f"aggregation={aggregation!r}; expected one of {sorted(TUNIX_AGGREGATION)} (those "
             "Tunix's loss_agg_mode also has)."
+        )
+    if tunix_accumulation < 1 or GROUPS % tunix_accumulation:
+        raise ValueError(
+            f"tunix_accumulation={tunix_accumulation}; expected a divisor of the {GROUPS} groups "
+            "of an update."
+        )
+    if tunix_accumulation > 1 and aggregation != "seq_mean_token_mean":
+        raise ValueError(
+            f"tunix_accumulation={tunix_accumulation} with aggregation={aggregation!r}: Tunix "
+            "averages its micro-steps' losses, which equals the whole update's only for "
+            "seq_mean_token_mean (equal sequences per micro-step); expected that aggregation."
+        )
+    if tunix_accumulation > 1 and tunix_step:
+        raise ValueError(
+            "tunix_step times one jitted step per update; expected tunix_accumulation 1."
         )
     tx = import_tunix()
     cfg = model_config()
@@ -297,14 +348,16 @@ def run(
             clock.label = name
             t = time.perf_counter()
             with mesh:
-                trainers[name] = tunix_trainer(tx, hf_dir, cfg, mesh, aggregation)
+                trainers[name] = tunix_trainer(
+                    tx, hf_dir, cfg, mesh, aggregation, tunix_accumulation
+                )
                 if name == "tunix_step":  # the function Trainer.train calls, cached the same way
                     step_fn = trainers[name].jit_train_and_eval_step(cache_nnx_graph=True)[0]
             start_s[name] = time.perf_counter() - t
 
     clock.label = "ours"
     t = time.perf_counter()
-    learner = our_learner(model, mesh, aggregation)
+    learner = our_learner(model, mesh, aggregation, micro_batch_rows)
     learner.precompile(updates_per_round=1)
     start_s["ours"] = time.perf_counter() - t
     first: dict[str, dict[str, float]] = {}
@@ -323,8 +376,10 @@ def run(
         our_losses.append(m["loss"])
 
     def tunix(groups: list[Group]) -> None:
+        per = GROUPS // tunix_accumulation
+        examples = [tunix_example(tx, groups[i : i + per]) for i in range(0, GROUPS, per)]
         with mesh:
-            trainers["tunix"].train([tunix_example(tx, groups)])
+            trainers["tunix"].train(examples)
         jax.block_until_ready(nnx.state(trainers["tunix"].model))
 
     def tunix_bare(groups: list[Group]) -> None:
@@ -421,6 +476,7 @@ def run(
             epsilon=EPSILON,
             ours_row_lengths=list(learner.micro_batches.lengths),
             ours_micro_batch_rows=learner.cfg.micro_batch_rows,
+            tunix_accumulation=tunix_accumulation,
             backend=jax.default_backend(),
         ),
     }
@@ -433,7 +489,9 @@ def print_table(r: dict[str, Any]) -> None:
         f"workload: {c['updates']} timed updates (+{c['warmup']} warm-up) x {c['groups']} prompts "
         f"x G={c['group_size']}, prompts {c['prompt_tokens'][0]}-{c['prompt_tokens'][1]} tokens, "
         f"responses 1-{c['max_response']}; tiny qwen3 (rope 1e6), ppo-clip {c['epsilon']}, "
-        f"{c['aggregation']} / {c['tunix_aggregation']}, AdamW {c['lr']:g}, {c['backend']}"
+        f"{c['aggregation']} / {c['tunix_aggregation']}, AdamW {c['lr']:g}, {c['backend']}; "
+        f"ours {c['ours_micro_batch_rows']} rows of up to {c['ours_row_lengths'][-1]} per "
+        f"micro-batch, Tunix {c['tunix_accumulation']} micro-step(s) per update"
     )
     print(
         f"{'side':<11}{'compiles':>9}{'compile s':>10}{'start s':>8}{'median ms':>10}"
@@ -465,7 +523,9 @@ def main(argv: list[str]) -> None:
         warmup=_WARMUP.value,
         seed=_SEED.value,
         aggregation=_AGGREGATION.value,
-        tunix_step=_TUNIX_STEP.value,
+        tunix_step=_TUNIX_STEP.value and _ACCUMULATION.value == 1,
+        micro_batch_rows=_ROWS.value,
+        tunix_accumulation=_ACCUMULATION.value,
     )
     print_table(r)
     if _JSON.value:

@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from rl.compiles import CompileCounter
-from rl.models.sharding import Rules, axis_rules, current_rules, tree_shardings
+from rl.models.sharding import Rules, axis_rules, current_rules, logical_to_spec, tree_shardings
 from rl.models.transformer import Transformer, abstract_model
 from rl.types import Request
 from sampler import cache, decode, prefill, slot_export
@@ -88,9 +88,16 @@ class Engine:
             "generate", self._generate_impl, static_argnums=(2,), donate_argnums=(1,), **gen_out
         )
         self._free = jit("free", cache.free, donate_argnums=(0,), **out)
-        self._prefill_insert = jit(
-            "prefill_insert", self._prefill_insert_impl, donate_argnums=(1,), **out
-        )
+        # A chunk's keys/values (C, T, K, H) per layer, heads split as the cache's are.
+        self._chunk_kv = None
+        if mesh is not None:
+            names = (None, None, "kv_heads", None)
+            shape = (prefill.PREFILL_CHUNK, config.max_length, cfg.n_kv_heads, cfg.head_dim)
+            spec = logical_to_spec(names, mesh, self.rules, shape=shape)
+            self._chunk_kv = NamedSharding(mesh, spec)
+        chunk_out = {} if mesh is None else dict(out_shardings=self._chunk_kv)
+        self._prefill_chunk = jit("prefill_chunk", self._prefill_chunk_impl, **chunk_out)
+        self._insert_chunk = jit("insert_chunk", prefill.insert_rows, donate_argnums=(0,), **out)
         self._export = jit("export", slot_export.export_rows, static_argnums=(2,))
         self._import = jit("import", slot_export.import_rows, donate_argnums=(0,), **out)
 
@@ -124,8 +131,9 @@ class Engine:
     ) -> None:
         """Compiles, now, every program a run calls on this engine (rl/compiles.py), for
         parameters shaped like `params_like` (arrays or ShapeDtypeStructs: what a publish hands
-        the engine, in the sampler's dtype): the empty state, prefill_insert for every prompt
-        bucket x slot rung (`recompute`: also re-prefill's max_length bucket), generate for every
+        the engine, in the sampler's dtype): the empty state, a chunk's prefill for every prompt
+        bucket and its insert for every bucket x slot rung (`recompute`: also re-prefill's
+        max_length bucket), generate for every
         count of live attention blocks, free, and (`migrate_rows` > 0: a migration moves up to
         that many slots at once) export and import of every row count x length.
 
@@ -147,8 +155,13 @@ class Engine:
             buckets = c.reprefill_buckets() if recompute else c.buckets()
             for bucket in buckets:
                 for n in c.slot_rungs():
-                    arrays = map(host, prefill.abstract_chunk(bucket, n, c))
-                    self._prefill_insert.precompile(params, state, *arrays)
+                    tokens, *arrays = map(host, prefill.abstract_chunk(bucket, n, c))
+                    self._prefill_chunk.precompile(params, tokens)
+                    kv = jax.tree.map(
+                        lambda x: self._abstract(x, self._chunk_kv),
+                        self._prefill_chunk.eval_shape(params, tokens),
+                    )
+                    self._insert_chunk.precompile(state, kv, *arrays)
             rungs = decode.block_rungs(block=c.attention_block, cache_length=self.layout.length)
             for blocks in rungs:
                 self._generate.precompile(params, state, blocks)
@@ -204,8 +217,8 @@ class Engine:
     def _prefill_impl(self, params: Any, tokens_T: jax.Array) -> tuple[tuple, tuple]:
         return prefill.prefill_prompt(self._model(params), tokens_T, self.layout.dtype)
 
-    def _prefill_insert_impl(self, params: Any, state: DecodeState, *arrays: jax.Array) -> Any:
-        return prefill.prefill_insert(self._model(params), state, *arrays, dtype=self.layout.dtype)
+    def _prefill_chunk_impl(self, params: Any, tokens_CxT: jax.Array) -> tuple[tuple, tuple]:
+        return prefill.prefill_rows(self._model(params), tokens_CxT, self.layout.dtype)
 
     def _generate_impl(
         self, params: Any, state: DecodeState, blocks: int
@@ -292,8 +305,9 @@ class Engine:
         """Prefills and inserts `items`: one call per PREFILL_CHUNK prompts of a bucket."""
         for length, group in prefill.by_bucket(items, bucket):
             for chunk in prefill.chunks(group):
-                arrays = prefill.pack_chunk(chunk, length, self.config)
-                state = self._call(self._prefill_insert, params, state, *map(jnp.asarray, arrays))
+                tokens, *arrays = map(jnp.asarray, prefill.pack_chunk(chunk, length, self.config))
+                kv = self._call(self._prefill_chunk, params, tokens)
+                state = self._call(self._insert_chunk, state, kv, *arrays)
         return state
 
     def reprefill(

@@ -226,7 +226,7 @@ class SamplerLoop:
 
     def _admit(self, params: Any) -> None:
         """Starts what fits now; the prompts admitted together are prefilled in one batched call
-        per length bucket (`Engine.prefill_insert`)."""
+        per PREFILL_CHUNK prompts of a length bucket (`Engine.prefill_insert`)."""
         if not self.may_admit():
             return
         with self._lock:

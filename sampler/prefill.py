@@ -9,11 +9,12 @@ admitted with it.
 
 Two ways in, writing the same floats: `prefill_prompt` (one prompt, padded to its length bucket)
 then `insert` (its keys/values copied into the slots of the samples it starts), JetStream's shape;
-or `prefill_insert`, the prompts admitted together in one call per PREFILL_CHUNK prompts of a
-length bucket, the slots they start padded to a rung of `EngineConfig.slot_rungs` (`pack_chunk`):
-its programs are (bucket x slot rung), few and known from the config, so a run compiles them all
-at start (rl/compiles.py). Both prefill in chunks of PREFILL_CHUNK prompts of one fixed shape
-(`prefill_rows`). The functions without a `model`
+or the batched admission, the prompts admitted together in chunks of PREFILL_CHUNK prompts of one
+length bucket (`pack_chunk`): each chunk's prefill (`prefill_rows`, one program per bucket), then
+`insert_rows` writing its keys/values into the slots its samples start, their count padded to a
+rung of `EngineConfig.slot_rungs` (a scatter, no model: one cheap program per bucket x rung). The
+shapes are few and known from the config, so a run compiles them all at start (rl/compiles.py).
+Both prefill in chunks of PREFILL_CHUNK prompts of one fixed shape. The functions without a `model`
 argument run on the host and build the arrays the device functions take.
 """
 
@@ -114,7 +115,8 @@ def chunks(items: Sequence[Item]) -> list[Sequence[Item]]:
 
 
 def pack_chunk(items: Sequence[Item], bucket: int, config: EngineConfig) -> tuple[np.ndarray, ...]:
-    """`prefill_insert`'s arrays (tokens, rows, slots, ids, sampling, stop) for at most
+    """The batched admission's arrays (tokens for `prefill_rows`; rows, slots, ids, sampling, stop
+    for `insert_rows`) for at most
     PREFILL_CHUNK prompts of one bucket: PREFILL_CHUNK prompt rows, the slots padded to their
     rung (`EngineConfig.slot_rungs`; padding slots are out of range: dropped). The shapes come
     from a fixed set, so every program is compiled ahead (`abstract_chunk`)."""
@@ -219,21 +221,19 @@ def insert(
     )
 
 
-def prefill_insert(
-    model: Transformer,
+def insert_rows(
     state: DecodeState,
-    tokens_PxT: jax.Array,
+    kv: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]],
     rows_N: jax.Array,
     slots_N: jax.Array,
     ids_Nx7: jax.Array,
     sampling_Nx3: jax.Array,
     stop_NxS: jax.Array,
-    *,
-    dtype: Any,
 ) -> DecodeState:
-    """Prefills P prompts and writes prompt rows_N[i] into slots_N[i] (out of range: dropped);
-    the arrays are `pack_bucket`'s."""
-    k, v = prefill_rows(model, tokens_PxT, dtype)
+    """Writes prompt rows_N[i] of `kv` (`prefill_rows`' keys/values of a chunk of prompts) into
+    slots_N[i] (out of range: dropped); the arrays are `pack_chunk`'s. No model: the chunk's prefill
+    is its own program, compiled once per bucket, and this one is a scatter."""
+    k, v = kv
     rows = lambda kv: tuple(x[rows_N] for x in kv)
     cache = state.cache.put(slots_N, rows(k), rows(v), mode="drop")
     seed, rnd, uid, sample, max_new, length, last_token = (ids_Nx7[:, i] for i in range(7))

@@ -59,7 +59,8 @@ def test_greedy_matches_nocache_recompute(model, block):
     # two later ones come alone. Block attention reads 1, 2 or 4 blocks of 16 (64 cache positions);
     # whole-cache attention compiles once.
     assert counts["prefill"] == counts["insert"] == 0
-    assert counts["prefill_insert"] == 3  # (bucket, prompts, slots): (16,2,2), (32,2,2), (16,1,1)
+    assert counts["prefill_chunk"] == 2  # one per bucket: 16, 32
+    assert counts["insert_chunk"] == 3  # (bucket, slot rung): (16, 2), (32, 2), (16, 1)
     assert counts["generate"] == (3 if block else 1)
 
 

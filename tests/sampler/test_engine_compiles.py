@@ -1,6 +1,8 @@
 """The engine's compile budget: `Engine.precompile` compiles every program a run calls on it, from
 shapes its config fixes (prompt buckets x slot rungs, live-block rungs, migration's rows x lengths),
-so nothing compiles after start whatever the admissions, aborts, swaps and migrations."""
+so nothing compiles after start whatever the admissions, aborts, swaps and migrations. The model
+runs in one program per prompt bucket (a chunk's prefill) and per live-block rung (generate); the
+slot rungs multiply only the insert, a scatter."""
 
 import numpy as np
 
@@ -23,8 +25,9 @@ def test_engine_compiles_nothing_after_start_over_varied_admissions(model):
         engine.precompile(published_shapes(params), recompute=True, migrate_rows=2)
         engine.compiles.start()
     programs = sum(engines[0].compile_counts().values())
-    # init, free, generate, prefill_insert x 2 buckets x 3 rungs, export + import x 2 x 2
-    assert programs == 3 + 6 + 8
+    # init, free, generate, a chunk's prefill x 2 buckets, its insert x 2 buckets x 3 rungs,
+    # export + import x 2 rows x 2 lengths
+    assert programs == 3 + 2 + 6 + 8
     rng = np.random.default_rng(0)
     requests = [
         Request(
