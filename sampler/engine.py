@@ -121,7 +121,7 @@ class Engine:
         return self._compiles
 
     def compile_counts(self) -> dict[str, int]:
-        """How many programs each jitted entry point has compiled (prefill: one per bucket)."""
+        """How many programs each jitted entry point has compiled (prefill_chunk: one per bucket)."""
         return self._compiles.counts()
 
     # ---------------------------------------------------------------------------- compile budget
@@ -133,9 +133,9 @@ class Engine:
         parameters shaped like `params_like` (arrays or ShapeDtypeStructs: what a publish hands
         the engine, in the sampler's dtype): the empty state, a chunk's prefill for every prompt
         bucket and its insert for every bucket x slot rung (`recompute`: also re-prefill's
-        max_length bucket), generate for every
-        count of live attention blocks, free, and (`migrate_rows` > 0: a migration moves up to
-        that many slots at once) export and import of every row count x length.
+        max_length bucket), generate for every count of live attention blocks, free, and
+        (`migrate_rows` > 0: a migration moves up to that many slots at once) export and import
+        of every row count x length.
 
         The JetStream-shaped `prefill` and `bulk_insert` are not compiled: a run does not call
         them.

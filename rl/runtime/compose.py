@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 from learner.config import learner_config_from
 from learner.learner import Learner
 from learner.mesh import lent_meshes
+from learner.publish import published_shapes
 from learner.sft import SftTrainer
 from rl.device_split import Split
 from rl.driver import DriverConfig
@@ -285,9 +286,13 @@ def build_lender(
 
 def lent_engines(config: Any, setup: Setup, model: Any, devices: list[Any]) -> list[Engine]:
     """Engines of mesh.sampler_devices devices each over `devices` (the learner's, lent to the
-    threaded sampler)."""
+    threaded sampler), their programs compiled before they decode (`precompile_engine`)."""
     per, tp = config.mesh.sampler_devices or 1, config.mesh.sampler_tp
-    return [build_engine(config, setup, m, model) for m in lent_meshes(devices, per, tp)]
+    engines = [build_engine(config, setup, m, model) for m in lent_meshes(devices, per, tp)]
+    published = published_shapes(nnx.state(model), config.sampler_dtype)
+    for engine in engines:
+        precompile_engine(config, engine, published)
+    return engines
 
 
 def borrow_config_from(config: Any) -> BorrowConfig:

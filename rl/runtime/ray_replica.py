@@ -25,10 +25,10 @@ from rl.runtime.compose import (
     Setup,
     build_checked_model,
     build_engine,
-    precompile_engine,
     build_learner,
     build_reward,
     evaluate_heldout,
+    precompile_engine,
     rollout_reward,
 )
 from rl.runtime.ray_process import job_devices, join_job, local_mesh, pin, worker_config
