@@ -32,7 +32,7 @@ grade as well: the fake devices share the 2 cores.
 
 Sections `ray_migration`, `ray_lending` and `ray_borrowing` run the same comparisons under the Ray runtime (a
 local cluster of --ray_cpus CPUs). ray_migration: the long-tailed round above through n replica
-actors (rl.runtime.ray_workers.SamplerReplica, one fake CPU device each, the smoke model with the
+actors (rl.runtime.ray_replica.SamplerReplica, one fake CPU device each, the smoke model with the
 engine shape above) behind the ReplicaRouter, migration off vs `tail`, where a move's decode state
 crosses processes through the object store (rl.runtime.ray_migration); round time, replica-seconds
 busy, moves and MB, tokens checked identical. ray_lending: the borrowing workload with
@@ -85,9 +85,10 @@ from rl.models import create_model, get_preset  # noqa: E402
 from rl.runtime.compose import Setup, build_checked_model  # noqa: E402
 from rl.runtime.factory import build_driver  # noqa: E402
 from rl.runtime.ray_cluster import connect, worker_env  # noqa: E402
-from rl.runtime.ray_queue import QueueClient  # noqa: E402
+from rl.runtime.ray_process import local_mesh, worker_payload  # noqa: E402
+from rl.runtime.ray_queue import QueueActor, QueueClient  # noqa: E402
+from rl.runtime.ray_replica import SamplerReplica  # noqa: E402
 from rl.runtime.ray_router import ReplicaRouter  # noqa: E402
-from rl.runtime.ray_workers import QueueActor, SamplerReplica, local_mesh  # noqa: E402
 from rl.runtime.replicas import ReplicaSampler  # noqa: E402
 from rl.timeline import SLOT_PREFIX, Timeline  # noqa: E402
 from rl.types import Group, Request, SamplingParams  # noqa: E402
@@ -417,7 +418,9 @@ def ray_migration_section() -> dict[str, Any]:
             queue = QueueActor.options(num_cpus=0, max_concurrency=4 + 2 * n).remote(4 * n)
             env = worker_env()
             actors = [
-                SamplerReplica.options(num_cpus=0, runtime_env=env).remote(config.to_dict(), queue)
+                SamplerReplica.options(num_cpus=0, runtime_env=env).remote(
+                    worker_payload(config), queue
+                )
                 for _ in range(n)
             ]
             requests = _round(n)

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
+from rl.registry import Registry
 from rl.types import Request
 
 
@@ -126,11 +127,8 @@ class ShuffledFCFS(FCFS):
         super().submit([requests[i] for i in self._rng.permutation(len(requests))])
 
 
-POLICIES: dict[str, Callable[[], AdmissionPolicy]] = {
-    "fcfs": FCFS,
-    "frontier": Frontier,
-    "shuffled": ShuffledFCFS,
-}
+POLICIES: Registry[Callable[[], AdmissionPolicy]] = Registry("admission policy")
+POLICIES.update(fcfs=FCFS, frontier=Frontier, shuffled=ShuffledFCFS)
 
 
 def register_admission(

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from rl.registry import Registry
 from rl.types import Group
 
 
@@ -175,7 +176,8 @@ def logical_batches(groups: list[Group], size: int) -> list[tuple[Group, ...]]:
 
 
 MakeFormer = Callable[[int, "int | None"], BatchFormer]
-FORMERS: dict[str, MakeFormer] = {"fifo": FifoBatches, "ordered": OrderedBatches}
+FORMERS: Registry[MakeFormer] = Registry("batch former")
+FORMERS.update(fifo=FifoBatches, ordered=OrderedBatches)
 
 
 def register_former(name: str) -> Callable[[MakeFormer], MakeFormer]:

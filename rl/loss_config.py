@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rl.kl import KL_ESTIMATORS
+from rl.registry import Registry
 
 # ---------------------------------------------------------------------------------------------
 # Config.
@@ -90,7 +91,8 @@ class DecoupledPpoOptions:
         )
 
 
-LOSS_OPTIONS: dict[str, type] = {}  # policy loss name -> its options dataclass
+# policy loss name -> its options dataclass (a registry: it reaches Ray workers, rl/registry.py)
+LOSS_OPTIONS: Registry[type] = Registry("policy loss options")
 BUILTIN_OPTIONS: dict[str, type] = {  # the built-in policy losses and their options
     "ppo_clip": PpoClipOptions,
     "gspo": GspoOptions,
@@ -126,7 +128,7 @@ class LossConfig:
                     f"{getattr(self, name)!r}."
                 )
         for name, opts in self.custom:
-            expected = LOSS_OPTIONS.get(name)
+            expected = LOSS_OPTIONS.get(name, None)
             if expected is None or name in BUILTIN_OPTIONS or not isinstance(opts, expected):
                 raise ValueError(
                     f"learner.loss.custom entry {name!r}: expected a policy loss registered "

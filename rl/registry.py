@@ -1,11 +1,20 @@
-"""Name -> function registries: a config names a variant, a user adds one by importing the library."""
+"""Name -> function registries: a config names a variant, a user adds one by importing the library.
+
+Every registry is known by its kind ("reward", "policy loss", ...), so that what a user's script
+registered reaches the processes a run starts: the Ray runtime sends `snapshot()` (every entry of
+every registry, functions pickled by reference when importable, by value when defined in the
+script) with each worker's config, and the worker `install`s the entries it lacks before it builds
+anything.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Generic, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, TypeVar
 
 F = TypeVar("F")
+
+_BY_KIND: dict[str, Registry[Any]] = {}  # every registry of this process, by kind
 
 
 class Registry(dict[str, F], Generic[F]):
@@ -14,6 +23,7 @@ class Registry(dict[str, F], Generic[F]):
     def __init__(self, kind: str):
         super().__init__()
         self.kind = kind
+        _BY_KIND.setdefault(kind, self)
 
     def register(self, name: str) -> Callable[[F], F]:
         """Decorator: registers the function under `name` (which must be new) and returns it."""
@@ -39,3 +49,18 @@ class Registry(dict[str, F], Generic[F]):
         if name not in self:
             raise ValueError(f"Unknown {self.kind} {name!r}; expected one of {sorted(self)}.")
         return self[name]
+
+
+def snapshot() -> dict[str, dict[str, Any]]:
+    """Every registry's entries, by kind: what another process of the run `install`s."""
+    return {kind: dict(registry) for kind, registry in _BY_KIND.items()}
+
+
+def install(entries: Mapping[str, Mapping[str, Any]]) -> None:
+    """Adds the entries of another process's `snapshot()` that this process's registries lack (a
+    name registered here keeps its entry; a kind with no registry here is used by nothing here)."""
+    for kind, named in entries.items():
+        registry = _BY_KIND.get(kind)
+        if registry is not None:
+            for name, fn in named.items():
+                registry.setdefault(name, fn)

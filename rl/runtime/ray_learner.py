@@ -44,8 +44,9 @@ class LearnerWorker:
     """Owns the Learner (and its checkpoints) on this process's devices; with several workers,
     this one is process `rank` of the learner's jax.distributed job (learner/distributed.py)."""
 
-    def __init__(self, config_dict: dict[str, Any], total_updates: int, rank: int = 0):
-        self._config_dict, self._total_updates, self.rank = config_dict, total_updates, rank
+    def __init__(self, payload: dict[str, Any], total_updates: int, rank: int = 0):
+        # the run's config and registrations (ray_process.worker_payload)
+        self._payload, self._total_updates, self.rank = payload, total_updates, rank
         self.group = 1
         self.learner = None
         self.ckpt = None
@@ -63,7 +64,7 @@ class LearnerWorker:
         1), the job is this worker and that many replicas that lend it their devices (rank 0
         here; ReplicaCore's `job`). Returns the step."""
 
-        config = worker_config(self._config_dict)
+        config = worker_config(self._payload)
         setup = Setup.from_config(config)
         if group > 1:
             dist = config.learner.distributed
@@ -196,7 +197,7 @@ class LearnerWorker:
             devices = list(self.learner.mesh.devices.flat)
             per, tp = self.config.mesh.sampler_devices or 1, self.config.mesh.sampler_tp
             self.lendable = [
-                ReplicaCore(self._config_dict, queue, mesh=m) for m in lent_meshes(devices, per, tp)
+                ReplicaCore(self._payload, queue, mesh=m) for m in lent_meshes(devices, per, tp)
             ]
         return len(self.lendable)
 

@@ -1,7 +1,9 @@
 """What a Ray worker process sets up for itself: its config, its mesh, the learner's job, its cores.
 
 Each worker (rl.runtime.ray_learner.LearnerWorker, rl.runtime.ray_replica.ReplicaCore) builds its
-part of the run from the run's config on the devices its process sees (Ray gives each its GPUs;
+part of the run from the run's config (`worker_payload`: the config and every registration of the
+driver's process, so the rewards, tasks, losses, ... a user's script registered resolve in the
+worker too) on the devices its process sees (Ray gives each its GPUs;
 on CPU every process sees the host). With learner borrowing (elastic.borrowing learner / both) the
 learner worker and the replicas lending it their devices are processes of one jax.distributed job.
 """
@@ -16,12 +18,21 @@ import ml_collections
 
 from learner.distributed import DistributedConfig, initialize
 from learner.mesh import MeshConfig, make_meshes
+from rl import registry
 
 
-def worker_config(config_dict: dict[str, Any]) -> Any:
-    """The run's config as a worker gets it (a dict through Ray) made a ConfigDict again."""
+def worker_payload(config: Any) -> dict[str, Any]:
+    """What a worker is built from: the run's config as a dict and this process's registrations
+    (rl/registry.py `snapshot`), sent through Ray (cloudpickle: a function defined in the user's
+    script travels by value)."""
+    return {"config": config.to_dict(), "registrations": registry.snapshot()}
 
-    return ml_collections.ConfigDict(config_dict)
+
+def worker_config(payload: dict[str, Any]) -> Any:
+    """The run's config from a `worker_payload`, the registrations it carries installed here
+    first (names this process lacks: what the driver's script registered)."""
+    registry.install(payload["registrations"])
+    return ml_collections.ConfigDict(payload["config"])
 
 
 def local_mesh(config: Any, side: str, devices: list[Any] | None = None) -> Any:

@@ -54,7 +54,7 @@ class ReplicaCore:
     Learner calls (`learner_*`) on a Learner of its own whose arrays are the borrowed shards only.
 
     Args:
-      config_dict: the run's config.
+      payload: the run's config and registrations (rl.runtime.ray_process.worker_payload).
       queue: the QueueActor.
       mesh: the engine's mesh; None: this process's first mesh.sampler_devices devices (a lent
         replica gets one over the learner's devices).
@@ -63,13 +63,13 @@ class ReplicaCore:
 
     def __init__(
         self,
-        config_dict: dict[str, Any],
+        payload: dict[str, Any],
         queue: Any,
         mesh: Any = None,
         job: tuple[str, int, int] | None = None,
     ):
 
-        config = worker_config(config_dict)
+        config = worker_config(payload)
         if job is not None:  # before any other jax work
             join_job(config, job)
         self.config, self.setup = config, Setup.from_config(config)

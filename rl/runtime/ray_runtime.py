@@ -68,6 +68,7 @@ from rl.runtime.ray_learner_client import (
     RemoteSft,
     learner_died,
 )
+from rl.runtime.ray_process import worker_payload
 from rl.runtime.ray_queue import QueueActor, QueueClient
 from rl.runtime.ray_replica import SamplerReplica
 from rl.runtime.ray_router import ReplicaRouter
@@ -94,7 +95,7 @@ class RayRuntime:
         if config.mesh.split == "plan":
             config, self.mesh_plan = planned_config(config)
         self.config, self.setup = config, setup
-        env, cfg = worker_env(), config.to_dict()
+        env, cfg = worker_env(), worker_payload(config)
         r = config.ray
         self.queue_actor = QueueActor.options(
             name=actor_name(config, "queue"),

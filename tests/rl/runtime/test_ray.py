@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 
 from configs import base
+from rl.losses import LOSS_OPTIONS, POLICY_LOSSES, PpoClipOptions, register_policy_loss
+from rl.rewards import REWARDS, register_reward
 from rl.runtime.factory import build_driver
 
 ROUNDS = 3
@@ -69,6 +71,41 @@ def test_ray_equals_threads_bitwise(ray_cluster, threads_run, replicas):
             assert r.metrics["replica0_sequences"] + r.metrics["replica1_sequences"] == 16
             assert r.metrics["replica0_slot_occupancy"] > 0
             assert r.metrics["replica1_tokens_per_s"] > 0
+
+
+@pytest.mark.slow  # a threaded and a 2-replica Ray run of 3 rounds (~40 s)
+def test_a_reward_and_a_loss_registered_in_the_users_script_work_under_ray(ray_cluster):
+    """Defined in a function, so no worker can import them: they reach the Ray workers by value,
+    with the run's config (rl.runtime.ray_process.worker_payload), and the run equals the
+    threaded one bitwise."""
+
+    def length_reward(request, completion_text):
+        return min(len(completion_text.strip()), 3) / 3.0
+
+    def half_ppo_clip(logp_BxT, old_logp_BxT, adv_B, mask_BxT, opts):
+        loss, metrics = POLICY_LOSSES["ppo_clip"](
+            logp_BxT, old_logp_BxT, adv_B, mask_BxT, PpoClipOptions()
+        )
+        return 0.5 * loss, metrics
+
+    register_reward("test_length_reward")(length_reward)
+    register_policy_loss("test_half_ppo_clip")(half_ppo_clip)
+    try:
+        runs = []
+        for runtime, replicas in (("threads", 1), ("ray", 2)):
+            config = tiny_config(runtime, replicas)
+            config.task.reward = "test_length_reward"
+            config.learner.policy_loss = "test_half_ppo_clip"
+            results, params, _ = run_rounds(config)
+            runs.append((tokens_of(results), params, [r.metrics["reward_mean"] for r in results]))
+        (tokens, params, rewards), (ray_tokens, ray_params, ray_rewards) = runs
+        assert ray_tokens == tokens and ray_rewards == rewards
+        assert_same_params(ray_params, params)
+        assert any(0 < r < 1 for r in rewards)  # the registered reward scored them
+    finally:
+        for registry in (REWARDS, POLICY_LOSSES, LOSS_OPTIONS):
+            registry.pop("test_length_reward", None)
+            registry.pop("test_half_ppo_clip", None)
 
 
 TAIL_ROUNDS = 3  # short, short, long (the 4 prompts the short rounds cut)
