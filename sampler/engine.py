@@ -305,7 +305,8 @@ class Engine:
         """Prefills and inserts `items`: one call per PREFILL_CHUNK prompts of a bucket."""
         for length, group in prefill.by_bucket(items, bucket):
             for chunk in prefill.chunks(group):
-                tokens, *arrays = map(jnp.asarray, prefill.pack_chunk(chunk, length, self.config))
+                # host arrays go in as numpy: jnp.asarray would compile an eager op per shape
+                tokens, *arrays = prefill.pack_chunk(chunk, length, self.config)
                 kv = self._call(self._prefill_chunk, params, tokens)
                 state = self._call(self._insert_chunk, state, kv, *arrays)
         return state
@@ -402,7 +403,7 @@ class Engine:
         """Deactivates slots (abort); they can be inserted into again at once."""
         mask = np.zeros((self.config.max_slots,), bool)
         mask[np.asarray(slots, np.int64)] = True
-        return self._call(self._free, state, jnp.asarray(mask))
+        return self._call(self._free, state, mask)
 
     # --------------------------------------------------------------------------------- migration
 
@@ -417,7 +418,7 @@ class Engine:
         """
         slots = list(slots)
         padded, length = slot_export.export_plan(state, slots, self.layout)
-        out = self._call(self._export, state, jnp.asarray(padded), length)
+        out = self._call(self._export, state, padded, length)
         return dataclasses.replace(out, count=len(slots))
 
     def import_slots(
@@ -434,4 +435,4 @@ class Engine:
         )
         # `count` is static in SlotState: the program must not depend on it (import_plan used it).
         moved = jax.device_put(dataclasses.replace(moved, count=0), target)
-        return self._call(self._import, state, moved, jnp.asarray(padded))
+        return self._call(self._import, state, moved, padded)
