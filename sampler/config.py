@@ -8,6 +8,16 @@ from rl.models.config import DTYPES
 from rl.types import Request
 
 
+def rungs(top: int) -> tuple[int, ...]:
+    """The powers of two below `top`, then `top`: the sizes a padded count takes (one compiled
+    program each)."""
+    out, n = [], 1
+    while n < top:
+        out.append(n)
+        n *= 2
+    return (*out, top)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     max_slots: int = 64  # max_concurrent_decodes
@@ -80,11 +90,7 @@ class EngineConfig:
     def slot_rungs(self) -> tuple[int, ...]:
         """Slot counts an admission call is padded to (one compiled program each, per bucket):
         the powers of two below max_slots, then max_slots."""
-        out, n = [], 1
-        while n < self.max_slots:
-            out.append(n)
-            n *= 2
-        return (*out, self.max_slots)
+        return rungs(self.max_slots)
 
     def slot_rung(self, n: int) -> int:
         """The smallest slot rung that holds `n` slots."""

@@ -21,6 +21,7 @@ import numpy as np
 
 from rl.models.transformer import Transformer
 from sampler.cache import DecodeState
+from sampler.config import rungs
 from sampler.sampling import sample_tokens
 
 
@@ -70,13 +71,7 @@ def generate(
 def block_rungs(*, block: int, cache_length: int) -> tuple[int, ...]:
     """Every count `live_blocks` can return (one generate program each): 0 (the whole cache) when
     `block` is 0, else the powers of two below the cache's blocks, then all of them."""
-    if not block:
-        return (0,)
-    total, out, n = cache_length // block, [], 1
-    while n < total:
-        out.append(n)
-        n *= 2
-    return (*out, total)
+    return rungs(cache_length // block) if block else (0,)
 
 
 def live_blocks(

@@ -116,10 +116,10 @@ def chunks(items: Sequence[Item]) -> list[Sequence[Item]]:
 
 def pack_chunk(items: Sequence[Item], bucket: int, config: EngineConfig) -> tuple[np.ndarray, ...]:
     """The batched admission's arrays (tokens for `prefill_rows`; rows, slots, ids, sampling, stop
-    for `insert_rows`) for at most
-    PREFILL_CHUNK prompts of one bucket: PREFILL_CHUNK prompt rows, the slots padded to their
-    rung (`EngineConfig.slot_rungs`; padding slots are out of range: dropped). The shapes come
-    from a fixed set, so every program is compiled ahead (`abstract_chunk`)."""
+    for `insert_rows`) for at most PREFILL_CHUNK prompts of one bucket: PREFILL_CHUNK prompt rows,
+    the slots padded to their rung (`EngineConfig.slot_rungs`; padding slots are out of range:
+    dropped). The shapes come from a fixed set, so every program is compiled ahead
+    (`abstract_chunk`)."""
     if len(items) > PREFILL_CHUNK:
         raise ValueError(f"pack_chunk takes at most {PREFILL_CHUNK} prompts; got {len(items)}.")
     rung = config.slot_rung(sum(len(s) for _, s, _ in items))
