@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import ml_collections
+from ray import cloudpickle
 
 from learner.distributed import DistributedConfig, initialize
 from learner.mesh import MeshConfig, make_meshes
@@ -23,16 +24,35 @@ from rl import registry
 
 def worker_payload(config: Any) -> dict[str, Any]:
     """What a worker is built from: the run's config as a dict and this process's registrations
-    (rl/registry.py `snapshot`), sent through Ray (cloudpickle: a function defined in the user's
-    script travels by value)."""
-    return {"config": config.to_dict(), "registrations": registry.snapshot()}
+    (rl/registry.py `snapshot`), each entry pickled on its own (cloudpickle: a function defined in
+    the user's script travels by value, one of an importable module by reference), so that one the
+    worker cannot load fails alone, and only if the run uses it."""
+    packed = {
+        kind: {name: _pack(fn) for name, fn in named.items()}
+        for kind, named in registry.snapshot().items()
+    }
+    return {"config": config.to_dict(), "registrations": packed}
 
 
 def worker_config(payload: dict[str, Any]) -> Any:
     """The run's config from a `worker_payload`, the registrations it carries installed here
     first (names this process lacks: what the driver's script registered)."""
-    registry.install(payload["registrations"])
+    registry.install(payload["registrations"], _unpack)
     return ml_collections.ConfigDict(payload["config"])
+
+
+def _pack(fn: Any) -> bytes | str:
+    """A registry entry pickled; a str: why it could not be."""
+    try:
+        return cloudpickle.dumps(fn)
+    except Exception as e:  # noqa: BLE001 - recorded, raised in the worker only if used
+        return f"it could not be pickled in the driver: {type(e).__name__}: {e}"
+
+
+def _unpack(packed: bytes | str) -> Any:
+    if isinstance(packed, str):
+        raise RuntimeError(packed)
+    return cloudpickle.loads(packed)
 
 
 def local_mesh(config: Any, side: str, devices: list[Any] | None = None) -> Any:

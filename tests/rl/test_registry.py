@@ -1,7 +1,10 @@
-"""Registries by name, and what carries a script's registrations to another process: `snapshot`
-pickles (cloudpickle, as Ray sends it) and `install` adds the names the other process lacks."""
+"""Registries by name, and what carries a script's registrations to a Ray worker
+(rl.runtime.ray_process.worker_payload / worker_config): each entry pickled on its own, the worker
+installing the names it lacks, an entry it cannot load named with the reason when looked up."""
 
-import cloudpickle
+import threading
+
+import ml_collections
 import pytest
 
 from rl import registry
@@ -9,17 +12,18 @@ from rl.admission import POLICIES
 from rl.formation import FORMERS
 from rl.losses import LOSS_OPTIONS, POLICY_LOSSES
 from rl.rewards import REWARDS
+from rl.runtime.ray_process import worker_config, worker_payload
 from rl.tasks.registry import TASKS
 
 
 def test_get_names_the_registered_ones_and_a_name_registers_once():
-    rewards = registry.Registry("test thing")
-    rewards.register("a")(len)
-    assert rewards.get("a") is len and rewards.get("b", None) is None
+    things = registry.Registry("test thing")
+    things.register("a")(len)
+    assert things.get("a") is len and things.get("b", None) is None
     with pytest.raises(ValueError, match=r"Unknown test thing 'b'; expected one of \['a'\]"):
-        rewards.get("b")
+        things.get("b")
     with pytest.raises(ValueError, match="Test thing 'a' is already registered"):
-        rewards.register("a")(str)
+        things.register("a")(str)
 
 
 def test_every_library_registry_is_in_the_snapshot():
@@ -28,22 +32,32 @@ def test_every_library_registry_is_in_the_snapshot():
         assert kinds[r.kind] == dict(r)
 
 
-def test_a_local_function_travels_by_value_and_installs_only_what_is_missing():
+def test_a_payload_carries_a_local_function_and_names_what_a_worker_cannot_load():
     def shout(request, text):  # defined here: another process could not import it
         return float(text.isupper())
 
     REWARDS.register("test_shout")(shout)
+    lock = threading.Lock()  # no pickle takes it
+    REWARDS.register("test_unpicklable")(lambda r, t: 0.0 if lock else 1.0)
     try:
-        shipped = cloudpickle.loads(cloudpickle.dumps(registry.snapshot()))
+        payload = worker_payload(ml_collections.ConfigDict({"seed": 3}))
     finally:
-        del REWARDS["test_shout"]
-    assert "test_shout" not in REWARDS  # as in a worker process, which never registered it
+        del REWARDS["test_shout"], REWARDS["test_unpicklable"]
+    # as in a worker process, which never registered them; a name it has keeps its own entry
     exact = REWARDS["exact"]
-    shipped["reward"]["exact"] = len  # a name the worker has keeps its own entry
-    shipped["a kind this process has no registry of"] = {"x": len}
+    payload["registrations"]["reward"]["exact"] = payload["registrations"]["reward"]["digits"]
+    payload["registrations"]["a kind this process has no registry of"] = {"x": b"junk"}
+    # a function of a module the worker cannot import (pickled by reference in the driver)
+    payload["registrations"]["reward"]["test_elsewhere"] = b"cno_such_module_here\nfn\n."
     try:
-        registry.install(shipped)
-        assert REWARDS["test_shout"](None, "YES") == 1.0
+        assert worker_config(payload).seed == 3
+        assert REWARDS.get("test_shout")(None, "YES") == 1.0
         assert REWARDS["exact"] is exact
+        with pytest.raises(ValueError, match="'test_unpicklable' in this worker process.*pickled"):
+            REWARDS.get("test_unpicklable")
+        with pytest.raises(ValueError, match="ModuleNotFoundError.*no_such_module_here"):
+            REWARDS.get("test_elsewhere")
     finally:
         REWARDS.pop("test_shout", None)
+        REWARDS.unloaded.pop("test_unpicklable", None)
+        REWARDS.unloaded.pop("test_elsewhere", None)
