@@ -40,8 +40,8 @@ Modes:
                          weights instead of continuing with the old KV cache.
 Modes run one at a time (each mode's compiled programs hold thousands of memory maps; all modes
 alive at once pass vm.max_map_count and LLVM aborts): build the runtime (the learner and the
-engine compile every program a run calls at build: rl/compiles.py), then --repeats runs of the epoch, each a fresh Driver from the same initial learner state, its round
-0 not timed (repeat 0's compiles), the rest of the epoch timed (--rounds rounds for the plain modes;
+engine compile every program a run calls at build: rl/compiles.py), then --repeats runs of the
+epoch, each a fresh Driver from the same initial learner state, its round 0 not timed (repeat 0's compiles), the rest of the epoch timed (--rounds rounds for the plain modes;
 as many as the tail modes' planner makes); then close the mode and release what it held. Any XLA
 compile inside a timed round makes the program exit non-zero after its table (compiles timed: 0).
 The table gives per-mode medians over the repeats of the round means of rl.metrics.round_metrics
