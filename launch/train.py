@@ -156,6 +156,7 @@ def main(argv: list[str]) -> None:
         print(
             f"nothing to run: the checkpoint in {config.workdir} is at round "
             f"{summary['first_round']} and config.rounds is {config.rounds}"
+            + (f"; exported it to {summary['export_hf']}" if "export_hf" in summary else "")
         )
         return
     last, data = summary["rounds"][-1], summary["data"]

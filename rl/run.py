@@ -22,6 +22,7 @@ from learner.checkpoint import NoIntactCheckpointError, saved_steps
 from rl.compiles import round_compiles
 from rl.config_check import check_config
 from rl.curves import read_metrics, write_learning_curve_png
+from rl.export_run import RUN_CONFIG, save_run_config
 from rl.logs import flush_held_to
 from rl.metrics_writer import MetricsWriter
 from rl.round_planner import prompt_from_json, prompt_to_json
@@ -31,6 +32,7 @@ from rl.tasks.data import load_task
 
 # What a run writes into its workdir; a fresh run replaces them only with config.overwrite.
 RESULTS = (
+    RUN_CONFIG,
     "summary.json",
     "metrics.jsonl",
     "tb",
@@ -175,6 +177,7 @@ def _train(
     prompts = setup.prompts(data.train, seed=config.seed)
     reward_seen: dict[str, int] = {}
     os.makedirs(config.workdir, exist_ok=True)
+    save_run_config(config, config.workdir)  # launch.export rebuilds the model from it
     ckpt = runtime.checkpointer(os.path.join(config.workdir, "ckpt"))
     run.callback(ckpt.close)
     first_round, version, planner_state, logged, in_flight = 0, 0, None, None, []
@@ -191,8 +194,12 @@ def _train(
         planner_state = meta["planner"]
         in_flight = meta.get("in_flight", [])  # async_resume="no_bubble": drawn, not trained
         logged = meta.get("metrics")  # prefix -> last step logged when the checkpoint was taken
-        if first_round >= config.rounds:  # a finished run: nothing to run, nothing rewritten
-            return {"rounds": [], "first_round": first_round, "state": learner.state}
+        if first_round >= config.rounds:  # a finished run: no round to run, no result rewritten
+            finished = {"rounds": [], "first_round": first_round, "state": learner.state}
+            if config.export.hf:  # its final checkpoint, exported now
+                finished["export_hf"] = os.path.join(config.workdir, "hf")
+                runtime.export_hf(finished["export_hf"])
+            return finished
     # A resumed run cuts metrics.jsonl and TensorBoard back to its checkpoint: rounds run again
     # after it get one row each.
     writer = run.enter_context(MetricsWriter(config.workdir, stdout=stdout, rewind_to=logged))

@@ -57,7 +57,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     # a run carried out: the driver, the runtimes, evaluation
     ("rl.driver", "rl.runtime", "rl.evaluate"),
     # a whole run from a config
-    ("rl.run", "rl.config_check"),
+    ("rl.run", "rl.export_run", "rl.config_check"),
     # entry points
     ("launch.",),
 )

@@ -2,6 +2,7 @@
 logits equal to the trained params' (float32), and the tokenizer's files when one was loaded."""
 
 import json
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +16,7 @@ from configs import smoke
 from rl.models import create_model, get_preset
 from rl.models.export import export_hf
 from rl.models.tokenizer import load_tokenizer
+from rl.run import train
 
 TOL = 1e-4  # max abs logit difference, float32
 
@@ -41,10 +43,8 @@ def _logits_match(model, path):
     np.testing.assert_allclose(ref[valid], ours[valid], atol=TOL, rtol=0)
 
 
-@pytest.mark.slow  # a whole launch.train run, then an export (~16 s cold)
-def test_a_trained_run_exports_its_final_policy(tmp_path):
-    from rl.run import train
-
+@pytest.mark.slow  # a whole launch.train run, an export, a rerun that exports again (~25 s cold)
+def test_a_trained_run_exports_its_final_policy_and_a_finished_run_does_on_a_rerun(tmp_path):
     config = smoke.get_config()
     config.workdir = str(tmp_path / "run")
     config.rounds = 1
@@ -52,6 +52,8 @@ def test_a_trained_run_exports_its_final_policy(tmp_path):
     config.eval.pass_k = 2  # pass@2 from 3 samples beside greedy accuracy
     config.eval.pass_n = 3
     config.export.hf = True
+    config.checkpoint_every = 1
+    config.resume = True
     summary = train(config, stdout=False)
     assert summary["export_hf"] == str(tmp_path / "run" / "hf")
     assert 0.0 <= summary["heldout_pass@2_after"] <= 1.0
@@ -65,6 +67,11 @@ def test_a_trained_run_exports_its_final_policy(tmp_path):
     _logits_match(model, summary["export_hf"])
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert saved["export_hf"] == summary["export_hf"]
+    # A finished run rerun with export.hf exports its final checkpoint (and runs nothing).
+    shutil.rmtree(summary["export_hf"])
+    again = train(config, stdout=False)
+    assert again["rounds"] == [] and again["export_hf"] == summary["export_hf"]
+    _logits_match(model, again["export_hf"])
 
 
 def test_export_copies_a_loaded_tokenizers_files_and_its_special_ids(tmp_path):
