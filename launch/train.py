@@ -7,8 +7,9 @@ TensorBoard logs and the timeline (timeline.json for Perfetto, timeline.png) to 
 The whole config is checked first (rl.config_check), before anything is built or written. The
 console shows the progress bars, one metrics line per round and the final table; library logging
 goes to workdir/run.log. A run that stops on bad input (a config field, a data file, a damaged
-checkpoint, a NaN, stuck reward calls) prints one `launch.train: ...` line and exits 1; its
-traceback is in run.log, and `--verbose` prints it (and the library logging) on the console.
+checkpoint, a NaN, stuck reward calls, or any error of a Ray worker, named: "sampler replica 0
+(ReplicaCore.__init__) failed: ValueError: ...") prints one `launch.train: ...` line and exits 1;
+its traceback is in run.log, and `--verbose` prints it (and the library logging) on the console.
 """
 
 import importlib.util
@@ -26,6 +27,7 @@ from rl.config_check import ConfigError, check_config, closest_field
 from rl.logs import log_file, quiet_console, to_file_only
 from rl.models.summary import summarize
 from rl.run import train
+from rl.runtime.worker_errors import worker_failure
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
@@ -39,7 +41,8 @@ _CHECK = flags.DEFINE_bool(
 _VERBOSE = flags.DEFINE_bool(
     "verbose", False, "Print library logging and the traceback of an error on the console."
 )
-# What stops a run with one line: bad input or a guarded failure (the message says what).
+# What stops a run with one line: bad input or a guarded failure (the message says what), and
+# any error of a Ray worker (rl.runtime.worker_errors names the worker and the cause).
 _STOPS = (ValueError, OSError, FloatingPointError, RuntimeError)
 
 
@@ -134,14 +137,16 @@ def main(argv: list[str]) -> None:
             print(f"done in {s['seconds']:.1f} s")
             return
         summary = train(config, stop=_stop_on_sigterm())
-    except _STOPS as e:  # the message says what was received and what was expected
+    except Exception as e:  # bad input, a guarded failure, or a Ray worker's error: one line
+        failure = worker_failure(e)  # "sampler replica 0 (ReplicaCore.__init__) failed: ..."
+        if failure is None and not isinstance(e, _STOPS):
+            raise  # a bug: its traceback
         to_file_only(f"launch.train stopped:\n{traceback.format_exc()}")
         if _VERBOSE.value:
             traceback.print_exc()
         where = f"traceback in {log_file()}" if log_file() else "--verbose prints the traceback"
-        sys.exit(
-            f"launch.train: {str(e).strip() or type(e).__name__} [{type(e).__name__}; {where}]"
-        )
+        message = failure or str(e).strip() or type(e).__name__
+        sys.exit(f"launch.train: {message} [{type(e).__name__}; {where}]")
     if summary.get("stopped_at") is not None:
         print(
             f"stopped by SIGTERM after round {summary['stopped_at'] - 1} of {config.rounds}; "

@@ -18,6 +18,7 @@ import ray
 
 import rl
 from rl.runtime.mesh_plan import plan_mesh
+from rl.runtime.worker_errors import role_label
 
 
 def planned_config(config: Any) -> tuple[Any, Any]:
@@ -69,3 +70,11 @@ def connect(cfg: Any) -> bool:
 def actor_name(config: Any, role: str) -> str:
     """The Ray name of a run's worker ("learner", "replica0", "queue"): one run per workdir."""
     return f"rolloutpipe:{os.path.abspath(config.workdir)}:{role}"
+
+
+def actor_repr(actor: Any) -> str:
+    """What the run's actors return as their repr: their role ("sampler replica 0"), which Ray
+    puts in an error's message (rl.runtime.worker_errors); outside an actor, object's repr."""
+    name = ray.get_runtime_context().get_actor_name()
+    label = role_label(name) if name else None
+    return label or object.__repr__(actor)

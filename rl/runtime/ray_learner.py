@@ -35,6 +35,7 @@ from rl.runtime.compose import (
     export_policy,
     updates_per_round,
 )
+from rl.runtime.ray_cluster import actor_repr
 from rl.runtime.ray_process import job_devices, join_job, local_mesh, pin, worker_config
 from rl.runtime.ray_replica import ReplicaCore
 
@@ -43,6 +44,9 @@ from rl.runtime.ray_replica import ReplicaCore
 class LearnerWorker:
     """Owns the Learner (and its checkpoints) on this process's devices; with several workers,
     this one is process `rank` of the learner's jax.distributed job (learner/distributed.py)."""
+
+    def __repr__(self) -> str:  # its role, in Ray's error messages (rl.runtime.worker_errors)
+        return actor_repr(self)
 
     def __init__(self, payload: dict[str, Any], total_updates: int, rank: int = 0):
         # the run's config and registrations (ray_process.worker_payload)

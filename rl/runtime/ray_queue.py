@@ -14,6 +14,7 @@ from typing import Any
 import ray
 
 from rl.queue import GroupQueue
+from rl.runtime.ray_cluster import actor_repr
 from rl.types import Group
 
 
@@ -23,6 +24,9 @@ class QueueActor:
 
     A threaded actor, so a put blocked on a full queue does not block gets.
     """
+
+    def __repr__(self) -> str:  # its role, in Ray's error messages (rl.runtime.worker_errors)
+        return actor_repr(self)
 
     def __init__(self, maxsize: int):
 

@@ -31,6 +31,7 @@ from rl.runtime.compose import (
     precompile_engine,
     rollout_reward,
 )
+from rl.runtime.ray_cluster import actor_repr
 from rl.runtime.ray_process import job_devices, join_job, local_mesh, pin, worker_config
 from rl.timeline import Timeline
 from sampler.loop import SamplerLoop
@@ -60,6 +61,9 @@ class ReplicaCore:
         replica gets one over the learner's devices).
       job: (coordinator, processes, rank) of the learner's jax.distributed job to join first.
     """
+
+    def __repr__(self) -> str:  # its role, in Ray's error messages (rl.runtime.worker_errors)
+        return actor_repr(self)
 
     def __init__(
         self,
