@@ -35,12 +35,18 @@ EXTRAS = {
         # 2.13.0 is a CPU build, while a looser spec resolves to a multi-GB CUDA build.
         "torch==2.13.0",
         "transformers>=5.24",
+        # tests/rl/tasks/test_hf_datasets.py: save_to_disk directories, parquet and arrow files
+        "datasets>=5.2",
+        "pyarrow>=26",
     ],
     "cuda": ["jax[cuda12]>=0.10.2"],
     "tpu": ["jax[tpu]>=0.10.2"],
     # sampler/jetstream_adapter.py only. Optional and heavy: it pulls seqio and so TensorFlow;
     # nothing else in the library imports it.
     "jetstream": ["google-jetstream>=0.2.2"],
+    # config.data paths that are parquet / arrow files or datasets' save_to_disk directories
+    # (rl/tasks/hf_datasets.py); JSONL data needs neither.
+    "datasets": ["datasets>=5.2", "pyarrow>=26"],
 }
 
 setup(

@@ -157,8 +157,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.overwrite = False
     config.task = ml_collections.ConfigDict()
     # A name in rl.tasks.registry.TASKS: addition | countdown (generated) | gsm8k | math (local
-    # JSONL), or one registered with rl.tasks.register_task; its options are config.task.<option>
-    # (the built-in ones below; an option left out takes the task's registered default).
+    # data files, config.data), or one registered with rl.tasks.register_task; its options are
+    # config.task.<option> (the built-in ones below; an option left out takes the task's
+    # registered default).
     config.task.name = "addition"
     config.task.digits = 3  # addition: operands of up to this many digits
     config.task.pad_operands = False  # addition: zero-padded "007+095=" -> "0102"
@@ -177,10 +178,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # killed: for CPU-bound verifiers such as sympy)
     config.task.reward_backend = "thread"
 
-    # Local data for the JSONL tasks, and the prompt format of every task (rl/tasks/data.py).
+    # Local data for the file tasks, and the prompt format of every task (rl/tasks/data.py).
     config.data = ml_collections.ConfigDict()
-    config.data.train_path = ""  # gsm8k | math: the training JSONL file (required for them)
-    config.data.heldout_path = ""  # held-out JSONL file; "": hold out a seeded slice of train_path
+    # gsm8k | math: the training data (required for them), read offline by its path: a .parquet
+    # or .arrow file, a directory of datasets' save_to_disk (pip install -e ".[datasets]"), else
+    # a JSONL file (rl/tasks/hf_datasets.py).
+    config.data.train_path = ""
+    config.data.heldout_path = ""  # held-out data, as train_path; "": a seeded slice of train_path
+    config.data.split = "train"  # train_path a DatasetDict directory: the split read
+    config.data.heldout_split = "test"  # heldout_path a DatasetDict directory: the split read
+    # The key (JSONL) or column holding the question / the answer text; "": the task's own
+    # (gsm8k: "question" / "answer", math: "problem" / "solution").
+    config.data.question_field = ""
+    config.data.answer_field = ""
     config.data.on_error = "skip"  # malformed rows: skip (counted, file:line logged) | raise
     # Drop rows whose answer is not one number (the "gsm8k" reward reads numbers only; "math"
     # checks other answers symbolically).
@@ -198,7 +208,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.sft.target_accuracy = 0.25  # stop SFT once held-out greedy accuracy reaches this
 
     config.eval = ml_collections.ConfigDict()
-    # Held-out problems, never in the training split; JSONL: the first N rows of
+    # Held-out problems, never in the training split; file tasks: the first N rows of
     # data.heldout_path (0: all) or N seeded rows of data.train_path, removed from training.
     config.eval.heldout_size = 200
     config.eval.every_rounds = 10  # RL rounds between held-out evaluations; 0: start and end only

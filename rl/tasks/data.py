@@ -5,13 +5,16 @@ task is a name in the registry (rl/tasks/registry.py), which holds its loader an
 
 - generated tasks ("addition", "countdown", rl/tasks/synthetic.py): `train_size` training problems
   and `heldout_size` held-out ones, split by the seed;
-- file tasks ("gsm8k", "math", rl/tasks/jsonl.py): the rows of `train_path`. The held-out split
-  is the first `heldout_size` rows of `heldout_path` (0: all of them) or, with no
-  `heldout_path`, `heldout_size` rows of the train file drawn with the seed and removed from
-  the training rows. A malformed row is skipped and counted, its `file:line` logged (the first
-  few), or with `on_error="raise"` stops the run before it starts, naming `file:line`. Rows whose
-  rendered prompt is longer than `max_prompt_tokens` are dropped and counted the same way (the
-  engine would refuse them mid-run, as veRL's filter_overlong_prompts), and so, with
+- file tasks ("gsm8k", "math", rl/tasks/jsonl.py): the rows of `train_path`, a JSONL file, a
+  `.parquet` or `.arrow` file or a `datasets` `save_to_disk` directory (rl/tasks/hf_datasets.py;
+  of a DatasetDict, the split `split`), the question and answer read from `question_field` and
+  `answer_field` ("": the task's own). The held-out split is the first `heldout_size` rows of
+  `heldout_path` (a DatasetDict's: of `heldout_split`; 0: all of them) or, with no
+  `heldout_path`, `heldout_size` rows of the train file drawn with the seed and removed from the
+  training rows. A malformed row is skipped and counted, its `file:line` (tables: `path:row n`)
+  logged (the first few), or with `on_error="raise"` stops the run before it starts, naming it.
+  Rows whose rendered prompt is longer than `max_prompt_tokens` are dropped and counted the same
+  way (the engine would refuse them mid-run, as veRL's filter_overlong_prompts), and so, with
   `numeric_answers_only`, are rows whose answer is not one number (MATH's "\\sqrt{2}" or
   "(1, 2)"; the "gsm8k" verifier compares numbers only, while "math" checks such answers
   symbolically, so a math run needs no filter).
@@ -22,7 +25,7 @@ Records keep their loaders' fields and are numbered 0..n-1 ("id") within each sp
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,6 +34,7 @@ from absl import logging
 from rl.models.tokenizer import Tokenizer
 from rl.rewards.verifiers import parse_number
 from rl.sections import from_section
+from rl.tasks.hf_datasets import missing_dependency
 from rl.tasks.registry import get_task
 from rl.tasks.templates import check_template, render_prompt
 
@@ -47,8 +51,13 @@ class DataConfig:
     seed: int = 0  # synthetic problems and splits; the held-out slice of a file task's train file
     train_size: int = 20000  # generated tasks: training problems (file tasks: every row)
     heldout_size: int = 200  # held-out problems (file tasks with heldout_path: the first N; 0: all)
-    train_path: str = ""  # file tasks: the local training file
-    heldout_path: str = ""  # file tasks: a held-out file; "": a seeded slice of train_path
+    # file tasks: the local training data: JSONL, .parquet, .arrow or a save_to_disk directory
+    train_path: str = ""
+    heldout_path: str = ""  # file tasks: held-out data (as train_path); "": a seeded train slice
+    split: str = "train"  # train_path a DatasetDict directory: the split read
+    heldout_split: str = "test"  # heldout_path a DatasetDict directory: the split read
+    question_field: str = ""  # file tasks: the key / column of the question; "": the task's
+    answer_field: str = ""  # file tasks: the key / column of the answer; "": the task's
     on_error: str = (
         "skip"  # malformed rows of a file task: skip (counted, file:line logged) | raise
     )
@@ -72,6 +81,18 @@ class DataConfig:
                 f"config.task.name={self.task!r} reads a local file, but config.data."
                 "train_path is empty; expected e.g. --config.data.train_path=/data/gsm8k/train.jsonl."
             )
+        for name in ("split", "heldout_split", "question_field", "answer_field"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or (name.endswith("split") and not value):
+                raise ValueError(f"config.data.{name}={value!r}; expected a name (a string).")
+        if self.source == "generate" and (self.question_field or self.answer_field):
+            raise ValueError(
+                f"config.data.question_field / answer_field are set, but task {self.task!r} "
+                "generates its records; expected them empty (they name a data file's columns)."
+            )
+        for name in ("train_path", "heldout_path"):
+            if self.source == "file" and (reason := missing_dependency(getattr(self, name))):
+                raise ValueError(f"config.data.{name}: {reason}.")
 
     @property
     def source(self) -> str:
@@ -146,20 +167,30 @@ def _check_records(cfg: DataConfig, records: Any, where: str) -> None:
             )
 
 
-def _report(what: str, file: str, lines: Sequence[int], count: int, detail: str) -> None:
-    where = ", ".join(f"{file}:{n}" for n in lines[:MAX_REPORTED])
+def _report(
+    what: str, where: Callable[[int], str], lines: Sequence[int], count: int, detail: str
+) -> None:
+    places = ", ".join(where(n) for n in lines[:MAX_REPORTED])
     more = f" and {count - MAX_REPORTED} more" if count > MAX_REPORTED else ""
-    logging.warning("Dropped %d rows %s (%s): %s%s", count, what, detail, where, more)
+    logging.warning("Dropped %d rows %s (%s): %s%s", count, what, detail, places, more)
 
 
-def _jsonl(
-    cfg: DataConfig, path: str, tokenizer: Tokenizer, max_prompt_tokens: int, counts: dict
+def _file_rows(
+    cfg: DataConfig,
+    path: str,
+    split: str,
+    tokenizer: Tokenizer,
+    max_prompt_tokens: int,
+    counts: dict,
 ) -> list[dict[str, Any]]:
-    """The usable rows of one JSONL file, dropped ones counted and reported with file:line."""
-    rows = get_task(cfg.task).load(path, on_error=cfg.on_error, **cfg.options)
+    """The usable rows of one data file, dropped ones counted and reported with file:line."""
+    columns = {"question_field": cfg.question_field, "answer_field": cfg.answer_field}
+    load = get_task(cfg.task).load
+    rows = load(path, on_error=cfg.on_error, split=split, **columns, **cfg.options)
     _check_records(cfg, rows, path)
     skipped = getattr(rows, "skipped", 0)  # jsonl.LoadedRecords counts and numbers the rows
     counts["skipped_malformed"] += skipped
+    where = getattr(rows, "where", None) or (lambda n: f"{path}:{n}")
     kept, too_long, non_numeric = [], [], []
     for record, line in zip(rows, getattr(rows, "lines", None) or range(1, len(rows) + 1),
                             strict=True):  # fmt: skip
@@ -171,11 +202,11 @@ def _jsonl(
             kept.append(record)
     if non_numeric:
         counts["non_numeric"] += len(non_numeric)
-        _report("whose answer is not one number", path, non_numeric, len(non_numeric),
+        _report("whose answer is not one number", where, non_numeric, len(non_numeric),
                 "numeric_answers_only")  # fmt: skip
     if too_long:
         counts["too_long"] += len(too_long)
-        _report("whose prompt is too long", path, too_long, len(too_long),
+        _report("whose prompt is too long", where, too_long, len(too_long),
                 f"over {max_prompt_tokens} tokens")  # fmt: skip
     if not kept:
         raise ValueError(
@@ -210,7 +241,7 @@ def load_task(cfg: DataConfig, tokenizer: Tokenizer, *, max_prompt_tokens: int =
     Args:
         cfg: The task and data settings.
         tokenizer: Renders prompts, to measure them.
-        max_prompt_tokens: JSONL rows whose prompt is longer are dropped; 0: no limit.
+        max_prompt_tokens: File rows whose prompt is longer are dropped; 0: no limit.
 
     Returns:
         The records and counts of what was dropped.
@@ -219,7 +250,7 @@ def load_task(cfg: DataConfig, tokenizer: Tokenizer, *, max_prompt_tokens: int =
         ValueError: A malformed row with on_error="raise" (naming file:line), a file with no
             usable row, a held-out slice that leaves no training rows, or a synthetic prompt
             longer than `max_prompt_tokens`.
-        FileNotFoundError: A JSONL path that does not exist.
+        FileNotFoundError: A data path that does not exist.
     """
     counts = dict.fromkeys(("skipped_malformed", "too_long", "non_numeric"), 0)
     if cfg.source == "generate":
@@ -228,9 +259,10 @@ def load_task(cfg: DataConfig, tokenizer: Tokenizer, *, max_prompt_tokens: int =
         if max_prompt_tokens:
             _check_synthetic_lengths(cfg, train + heldout, tokenizer, max_prompt_tokens)
     else:
-        train = _jsonl(cfg, cfg.train_path, tokenizer, max_prompt_tokens, counts)
+        train = _file_rows(cfg, cfg.train_path, cfg.split, tokenizer, max_prompt_tokens, counts)
         if cfg.heldout_path:
-            heldout = _jsonl(cfg, cfg.heldout_path, tokenizer, max_prompt_tokens, counts)
+            heldout = _file_rows(cfg, cfg.heldout_path, cfg.heldout_split, tokenizer,
+                                 max_prompt_tokens, counts)  # fmt: skip
             heldout = heldout[: cfg.heldout_size or None]
         else:
             if cfg.heldout_size >= len(train):

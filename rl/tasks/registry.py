@@ -15,9 +15,12 @@ library: register it before the run is built.
 Two kinds of loader:
 - `source="generate"`: `fn(split, n, *, seed, **options) -> records`, n records of "train" or
   "heldout" (`config.task.train_size` and `config.eval.heldout_size`), split by the seed;
-- `source="file"`: `fn(path, *, on_error, **options) -> rl.tasks.jsonl.LoadedRecords`, the rows of
-  a local file (`config.data.train_path`, `config.data.heldout_path`), malformed ones skipped and
-  counted with their line numbers (or raised, with on_error="raise").
+- `source="file"`: `fn(path, *, on_error, split, question_field, answer_field, **options) ->
+  rl.tasks.jsonl.LoadedRecords`, the rows of local data (`config.data.train_path`,
+  `config.data.heldout_path`: JSONL, parquet, arrow or a `datasets` save_to_disk directory, whose
+  DatasetDict split is `split`), the question and answer in the key or column that
+  `question_field` / `answer_field` name ("": the task's own), malformed rows skipped and counted
+  with their line or row numbers (or raised, with on_error="raise").
 Records are mappings with a string "question" (the prompt's text) and whatever fields the reward
 needs.
 """
@@ -32,6 +35,9 @@ from rl.registry import Registry
 from rl.tasks import jsonl, synthetic
 
 SOURCES = ("generate", "file")
+# Names the loaders are called with, or config.task's own fields: no task option may take them.
+RESERVED = ("name", "train_size", "seed", "split", "n", "path", "on_error", "question_field",
+            "answer_field")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +94,7 @@ def register_task(
         raise ValueError(
             f"register_task({name!r}): meta_fields={meta_fields!r}; expected a tuple of field names."
         )
-    reserved = {"name", "train_size", "seed", "split", "n", "path", "on_error"} & set(options or {})
+    reserved = set(RESERVED) & set(options or {})
     if reserved:
         raise ValueError(
             f"register_task({name!r}): options {sorted(reserved)} are reserved names; expected "
