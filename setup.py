@@ -35,12 +35,15 @@ EXTRAS = {
         # 2.13.0 is a CPU build, while a looser spec resolves to a multi-GB CUDA build.
         "torch==2.13.0",
         "transformers>=5.24",
+        "wandb>=0.31",  # tests/rl/test_tracking.py: offline W&B runs
         # tests/rl/tasks/test_hf_datasets.py: save_to_disk directories, parquet and arrow files
         "datasets>=5.2",
         "pyarrow>=26",
     ],
     "cuda": ["jax[cuda12]>=0.10.2"],
     "tpu": ["jax[tpu]>=0.10.2"],
+    # config.log.wandb=True: metrics, config and results to Weights & Biases (rl/tracking.py)
+    "wandb": ["wandb>=0.31"],
     # sampler/jetstream_adapter.py only. Optional and heavy: it pulls seqio and so TensorFlow;
     # nothing else in the library imports it.
     "jetstream": ["google-jetstream>=0.2.2"],

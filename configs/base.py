@@ -223,6 +223,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.export.hf = False
     config.export.dtype = ""  # tensor dtype on disk: float32 | bfloat16; "": as trained
 
+    # Experiment tracking besides metrics.jsonl and TensorBoard (rl/tracking.py): Weights & Biases
+    # gets every metrics row ("train/...", "sft/..."), the config, summary.json and the pictures;
+    # a resumed run continues the same W&B run (workdir/wandb_run_id).
+    config.log = ml_collections.ConfigDict()
+    config.log.wandb = False  # log to W&B; needs the extra: pip install -e ".[wandb]"
+    config.log.wandb_project = "rolloutpipe"  # W&B project
+    config.log.wandb_entity = ""  # W&B team or user; "": the logged-in user's default entity
+    # online | offline (no network; `wandb sync <workdir>/wandb/offline-run-*` uploads it later) |
+    # disabled; "": $WANDB_MODE, else online
+    config.log.wandb_mode = ""
+    config.log.wandb_name = ""  # W&B run name; "": the workdir's basename
+
     config.driver = ml_collections.ConfigDict()
     config.driver.mode = "cgp"  # sync (rollout, then train) | cgp (pipelined) | async
     config.driver.max_staleness = 0  # async: sampler runs <= this many versions ahead; 0: on-policy

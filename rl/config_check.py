@@ -38,6 +38,7 @@ from rl.runtime.ray_config import RayConfig, check_ray_config
 from rl.sections import from_section
 from rl.tasks.data import data_config_from
 from rl.tasks.registry import TASKS
+from rl.tracking import WANDB_MISSING, tracking_config_from, wandb_installed
 from rl.types import SamplingParams
 from sampler.engine import EngineConfig
 
@@ -257,6 +258,9 @@ def check_config(config: Any) -> None:
         p.add(
             f"config.export.dtype={export.get('dtype')!r}; expected one of {tuple(DTYPES)} or ''."
         )
+    tracking = p.build("log", lambda: tracking_config_from(config)) if clean("log") else None
+    if tracking is not None and tracking.wandb and not wandb_installed():
+        p.add(WANDB_MISSING)
     if clean("overlong") and config.overlong.cache_tokens:
         cap = config.sampling.get("max_new_tokens", 0)
         penalty = p.build(

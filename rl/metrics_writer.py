@@ -3,9 +3,10 @@
     writer = MetricsWriter(workdir)
     writer.write(step, {"round": r, "loss": 0.1, **round_metrics(...)}, prefix="train")
 
-One JSON line per write, TensorBoard scalars "prefix/key", and a one-line stdout summary
-(SUMMARY_KEYS). A run resumed from a checkpoint rewinds both logs to the steps saved with it
-(`rewind_to`), so every step has exactly one row. What the metrics mean: rl/metrics.py.
+One JSON line per write, TensorBoard scalars "prefix/key", a one-line stdout summary
+(SUMMARY_KEYS), and, given a `tracker` (rl/tracking.py: Weights & Biases), one row there. A run
+resumed from a checkpoint rewinds both logs to the steps saved with it (`rewind_to`), so every step
+has exactly one row (a tracker's rows stay). What the metrics mean: rl/metrics.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 SUMMARY_KEYS = tuple(  # printed on stdout when present, in this order
     "round reward reward_mean accuracy loss kl rollout_to_train_end_s first_dispatch_s "
@@ -112,6 +113,13 @@ def _rewind_tensorboard(logdir: str, upto: Mapping[str, int]) -> None:
                 os.replace(path + ".tmp", path)
 
 
+class Tracker(Protocol):
+    """Where each written row goes too (rl.tracking.WandbTracker); the writer does not close it."""
+
+    def log(self, step: int, values: Mapping[str, float | None], prefix: str) -> None:
+        """One row: the write's metrics, non-finite ones as None."""
+
+
 class _NoProgress:
     """The progress bar of a writer with stdout off: shows nothing, starts nothing."""
 
@@ -145,6 +153,7 @@ class MetricsWriter:
         tensorboard: bool = True,
         stdout: bool = True,
         rewind_to: Mapping[str, int] | None = None,
+        tracker: Tracker | None = None,
     ) -> None:
         """Opens the outputs (creates workdir; appends to an existing metrics.jsonl).
 
@@ -154,10 +163,12 @@ class MetricsWriter:
           stdout: print a one-line summary per write and show progress bars.
           rewind_to: prefix -> last step to keep: rows of other prefixes or later steps are
             removed from metrics.jsonl and the TensorBoard event files first. None: keep all.
+          tracker: also log each write there (its owner closes it); None: nowhere else.
         """
         os.makedirs(workdir, exist_ok=True)
         self.workdir = os.fspath(workdir)
         self.stdout = stdout
+        self._tracker = tracker
         self._lock = threading.Lock()
         jsonl = os.path.join(self.workdir, "metrics.jsonl")
         upto = None if rewind_to is None else {str(k): int(v) for k, v in rewind_to.items()}
@@ -178,6 +189,8 @@ class MetricsWriter:
     def write(self, step: int, metrics: Mapping[str, float], prefix: str = "") -> None:
         """Appends one JSON line, logs TensorBoard scalars ("prefix/key"), prints a summary.
 
+        The writer's tracker, if any, logs the same row.
+
         Args:
           step: the x axis (optimizer step or round).
           metrics: name -> number; NaN/inf are written as null (and skipped in TensorBoard).
@@ -197,6 +210,8 @@ class MetricsWriter:
                     if v is not None:
                         self._tb.add_scalar(f"{prefix}/{k}" if prefix else k, v, int(step))
                 self._tb.flush()
+            if self._tracker is not None:
+                self._tracker.log(int(step), values, prefix)
         if self.stdout:
             from tqdm import tqdm
 

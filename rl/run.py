@@ -29,6 +29,7 @@ from rl.round_planner import prompt_from_json, prompt_to_json
 from rl.runtime.compose import Setup
 from rl.runtime.factory import check_runtime_config, make_runtime
 from rl.tasks.data import load_task
+from rl.tracking import RUN_ID_FILE, open_tracker, tracking_config_from
 
 # What a run writes into its workdir; a fresh run replaces them only with config.overwrite.
 RESULTS = (
@@ -41,6 +42,8 @@ RESULTS = (
     "timeline.png",
     "learning_curve.png",
     "hf",
+    RUN_ID_FILE,  # config.log.wandb: the W&B run a resume continues (rl/tracking.py)
+    "wandb",  # W&B's local files (without $WANDB_DIR)
 )
 
 
@@ -202,7 +205,20 @@ def _train(
             return finished
     # A resumed run cuts metrics.jsonl and TensorBoard back to its checkpoint: rounds run again
     # after it get one row each.
-    writer = run.enter_context(MetricsWriter(config.workdir, stdout=stdout, rewind_to=logged))
+    # config.log.wandb: every row also goes to a W&B run, finished (failed on an exception) when
+    # the run ends. A resumed run continues the same W&B run, but W&B cannot delete rows: the
+    # rounds the rewind removes from metrics.jsonl and TensorBoard stay there, and show twice.
+    tracker = run.enter_context(
+        open_tracker(
+            tracking_config_from(config),
+            workdir=config.workdir,
+            config=config,
+            resume=meta is not None,
+        )
+    )
+    writer = run.enter_context(
+        MetricsWriter(config.workdir, stdout=stdout, rewind_to=logged, tracker=tracker)
+    )
     heldout = data.heldout
     phases = {"setup_s": time.perf_counter() - start, "sft_s": 0.0, "eval_s": 0.0, "rl_s": 0.0}
 
@@ -372,6 +388,8 @@ def _train(
     }
     with open(os.path.join(config.workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
+    if tracker is not None:
+        tracker.log_final(summary, pictures=(gantt, curve))
     return {
         **summary,
         "rounds": rounds,
