@@ -8,7 +8,7 @@ The run's config comes from workdir/config.json (every run writes it when it sta
 a checkpoint (its number is the rounds done when it was saved; default: the newest intact one);
 --out defaults to workdir/hf-step<N>. rl.export_run does the work. Bad input (no such workdir,
 step or config; a checkpoint that does not match the model) is one `launch.export: ...` line and
-exit 1; --verbose prints the traceback.
+exit 1; --verbose prints the traceback and the library logging.
 """
 
 import os
@@ -19,6 +19,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from rl.export_run import export_checkpoint
+from rl.logs import quiet_console
 
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "The run's workdir (its checkpoints: workdir/ckpt)."
@@ -31,13 +32,16 @@ _DTYPE = flags.DEFINE_enum(
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "The run's config file, when its workdir holds no config.json."
 )
-_VERBOSE = flags.DEFINE_bool("verbose", False, "Print the traceback of an error.")
+_VERBOSE = flags.DEFINE_bool(
+    "verbose", False, "Print library logging and the traceback of an error on the console."
+)
 flags.mark_flag_as_required("workdir")
 
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    quiet_console(verbose=_VERBOSE.value)  # library logging (orbax, JAX) off the console
     workdir = _WORKDIR.value
     try:
         if not os.path.isdir(workdir):
