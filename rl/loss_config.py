@@ -143,11 +143,11 @@ class LossConfig:
         custom = dict(self.custom)
         if name in custom:
             return custom[name]
-        if name not in LOSS_OPTIONS:
+        if name not in LOSS_OPTIONS and name not in LOSS_OPTIONS.unloaded:
             raise ValueError(
                 f"Unknown policy loss {name!r}; expected one of {sorted(LOSS_OPTIONS)}."
             )
-        return LOSS_OPTIONS[name]()
+        return LOSS_OPTIONS.get(name)()  # one this worker could not load: a ValueError saying why
 
 
 def loss_config_from(section: Mapping[str, Any]) -> LossConfig:

@@ -8,12 +8,13 @@ import ml_collections
 import pytest
 
 from rl import registry
-from rl.admission import POLICIES
-from rl.formation import FORMERS
+from rl.admission import POLICIES, make_policy
+from rl.formation import FORMERS, make_former
+from rl.loss_config import LossConfig
 from rl.losses import LOSS_OPTIONS, POLICY_LOSSES
 from rl.rewards import REWARDS
 from rl.runtime.ray_process import worker_config, worker_payload
-from rl.tasks.registry import TASKS
+from rl.tasks.registry import TASKS, get_task
 
 
 def test_get_names_the_registered_ones_and_a_name_registers_once():
@@ -61,3 +62,26 @@ def test_a_payload_carries_a_local_function_and_names_what_a_worker_cannot_load(
         REWARDS.pop("test_shout", None)
         REWARDS.unloaded.pop("test_unpicklable", None)
         REWARDS.unloaded.pop("test_elsewhere", None)
+
+
+@pytest.mark.parametrize(
+    "registry, look_up",
+    [
+        (TASKS, get_task),
+        (FORMERS, lambda name: make_former(name, 2)),
+        (POLICIES, make_policy),
+        (LOSS_OPTIONS, LossConfig().options),
+    ],
+    ids=["task", "former", "admission", "loss options"],
+)
+def test_every_lookup_says_why_a_worker_could_not_load_an_entry(registry, look_up):
+    """The lookups with their own messages name an entry the driver registered and this process
+    could not load, with the reason, rather than calling it unknown."""
+    registry.unloaded["test_missing"] = "ModuleNotFoundError: No module named 'mine'"
+    try:
+        with pytest.raises(ValueError, match="could not be loaded here .ModuleNotFoundError"):
+            look_up("test_missing")
+    finally:
+        del registry.unloaded["test_missing"]
+    with pytest.raises(ValueError, match="expected one of"):
+        look_up("test_missing")

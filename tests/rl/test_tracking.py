@@ -9,7 +9,9 @@ import time
 
 import matplotlib.image
 import pytest
+import wandb  # in setup.py's [test] extras: if missing or broken, fail (never skip)
 from google.protobuf.message import DecodeError
+from wandb.proto import wandb_internal_pb2
 
 from configs import smoke
 from rl.config_check import ConfigError, check_config
@@ -24,9 +26,6 @@ from rl.tracking import (
     open_tracker,
     tracking_config_from,
 )
-
-wandb = pytest.importorskip("wandb")  # the "test" extra installs it
-wandb_internal_pb2 = pytest.importorskip("wandb.proto.wandb_internal_pb2")
 
 OFFLINE = TrackingConfig(wandb=True, wandb_mode="offline")
 

@@ -11,17 +11,16 @@ from __future__ import annotations
 import json
 import socket
 
+import datasets  # in setup.py's [test] extras: if missing or broken, fail (never skip)
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-datasets = pytest.importorskip("datasets")
-pa = pytest.importorskip("pyarrow")
-pq = pytest.importorskip("pyarrow.parquet")
-
-from configs import base  # noqa: E402
-from rl.models.tokenizer import ByteTokenizer  # noqa: E402
-from rl.tasks import data, hf_datasets, jsonl  # noqa: E402
-from rl.tasks.data import DataConfig, data_config_from, load_task  # noqa: E402
-from rl.tasks.jsonl import load_gsm8k, load_math  # noqa: E402
+from configs import base
+from rl.models.tokenizer import ByteTokenizer
+from rl.tasks import data, hf_datasets, jsonl
+from rl.tasks.data import DataConfig, data_config_from, load_task
+from rl.tasks.jsonl import load_gsm8k, load_math
 
 TOK = ByteTokenizer()
 GSM8K = [
