@@ -2,11 +2,11 @@
 
 Launch:  python -m launch.train            (this config is launch.train's default)
          python -m launch.train --config=configs/default.py:smoke   (seconds, for tests)
-Expect:  a supervised warm start to >= 50% held-out greedy accuracy (250-325 steps), then 200 GRPO
+Expect:  a supervised warm start to >= 50% held-out greedy accuracy (225-350 steps), then 200 GRPO
          rounds through the pipelined runtime (cgp + frontier + ordered); the final table and
          runs/default/summary.json give held-out accuracy before and after RL and the wall time by
-         phase. Measured on 2 CPU cores over seeds 0-4: 52.5-70.5% -> 88.5-99.0% (median 97.0%)
-         in 113-138 s (README).
+         phase. Measured on 2 CPU cores over seeds 0-4: 56.0-69.0% -> 79.0-97.5% (median 95.5%)
+         in 130-146 s (README).
 """
 
 import ml_collections
