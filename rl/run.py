@@ -33,7 +33,6 @@ from rl.tracking import RUN_ID_FILE, open_tracker, tracking_config_from
 
 # What a run writes into its workdir; a fresh run replaces them only with config.overwrite.
 RESULTS = (
-    RUN_CONFIG,
     "summary.json",
     "metrics.jsonl",
     "tb",
@@ -42,6 +41,7 @@ RESULTS = (
     "timeline.png",
     "learning_curve.png",
     "hf",
+    RUN_CONFIG,  # the run's config (rl/export_run.py: launch.export rebuilds the model from it)
     RUN_ID_FILE,  # config.log.wandb: the W&B run a resume continues (rl/tracking.py)
     "wandb",  # W&B's local files (without $WANDB_DIR)
 )

@@ -18,7 +18,7 @@ from flax import nnx
 from configs import smoke
 from learner.checkpoint import Checkpointer
 from learner.mesh import MeshConfig, make_meshes
-from rl.export_run import RUN_CONFIG, load_run_config, save_run_config
+from rl.export_run import RUN_CONFIG, export_checkpoint, load_run_config, save_run_config
 from rl.runtime.compose import Setup, build_checked_model, build_learner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -86,12 +86,14 @@ def test_export_writes_any_checkpoint_that_transformers_loads_with_equal_logits(
     )
     ref, ours = _logits(models[1], out)
     np.testing.assert_allclose(ref, ours, atol=TOL, rtol=0)
-    # Default: the newest checkpoint, into --out; its logits are step 2's, not step 1's.
-    done = _export(f"--workdir={tmp_path / 'run'}", f"--out={tmp_path / 'newest'}")
-    assert done.returncode == 0, done.stderr[-2000:]
+    # In the library: the newest checkpoint by default, its logits step 2's, not step 1's.
+    done = export_checkpoint(str(tmp_path / "run"), str(tmp_path / "newest"))
+    assert done == {"step": 2, "out": str(tmp_path / "newest"), "version": 4}
     ref, ours = _logits(models[2], tmp_path / "newest")
     np.testing.assert_allclose(ref, ours, atol=TOL, rtol=0)
     assert np.abs(_logits(models[1], tmp_path / "newest")[1] - ref).max() > 100 * TOL
+    with pytest.raises(FileNotFoundError, match=r"holds no checkpoint 7; expected one of \[1, 2\]"):
+        export_checkpoint(str(tmp_path / "run"), step=7)
 
 
 def test_export_errors_are_one_line_naming_what_was_wrong(tmp_path):
@@ -102,23 +104,11 @@ def test_export_errors_are_one_line_naming_what_was_wrong(tmp_path):
         "[FileNotFoundError]"
     )
     (tmp_path / "empty").mkdir()
-    done = _export(f"--workdir={tmp_path / 'empty'}")
-    assert done.returncode == 1
-    last = done.stderr.strip().splitlines()[-1]
-    assert "holds no run config" in last and "--config" in last and "Traceback" not in done.stderr
-    # With the config file instead: the missing checkpoint is named.
-    done = _export(f"--workdir={tmp_path / 'empty'}", "--config=configs/smoke.py")
-    assert done.returncode == 1
-    assert "holds no checkpoint; expected a run trained with config.checkpoint_every > 0" in (
-        done.stderr
-    )
-
-
-def test_a_missing_step_names_the_steps_saved(tmp_path):
-    _saved_run(tmp_path / "run", steps=(3,))
-    done = _export(f"--workdir={tmp_path / 'run'}", "--step=7")
-    assert done.returncode == 1
-    assert "holds no checkpoint 7; expected one of [3]" in done.stderr
+    with pytest.raises(FileNotFoundError, match="holds no run config; expected the workdir of a"):
+        export_checkpoint(str(tmp_path / "empty"))
+    # With the config given instead: the missing checkpoint is named.
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint; expected a run trained"):
+        export_checkpoint(str(tmp_path / "empty"), config=smoke.get_config())
 
 
 def test_the_run_config_round_trips(tmp_path):
