@@ -76,6 +76,7 @@ def _logits(model, path):
     return ref, ours
 
 
+@pytest.mark.slow  # a CLI and a library export, three transformers loads (~22 s cold)
 def test_export_writes_any_checkpoint_that_transformers_loads_with_equal_logits(tmp_path):
     models = _saved_run(tmp_path / "run")
     done = _export(f"--workdir={tmp_path / 'run'}", "--step=1")

@@ -105,7 +105,9 @@ def test_ray_sampler_borrows_the_learner_workers_devices_and_the_run_is_unchange
     assert [s.args["replicas"] for s in spans] == [2, 2]  # 4 learner devices / 2 per replica
     assert runtime.router.alive == [0, 1]  # the lent replicas (2, 3, then 4, 5) left each round
     lanes = {s.args["replica"] for s in driver.timeline.spans("sampler/slot")}
-    assert lanes == {0, 1, 2, 3, 4, 5}  # every lent replica decoded
+    # Lent replicas decoded (which of them got work before a rollout drained is timing: CI once
+    # saw replica 4 join and leave idle); no lane beyond the 6 replicas.
+    assert {0, 1} <= lanes <= {0, 1, 2, 3, 4, 5} and lanes & {2, 3, 4, 5}
 
 
 TOL = 1e-5  # float32; the gradient reduced across 3 processes' 8 devices instead of over 4

@@ -32,6 +32,7 @@ def _error(call):
     return info.value
 
 
+@pytest.mark.slow  # two Ray actors, each importing the library (~10 s)
 def test_a_worker_that_failed_to_start_or_raised_is_named_with_its_cause(ray_cluster):
     ray = ray_cluster
     name = "rolloutpipe:/tmp/some:run:replica1"  # rl.runtime.ray_cluster.actor_name's shape
