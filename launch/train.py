@@ -157,14 +157,14 @@ def main(argv: list[str]) -> None:
             )
         )
         return
-    if not summary["rounds"]:
+    if "mode" not in summary:  # a finished run's rerun: nothing trained, nothing evaluated
         print(
             f"nothing to run: the checkpoint in {config.workdir} is at round "
             f"{summary['first_round']} and config.rounds is {config.rounds}"
             + (f"; exported it to {summary['export_hf']}" if "export_hf" in summary else "")
         )
         return
-    last, data = summary["rounds"][-1], summary["data"]
+    data = summary["data"]
     rows = [
         ("pipeline", summary["mode"]),
         ("held-out accuracy before RL", f"{summary['heldout_acc_before']:.1%}"),
@@ -190,13 +190,19 @@ def main(argv: list[str]) -> None:
             f"{data['skipped_malformed']} malformed, {data['too_long']} too long, "
             f"{data['non_numeric']} non-numeric",
         ),
-        (
-            "last round",
-            f"reward {last['reward_mean']:.3f}, rollout-to-train-end "
-            f"{last['rollout_to_train_end_s']:.2f} s, first dispatch "
-            f"{last['first_dispatch_s']:.2f} s, trainer wait {last['trainer_wait_ratio']:.2f}",
-        ),
     ]
+    if summary["rounds"]:  # config.rounds 0: an SFT warm start only
+        last = summary["rounds"][-1]
+        rows.append(
+            (
+                "last round",
+                f"reward {last['reward_mean']:.3f}, rollout-to-train-end "
+                f"{last['rollout_to_train_end_s']:.2f} s, first dispatch "
+                f"{last['first_dispatch_s']:.2f} s, trainer wait {last['trainer_wait_ratio']:.2f}",
+            )
+        )
+    if summary.get("export_hf"):
+        rows.append(("exported", summary["export_hf"]))
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
     pictures = ", ".join(summary[k] for k in ("gantt", "learning_curve") if k in summary)
