@@ -37,6 +37,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Output head shared with the token embedding: preset | tied | untied; ignored with hf_path.
     config.model.tie_embeddings = "preset"
     config.model.init_std = 0.0  # normal std of a fresh init's weights; 0: the preset's (0.02)
+    # LoRA (rl/models/lora.py): rank > 0 trains, checkpoints and publishes only low-rank adapters
+    # on the `targets` projections (comma-separated among q,k,v,o,gate,up,down); scale alpha/rank
+    config.model.lora = ml_collections.ConfigDict()
+    config.model.lora.rank = 0
+    config.model.lora.alpha = 16.0
+    config.model.lora.targets = "q,k,v,o,gate,up,down"
 
     config.mesh = ml_collections.ConfigDict()
     config.mesh.learner_devices = 0  # 0: half of the devices (all when colocated)

@@ -3,7 +3,8 @@
 While the sampler drains, the learner may train on the sampler's devices too (BiDiRL,
 rl.elastic.borrowing): `extended_mesh` is the data-parallel mesh over the learner's devices then
 the borrowed ones (fsdp over all of them, tp kept), and the learner's arrays (TrainState,
-accumulator, behaviour and reference params) move there and back whole, as one tuple:
+accumulator, behaviour and reference params, the untrained LoRA base) move there and back whole,
+as one tuple:
 
     arrays = move(arrays, extended)               # one process: a device_put, donating
     arrays = from_host(snapshot.arrays, extended) # across processes: each builds its own shards
@@ -28,8 +29,8 @@ from jax.sharding import Mesh
 from learner.distributed import put_global
 from learner.programs import Programs
 
-# (TrainState, Accum | None, behaviour params | None, reference params | None)
-Arrays = tuple[Any, Any, Any, Any]
+# (TrainState, Accum | None, behaviour params | None, reference params | None, frozen params)
+Arrays = tuple[Any, Any, Any, Any, Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,27 +73,29 @@ def extended_mesh(home: Mesh, devices: Sequence[Any]) -> Mesh:
 
 def move(arrays: Arrays, to: Programs) -> Arrays:
     """`arrays` resharded onto `to`'s mesh (one process), donating the old buffers."""
-    state, acc, behavior, ref = arrays
+    state, acc, behavior, ref, frozen = arrays
     state = jax.device_put(state, to.shardings, donate=True)
+    frozen = jax.device_put(frozen, to.frozen_shardings, donate=True)
     if acc is not None:
         acc = jax.device_put(acc, to.acc_shardings, donate=True)
     if behavior is not None:
         behavior = jax.device_put(behavior, to.shardings.params, donate=True)
     if ref is not None:
         ref = jax.device_put(ref, to.shardings.params, donate=True)
-    out = (state, acc, behavior, ref)
+    out = (state, acc, behavior, ref, frozen)
     jax.block_until_ready(out)
     return out
 
 
 def from_host(arrays: Arrays, to: Programs) -> Arrays:
     """Host `arrays` (a BorrowSnapshot's) placed on `to`'s mesh, each process its own shards."""
-    state, acc, behavior, ref = arrays
+    state, acc, behavior, ref, frozen = arrays
     out = (
         jax.tree.map(put_global, state, to.shardings),
         None if acc is None else jax.tree.map(put_global, acc, to.acc_shardings),
         None if behavior is None else jax.tree.map(put_global, behavior, to.shardings.params),
         None if ref is None else jax.tree.map(put_global, ref, to.shardings.params),
+        jax.tree.map(put_global, frozen, to.frozen_shardings),
     )
     jax.block_until_ready(out)
     return out
@@ -112,12 +115,13 @@ def gather_home(arrays: Arrays, ext: Programs, home: Programs) -> Arrays:
         local = jax.tree.map(lambda x: x.addressable_shards[0].data, whole)
         return jax.device_put(local, shardings)
 
-    state, acc, behavior, ref = arrays
+    state, acc, behavior, ref, frozen = arrays
     out = (
         back(state, home.shardings),
         back(acc, home.acc_shardings),
         back(behavior, home.shardings.params),
         back(ref, home.shardings.params),
+        back(frozen, home.frozen_shardings),
     )
     jax.block_until_ready(out)
     return out

@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from learner.batching import Batch, MicroBatches, Seq, sequences_of
-from learner.borrow import BorrowSnapshot, extended_mesh, from_host, gather_home, move
+from learner.borrow import Arrays, BorrowSnapshot, extended_mesh, from_host, gather_home, move
 from learner.config import LearnerConfig
 from learner.distributed import put_global
 from learner.programs import Programs, batch_shardings, build_programs, check_rows, precompile
@@ -41,7 +41,8 @@ from learner.state import create_train_state, make_lr_schedule, make_optimizer, 
 from learner.step import Accum, float_leaf_names
 from rl.advantages import get_advantage_estimator
 from rl.compiles import CompileCounter
-from rl.models.sharding import Rules, axis_rules, current_rules
+from rl.models.lora import split_trainable
+from rl.models.sharding import Rules, axis_rules, current_rules, tree_shardings
 from rl.types import Group
 
 
@@ -66,10 +67,15 @@ class Learner:
         self.rules = current_rules() if rules is None else rules
         check_rows(cfg, mesh)
         self.graphdef, params = nnx.split(model)
+        # LoRA (rl/models/lora.py): the TrainState holds the adapters, `frozen` the base
+        trainable, frozen = split_trainable(params)
         self.tx = make_optimizer(cfg.optimizer)
         self.lr_schedule = make_lr_schedule(cfg.optimizer)
         with jax.set_mesh(mesh), axis_rules(self.rules):
-            self.state, shardings = create_train_state(params, self.tx, mesh=mesh, rules=self.rules)
+            self.state, shardings = create_train_state(
+                trainable, self.tx, mesh=mesh, rules=self.rules
+            )
+            self.frozen = jax.device_put(frozen, tree_shardings(frozen, mesh, self.rules))
         self.ref_params = None
         if cfg.loss.kl_coef > 0:  # frozen reference: the initial policy, never donated
             self.ref_params = jax.jit(
@@ -110,6 +116,7 @@ class Learner:
         return build_programs(
             mesh,
             shardings,
+            tree_shardings(self.frozen, mesh, self.rules),
             graphdef=self.graphdef,
             cfg=self.cfg,
             tx=self.tx,
@@ -127,24 +134,35 @@ class Learner:
 
     @property
     def params(self) -> Any:
-        """The current parameters (an nnx State on the learner mesh)."""
-        return self.state.params
+        """The current parameters of the whole model (an nnx State on the learner mesh): what a
+        publish hands the sampler. With LoRA the base's arrays are the same objects every time."""
+        if not self.lora:
+            return self.state.params
+        return nnx.merge_state(self.frozen, self.state.params)
+
+    @property
+    def lora(self) -> bool:
+        """Only LoRA adapters train: `state.params` holds them, `frozen` the base."""
+        return bool(jax.tree.leaves(self.frozen))
 
     def share_params(self) -> Any:
-        """The current parameters, handed out without a copy (colocated publishing).
+        """The current parameters of the whole model (`params`), handed out without a copy
+        (colocated publishing).
 
         The next `update` then writes new parameter buffers instead of donating (overwriting)
-        these, so a reader that keeps them (a sampler decoding with them) is not affected.
+        these, so a reader that keeps them (a sampler decoding with them) is not affected (a LoRA
+        base is never donated).
         """
         self._params_shared = True
-        return self.state.params
+        return self.params
 
     @property
     def step(self) -> int:
         return int(self.state.step)
 
     def set_params(self, params: Any) -> None:
-        """Replaces the parameters (e.g. after an SFT warm start); the KL reference follows them."""
+        """Replaces the trained parameters (`state.params`' structure: every parameter, or the
+        LoRA adapters; e.g. after an SFT warm start); the KL reference follows them."""
         if self._pending or self._acc is not None:
             raise RuntimeError("set_params called with groups accumulated but not applied.")
         params = self._steps.copy(params)
@@ -229,6 +247,7 @@ class Learner:
                 self._acc,
                 self.state.params,
                 batch,
+                frozen=self.frozen,
                 behavior_params=self._behavior if self.updates_in_round else None,
                 ref_params=self.ref_params,
             )
@@ -336,6 +355,7 @@ class Learner:
         precompile(
             steps,
             state=self.state,
+            frozen=self.frozen,
             with_ref=self.ref_params is not None,
             micro_batches=self.micro_batches,
             rules=self.rules,
@@ -391,20 +411,22 @@ class Learner:
         fields = {name: getattr(self, name) for name in BorrowSnapshot.FIELDS}
         return BorrowSnapshot(arrays=arrays, fields=fields)
 
-    def _arrays(self) -> tuple[Any, Any, Any, Any]:
-        return (self.state, self._acc, self._behavior, self.ref_params)
+    def _arrays(self) -> Arrays:
+        return (self.state, self._acc, self._behavior, self.ref_params, self.frozen)
+
+    def _set_arrays(self, arrays: Arrays) -> None:
+        self.state, self._acc, self._behavior, self.ref_params, self.frozen = arrays
 
     def _move_from_host(self, to: Programs, snapshot: BorrowSnapshot) -> None:
-        self.state, self._acc, self._behavior, self.ref_params = from_host(snapshot.arrays, to)
+        self._set_arrays(from_host(snapshot.arrays, to))
         for name, value in snapshot.fields.items():
             setattr(self, name, value)
         self._steps = to
 
     def _move_home_across(self) -> None:
-        arrays = gather_home(self._arrays(), self._steps, self._home)
-        self.state, self._acc, self._behavior, self.ref_params = arrays
+        self._set_arrays(gather_home(self._arrays(), self._steps, self._home))
         self._steps = self._home
 
     def _move(self, to: Programs) -> None:
-        self.state, self._acc, self._behavior, self.ref_params = move(self._arrays(), to)
+        self._set_arrays(move(self._arrays(), to))
         self._steps = to

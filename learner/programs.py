@@ -1,7 +1,7 @@
 """The learner's programs on one mesh: its jitted step functions, built and compiled ahead.
 
-    programs = build_programs(mesh, shardings, graphdef=..., cfg=cfg, tx=tx, ...)
-    precompile(programs, state=state, with_ref=False, micro_batches=mb, rules=rules, ...)
+    programs = build_programs(mesh, shardings, frozen_shardings, graphdef=..., cfg=cfg, tx=tx, ...)
+    precompile(programs, state=state, frozen=frozen, with_ref=False, micro_batches=mb, ...)
 
 `build_programs` jits learner/step.py's pure functions for one mesh (zero the accumulator,
 accumulate a micro-batch, apply the optimizer update, copy parameters, gather a tree), their outputs
@@ -47,6 +47,7 @@ class Programs:
 
     mesh: Mesh
     shardings: Any  # TrainState of NamedShardings
+    frozen_shardings: Any  # the untrained parameters' (the LoRA base; empty without LoRA)
     acc_shardings: Accum
     zero: Any
     accumulate: Any
@@ -59,6 +60,7 @@ class Programs:
 def build_programs(
     mesh: Mesh,
     shardings: Any,
+    frozen_shardings: Any,
     *,
     graphdef: Any,
     cfg: LearnerConfig,
@@ -84,6 +86,7 @@ def build_programs(
     return Programs(
         mesh=mesh,
         shardings=shardings,
+        frozen_shardings=frozen_shardings,
         acc_shardings=acc_shardings,
         zero=jit(
             "zero" + tag, functools.partial(zero_accum, keys=keys), out_shardings=acc_shardings
@@ -133,6 +136,7 @@ def precompile(
     programs: Programs,
     *,
     state: Any,
+    frozen: Any,
     with_ref: bool,
     micro_batches: MicroBatches,
     rules: Rules,
@@ -140,9 +144,9 @@ def precompile(
     shared_params: bool,
 ) -> None:
     """Compiles, now, every program a run calls on `programs`' mesh for a TrainState shaped like
-    `state`: the accumulator, one micro-step per micro-batch shape (`with_ref`: reading the KL
-    reference; `snapshot`: also reading a behaviour snapshot), the optimizer update
-    (`shared_params`: also the one keeping the parameters)."""
+    `state` and untrained parameters like `frozen`: the accumulator, one micro-step per
+    micro-batch shape (`with_ref`: reading the KL reference; `snapshot`: also reading a behaviour
+    snapshot), the optimizer update (`shared_params`: also the one keeping the parameters)."""
 
     def abstract(tree: Any, shardings: Any) -> Any:
         return jax.tree.map(
@@ -151,6 +155,7 @@ def precompile(
 
     with jax.set_mesh(programs.mesh), axis_rules(rules):
         state = abstract(state, programs.shardings)
+        frozen = abstract(frozen, programs.frozen_shardings)
         params = state.params
         acc = abstract(programs.zero.eval_shape(params), programs.acc_shardings)
         ref = params if with_ref else None
@@ -161,7 +166,7 @@ def precompile(
             batch = abstract(shapes, batch_shardings(shapes, programs.mesh, rules))
             for behavior in (None, params) if snapshot else (None,):
                 programs.accumulate.precompile(
-                    acc, params, batch, behavior_params=behavior, ref_params=ref
+                    acc, params, batch, frozen=frozen, behavior_params=behavior, ref_params=ref
                 )
         programs.apply.precompile(state, acc)
         if shared_params:

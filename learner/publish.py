@@ -9,6 +9,9 @@ published arrays share no buffer with the learner's, which its next update donat
 meshes share a device, `jax.device_put` may keep the learner's buffer as that device's shard even
 with may_alias=False (a one-device array replicated onto a mesh that holds its device: colocated
 sampler replicas), so the parameters are copied on the learner's devices first.
+A leaf that is the same array object as in the previous publish (a LoRA run's base: only its
+adapters change, rl/models/lora.py) is not moved again: the sampler keeps its copy, and a publish
+moves only the leaves that changed (`Published.bytes`).
 A learner of several processes (learner/distributed.py) has no sampler devices in its job: every
 process calls `learner.distributed.gather_to_host(params)` (a collective) and process 0 hands the
 numpy arrays to such a transport.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import weakref
 from typing import Any, Protocol
 
 import jax
@@ -34,6 +38,7 @@ class Published:
     params: Any  # on the sampler's devices, in the sampler's dtype
     version: int
     seconds: float  # wall time of the transfer, until the arrays are ready
+    bytes: int = 0  # what moved (leaves unchanged since the last publish stay where they are)
 
 
 class WeightSync(Protocol):
@@ -68,6 +73,8 @@ class DevicePutSync:
         self.shared = 0  # publishes that shared the learner's arrays instead of copying
         self._devices = set(sampler_mesh.devices.flat)
         self._copy = jax.jit(functools.partial(_copy, dtype=self.dtype))
+        # the last publish's leaves: (a weak reference to the learner's array, the sampler's copy)
+        self._sent: list[tuple[Any, Any]] = []
 
     @property
     def shares_params(self) -> bool:
@@ -97,18 +104,43 @@ class DevicePutSync:
     def publish(self, params: Any, version: int) -> Published:
         start = time.perf_counter()
         learner = self.share_with
-        if learner is not None and params is learner.params and self._colocated(params):
+        if learner is not None and _same(params, learner.params) and self._colocated(params):
             out = learner.share_params()
             self.shared += 1
             return Published(params=out, version=version, seconds=time.perf_counter() - start)
-        if self._overlaps(params):  # new buffers where the learner's are (module docstring)
-            params = self._copy(params)
+        leaves, treedef = jax.tree.flatten(params)
+        targets = jax.tree.leaves(self.shardings)
+        out = [None] * len(leaves)
+        if len(self._sent) == len(leaves):  # unchanged leaves keep the sampler's copy
+            for i, (x, (ref, sent)) in enumerate(zip(leaves, self._sent, strict=True)):
+                if ref() is x:
+                    out[i] = sent
+        moved = [i for i, y in enumerate(out) if y is None]
+        new = [leaves[i] for i in moved]
+        if self._overlaps(new):  # new buffers where the learner's are (module docstring)
+            new = self._copy(new)
         elif self.dtype is not None:
-            params = jax.tree.map(functools.partial(_cast, dtype=self.dtype), params)
+            new = [_cast(x, dtype=self.dtype) for x in new]
         # A copy: without `share_with` the learner's next update may donate its buffers.
-        out = jax.device_put(params, self.shardings, may_alias=False)
-        jax.block_until_ready(out)
-        return Published(params=out, version=version, seconds=time.perf_counter() - start)
+        new = jax.device_put(new, [targets[i] for i in moved], may_alias=False)
+        jax.block_until_ready(new)
+        for i, y in zip(moved, new, strict=True):
+            out[i] = y
+        self._sent = [(weakref.ref(x), y) for x, y in zip(leaves, out, strict=True)]
+        return Published(
+            params=jax.tree.unflatten(treedef, out),
+            version=version,
+            seconds=time.perf_counter() - start,
+            bytes=sum(y.nbytes for y in new),
+        )
+
+
+def _same(a: Any, b: Any) -> bool:
+    """The same arrays (objects, not values) in the same tree: `a` is the learner's current
+    parameters (a LoRA learner's `params` is a new State of the same arrays on every call)."""
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    return tree_a == tree_b and all(x is y for x, y in zip(leaves_a, leaves_b, strict=True))
 
 
 def published_shapes(params_like: Any, dtype: str = "") -> Any:

@@ -62,12 +62,19 @@ def sft_batch(
 
 
 def sft_step(
-    state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef, tx: optax.GradientTransformation
+    state: TrainState,
+    batch: Batch,
+    frozen: Any = None,
+    *,
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One cross-entropy update on the answer tokens (token mean)."""
+    """One cross-entropy update on the answer tokens (token mean) of `state.params` (every
+    parameter, or the LoRA adapters over the `frozen` base)."""
+    frozen = nnx.State({}) if frozen is None else frozen
 
     def loss_fn(params: Any) -> jax.Array:
-        logp = nnx.merge(graphdef, params).token_logprobs(
+        logp = nnx.merge(graphdef, params, frozen).token_logprobs(
             batch.inputs, batch.positions, batch.segments, batch.targets
         )
         return -jnp.sum(logp * batch.loss_mask) / jnp.maximum(jnp.sum(batch.loss_mask), 1.0)
@@ -144,8 +151,8 @@ class SftTrainer:
             )
         self.learner = learner
         tx = make_optimizer(OptimizerConfig(lr=lr, warmup_steps=warmup_steps))
-        self.state, shardings = create_train_state(
-            learner.params, tx, mesh=learner.mesh, rules=learner.rules
+        self.state, shardings = create_train_state(  # the learner's trained params only
+            learner.state.params, tx, mesh=learner.mesh, rules=learner.rules
         )
         self._step = make_sft_step(learner.graphdef, tx, shardings)
         self._batches = sft_batches(
@@ -160,7 +167,7 @@ class SftTrainer:
 
     def step(self) -> None:
         """One SFT update (dispatched; nothing waits for it)."""
-        self.state, metrics = self._step(self.state, next(self._batches))
+        self.state, metrics = self._step(self.state, next(self._batches), self.learner.frozen)
         self._loss = metrics["loss"]
 
     def loss(self) -> float:

@@ -99,9 +99,14 @@ def _first_nonfinite(trees: tuple[Any, ...]) -> jax.Array:
 
 
 def _logprobs(
-    graphdef: nnx.GraphDef, params: Any, batch: Batch, cfg: LearnerConfig, entropy: bool
+    graphdef: nnx.GraphDef,
+    params: Any,
+    frozen: Any,
+    batch: Batch,
+    cfg: LearnerConfig,
+    entropy: bool,
 ) -> tuple[jax.Array, jax.Array | None]:
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, params, frozen)
     out = model.token_logprobs(
         batch.inputs,
         batch.positions,
@@ -124,23 +129,29 @@ def accumulate(
     *,
     graphdef: nnx.GraphDef,
     cfg: LearnerConfig,
+    frozen: Any = None,
     behavior_params: Any = None,
     ref_params: Any = None,
 ) -> Accum:
-    """Adds one micro-batch's gradient, loss terms and metric sums to `acc`."""
+    """Adds one micro-batch's gradient, loss terms and metric sums to `acc`.
+
+    `params` are the trained parameters (every one, or only the LoRA adapters), `frozen` the
+    model's other parameters (the LoRA base; None or empty: none); gradients are `params`'."""
     mask = batch.loss_mask
+    frozen = nnx.State({}) if frozen is None else frozen
     if behavior_params is not None:
-        old = jax.lax.stop_gradient(_logprobs(graphdef, behavior_params, batch, cfg, False)[0])
+        old = _logprobs(graphdef, behavior_params, frozen, batch, cfg, False)[0]
+        old = jax.lax.stop_gradient(old)
     elif cfg.old_logprobs == "sampler":
         old = batch.behavior_logp
     else:
         old = None
     ref = None
     if cfg.loss.kl_coef > 0:
-        ref = jax.lax.stop_gradient(_logprobs(graphdef, ref_params, batch, cfg, False)[0])
+        ref = jax.lax.stop_gradient(_logprobs(graphdef, ref_params, frozen, batch, cfg, False)[0])
 
     def loss_fn(p: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-        logp, ent = _logprobs(graphdef, p, batch, cfg, cfg.entropy_metric)
+        logp, ent = _logprobs(graphdef, p, frozen, batch, cfg, cfg.entropy_metric)
         old_logp = jax.lax.stop_gradient(logp) if old is None else old
         opts = cfg.loss.options(cfg.policy_loss)  # the loss's own registered options
         loss, m = get_policy_loss(cfg.policy_loss)(logp, old_logp, batch.advantages, mask, opts)
@@ -231,6 +242,7 @@ def train_step(
     cfg: LearnerConfig,
     tx: optax.GradientTransformation,
     schedule: optax.Schedule,
+    frozen: Any = None,
     behavior_params: Any = None,
     ref_params: Any = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -241,6 +253,7 @@ def train_step(
         batch,
         graphdef=graphdef,
         cfg=cfg,
+        frozen=frozen,
         behavior_params=behavior_params,
         ref_params=ref_params,
     )

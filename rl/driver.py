@@ -30,7 +30,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from rl.metrics import migration_metrics, replica_metrics, round_metrics, staleness_metrics
+from rl.metrics import (
+    migration_metrics,
+    publish_metrics,
+    replica_metrics,
+    round_metrics,
+    staleness_metrics,
+)
 from rl.round_planner import RoundPlan, RoundPlanner
 from rl.schedules import (
     Action,
@@ -180,7 +186,15 @@ class Driver:
     def _publish(self, version: int, round: int) -> Any:
         t0 = self.clock()
         pub = self.weight_sync.publish(self.learner.params, version)
-        self.timeline.span("publish", f"v{version}", t0, self.clock(), version=version, round=round)
+        self.timeline.span(
+            "publish",
+            f"v{version}",
+            t0,
+            self.clock(),
+            version=version,
+            round=round,
+            bytes=pub.bytes,
+        )
         return pub.params
 
     def _next_group(self) -> Group:
@@ -357,6 +371,9 @@ class Driver:
                 np.sum(tokens * [m["lag_mean"] for m in updates]) / tokens.sum()
             )
             metrics["lag_max"] = float(np.max([m["lag_max"] for m in updates]))
+        metrics.update(
+            publish_metrics(self.timeline, round=round, rollout_start=self._starts[round])
+        )
         if self.borrower is not None:
             metrics.update(self.borrower.pop_metrics(round))
         if self.lender is not None:

@@ -156,6 +156,19 @@ def round_metrics(
     }
 
 
+def publish_metrics(timeline: Timeline, *, round: int, rollout_start: float) -> dict[str, float]:
+    """The round's weight publishes ("publish" spans with args round == r): publish_s, their
+    summed wall time, and publish_mb, what they moved (args "bytes"; a LoRA run moves only its
+    adapters, a colocated publish that shares the learner's arrays moves nothing)."""
+    spans = [
+        s for s in timeline.spans("publish", since=rollout_start) if s.args.get("round") == round
+    ]
+    return {
+        "publish_s": float(sum(s.duration for s in spans)),
+        "publish_mb": float(sum(s.args.get("bytes", 0) for s in spans)) / 2**20,
+    }
+
+
 def replica_metrics(
     timeline: Timeline, *, round: int, rollout_start: float, replica_slots: tuple[int, ...]
 ) -> dict[str, float]:

@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 
 from rl.models.config import ModelConfig, get_preset
 from rl.models.hf_io import hf_config, load_hf
+from rl.models.lora import add_adapters, lora_config_from
 from rl.models.sharding import Rules, tree_shardings
 from rl.models.transformer import Transformer, abstract_model
 
@@ -53,6 +54,7 @@ def param_count(model: Transformer) -> int:
 def model_config_from(model_cfg: Mapping[str, Any]) -> ModelConfig:
     """The typed ModelConfig for a `config.model` ConfigDict (preset + overrides, no weights)."""
     overrides = {k: model_cfg[k] for k in _OVERRIDABLE if k in model_cfg}
+    overrides["lora"] = lora_config_from(model_cfg.get("lora"))
     if model_cfg.get("hf_path"):
         return hf_config(model_cfg["hf_path"], **overrides)
     shape = {k: model_cfg[k] for k in _SHAPE_FIELDS if model_cfg.get(k)}
@@ -81,11 +83,17 @@ def build_model(
     mesh: Mesh | None = None,
     rules: Rules | None = None,
 ) -> Transformer:
-    """The model a `config.model` ConfigDict names: local HF weights if `hf_path`, else a fresh init."""
+    """The model a `config.model` ConfigDict names: local HF weights if `hf_path`, else a fresh
+    init; with `lora`, adapters on top (the base is the same as without them)."""
+    cfg = model_config_from(model_cfg)
     if model_cfg.get("hf_path"):
         overrides = {k: model_cfg[k] for k in _OVERRIDABLE if k in model_cfg}
-        return load_hf(model_cfg["hf_path"], mesh=mesh, rules=rules, **overrides)
-    return create_model(model_config_from(model_cfg), seed=seed, mesh=mesh, rules=rules)
+        base = load_hf(model_cfg["hf_path"], mesh=mesh, rules=rules, **overrides)
+    else:
+        base = create_model(cfg.replace(lora=None), seed=seed, mesh=mesh, rules=rules)
+    if cfg.lora is None:
+        return base
+    return add_adapters(base, cfg.lora, seed=seed, mesh=mesh, rules=rules)
 
 
 # ConfigDict fields applied on top of a preset or checkpoint config.

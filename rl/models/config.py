@@ -31,6 +31,36 @@ class RopeScaling:
             )
 
 
+LORA_TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA) on the projections named in `targets`: each weight W becomes
+    W + (alpha / rank) * A @ B with A (in, rank) and B (rank, out); B starts at zero, so the model
+    starts as its base (rl/models/lora.py)."""
+
+    rank: int
+    alpha: float = 16.0
+    targets: tuple[str, ...] = LORA_TARGETS
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or self.rank <= 0:
+            raise ValueError(f"LoRA rank must be a positive integer; received {self.rank!r}.")
+        if not self.alpha > 0:
+            raise ValueError(f"LoRA alpha must be > 0; received {self.alpha!r}.")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
+            raise ValueError(
+                f"LoRA targets {tuple(self.targets)!r}; expected distinct names among "
+                f"{LORA_TARGETS} (attention q/k/v/o, MLP gate/up/down)."
+            )
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Shapes and numerics of a decoder-only transformer.
@@ -60,6 +90,7 @@ class ModelConfig:
     remat: str = "none"  # per-layer rematerialisation: none | full | dots (save matmul outputs)
     logits_chunk: int = 512  # sequence chunk for log-prob computation (bounds B*chunk*V memory)
     init_std: float = 0.02  # normal init std for freshly created weights
+    lora: LoraConfig | None = None  # low-rank adapters: only they train (rl/models/lora.py)
 
     def __post_init__(self):
         if self.family not in FAMILIES:

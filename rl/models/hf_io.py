@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from rl.models.config import DTYPES, ModelConfig, RopeScaling
+from rl.models.lora import merge_adapters
 from rl.models.sharding import Rules, tree_shardings
 from rl.models.transformer import Transformer, abstract_model
 
@@ -382,12 +383,13 @@ def save_hf(
     """Writes `model` as a Hugging Face directory (config.json + safetensors, sharded past max_shard_bytes).
 
     Args:
-      model: the model (sharded or not).
+      model: the model (sharded or not); LoRA adapters are merged into their weights.
       path: output directory (created).
       dtype: tensor dtype on disk (default: the model's param dtype).
       max_shard_bytes: size bound of one safetensors file.
       extra_config: entries merged into config.json (e.g. bos_token_id, eos_token_id).
     """
+    model = merge_adapters(model)
     cfg = model.config
     dtype = dtype or cfg.param_dtype
     if dtype not in DTYPES:

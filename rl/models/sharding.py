@@ -31,6 +31,7 @@ DEFAULT_RULES: Rules = (
     ("mlp", "tp"),
     ("norm", None),
     ("cache_length", None),
+    ("lora_rank", None),  # LoRA adapters' inner dimension
 )
 
 _RULES: contextvars.ContextVar[Rules] = contextvars.ContextVar(

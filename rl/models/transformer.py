@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from rl.models.config import ModelConfig
+from rl.models.lora import Adapted
 from rl.models.sharding import constrain
 
 _MASKED = -1e30  # finite, so a fully masked (padding) query row gives a uniform softmax, not NaN
@@ -293,7 +294,9 @@ class _DecodeStep:
     block: int
 
 
-class Attention(nnx.Module):
+class Attention(Adapted):
+    PROJECTIONS = {"q": 1, "k": 1, "v": 1, "o": 2}
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.q = _param(rngs, cfg, (d, n, h), ("embed", "q_heads", "head_dim"))
@@ -311,10 +314,11 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(h, cfg, rngs)
         self.config = cfg
 
-    def _project(self, x: jax.Array, w: nnx.Param, bias: str) -> jax.Array:
-        y = jnp.einsum("btd,dnh->btnh", x, w[...].astype(x.dtype))
+    def _project(self, x: jax.Array, name: str) -> jax.Array:
+        w = getattr(self, name)
+        y = self.adapted(name, x, jnp.einsum("btd,dnh->btnh", x, w[...].astype(x.dtype)))
         if self.config.qkv_bias:
-            y = y + getattr(self, bias)[...].astype(x.dtype)[None, None]
+            y = y + getattr(self, f"{name}_bias")[...].astype(x.dtype)[None, None]
         return y
 
     def __call__(
@@ -328,15 +332,9 @@ class Attention(nnx.Module):
         `mask` (B, T, S), or a head-major ((B, K, H, S), (B, K, S, H)) pair with `mask` a
         `_DecodeStep`."""
         cfg = self.config
-        q = constrain(
-            self._project(x_BxTxD, self.q, "q_bias"), ("batch", "length", "q_heads", "head_dim")
-        )
-        k = constrain(
-            self._project(x_BxTxD, self.k, "k_bias"), ("batch", "length", "kv_heads", "head_dim")
-        )
-        v = constrain(
-            self._project(x_BxTxD, self.v, "v_bias"), ("batch", "length", "kv_heads", "head_dim")
-        )
+        q = constrain(self._project(x_BxTxD, "q"), ("batch", "length", "q_heads", "head_dim"))
+        k = constrain(self._project(x_BxTxD, "k"), ("batch", "length", "kv_heads", "head_dim"))
+        v = constrain(self._project(x_BxTxD, "v"), ("batch", "length", "kv_heads", "head_dim"))
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_inv_freq(cfg)
@@ -357,13 +355,17 @@ class Attention(nnx.Module):
             start_B = positions_BxT[:, 0]
             kv = (_write_cache(kv[0], k, start_B), _write_cache(kv[1], v, start_B))
             out = attend(q, kv[0].astype(q.dtype), kv[1].astype(q.dtype), mask)
-        out = jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(out.dtype))
+        out = self.adapted(
+            "o", out, jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(out.dtype))
+        )
         if cfg.o_bias:
             out = out + self.o_bias[...].astype(out.dtype)[None, None]
         return out, kv
 
 
-class MLP(nnx.Module):
+class MLP(Adapted):
+    PROJECTIONS = {"gate": 1, "up": 1, "down": 1}
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.mlp_dim
         self.gate = _param(rngs, cfg, (d, f), ("embed", "mlp"))
@@ -371,10 +373,11 @@ class MLP(nnx.Module):
         self.down = _param(rngs, cfg, (f, d), ("mlp", "embed"))
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-        g = jnp.einsum("btd,df->btf", x_BxTxD, self.gate[...].astype(x_BxTxD.dtype))
-        u = jnp.einsum("btd,df->btf", x_BxTxD, self.up[...].astype(x_BxTxD.dtype))
+        x = x_BxTxD
+        g = self.adapted("gate", x, jnp.einsum("btd,df->btf", x, self.gate[...].astype(x.dtype)))
+        u = self.adapted("up", x, jnp.einsum("btd,df->btf", x, self.up[...].astype(x.dtype)))
         h = constrain(jax.nn.silu(g) * u, ("batch", "length", "mlp"))
-        return jnp.einsum("btf,fd->btd", h, self.down[...].astype(h.dtype))
+        return self.adapted("down", h, jnp.einsum("btf,fd->btd", h, self.down[...].astype(h.dtype)))
 
 
 class Block(nnx.Module):
@@ -419,6 +422,10 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg, rngs)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+        if cfg.lora is not None:  # after every base weight: the base is the same with or without
+            for block in self.layers:
+                block.attn.attach(cfg.lora, rngs)
+                block.mlp.attach(cfg.lora, rngs)
 
     def unembedding(self) -> jax.Array:
         """The (embed, vocab) output projection."""

@@ -112,6 +112,12 @@ class Setup:
 def build_checked_model(config: Any, setup: Setup, mesh: Mesh | None) -> Any:
     """The model config.model names on `mesh`: local HF weights (hf_path) or a fresh init."""
     model = build_model(config.model, seed=config.seed, mesh=mesh, rules=setup.rules)
+    if model.config.lora is not None and not config.model.hf_path:
+        logging.warning(
+            "LoRA on a freshly initialised model: only the adapters train (the SFT warm start "
+            "too), over random base weights, which caps what the model can learn; start from a "
+            "trained base (config.model.hf_path, e.g. the export of an SFT run: README, LoRA)."
+        )
     if setup.tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(
             f"The tokenizer's vocabulary ({setup.tokenizer.vocab_size}) is larger than the "

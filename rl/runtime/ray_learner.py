@@ -129,9 +129,12 @@ class LearnerWorker:
 
     def publish(self, version: int) -> list[Any]:
         """Puts the params, cast to the sampler's dtype, in the object store once; returns
-        [ref] (in a list, so Ray hands the caller the reference, not the arrays)."""
+        [ref, bytes] (in a list, so Ray hands the caller the reference, not the arrays). Every
+        publish puts the whole model, a LoRA run's base included (learner/publish.py's
+        DevicePutSync moves only what changed; the object store path does not yet)."""
         host = self._to_host(self._cast(self.learner.params))
-        return [ray.put(host) if self.rank == 0 else None]  # every worker gathers; rank 0 puts
+        nbytes = sum(x.nbytes for x in jax.tree.leaves(host))
+        return [ray.put(host) if self.rank == 0 else None, nbytes]  # rank 0 puts
 
     def sft_begin(self, records: list[Any]) -> None:
         """Starts the SFT warm start (rl.runtime.compose.build_sft) on `records`."""

@@ -118,8 +118,10 @@ class LearnerClient:
         metrics, self._step = self._call("update")
         return metrics
 
-    def publish(self, version: int) -> Any:
-        return self._call("publish", version)[0]
+    def publish(self, version: int) -> tuple[Any, int]:
+        """(an ObjectRef of the params, the bytes put)."""
+        ref, nbytes = self._call("publish", version)
+        return ref, nbytes
 
     def compile_stats(self) -> dict[str, dict[str, float]]:
         return self._call("compile_stats")
@@ -216,8 +218,10 @@ class ObjectStoreSync:
                 f"params); received {type(params).__name__}."
             )
         start = time.perf_counter()
-        ref = params.client.publish(version)
-        return Published(params=ref, version=version, seconds=time.perf_counter() - start)
+        ref, nbytes = params.client.publish(version)
+        return Published(
+            params=ref, version=version, seconds=time.perf_counter() - start, bytes=nbytes
+        )
 
 
 class RemoteCheckpoints:

@@ -36,11 +36,13 @@ def _export(*args):
     )
 
 
-def _saved_run(workdir, steps=(1, 2)):
+def _saved_run(workdir, steps=(1, 2), lora_rank=0):
     """A run's workdir with checkpoints `steps` of distinct params, none of them the fresh init;
-    returns {step: model with those params}."""
+    returns {step: model with those params}. With `lora_rank`, the params are LoRA adapters (their
+    B factors moved off zero) over the seed's base."""
     config = smoke.get_config()
     config.workdir = str(workdir)
+    config.model.lora.rank = lora_rank
     setup = Setup.from_config(config)
     mesh, _ = make_meshes(MeshConfig(colocated=True), jax.devices()[:1])
     learner = build_learner(
@@ -51,10 +53,12 @@ def _saved_run(workdir, steps=(1, 2)):
     ckpt = Checkpointer(os.path.join(workdir, "ckpt"))
     models = {}
     for step in steps:
-        params = jax.tree.map(lambda x, s=step: x * (1.0 + 0.1 * s), learner.state.params)
+        params = jax.tree.map(
+            lambda x, s=step: x * (1.0 + 0.1 * s) + 0.01 * s, learner.state.params
+        )
         learner.state = dataclasses.replace(learner.state, params=params)
         ckpt.save(step, learner.state, {"round": step, "version": 2 * step})
-        model = nnx.merge(learner.graphdef, jax.tree.map(np.asarray, params))
+        model = nnx.merge(learner.graphdef, jax.tree.map(np.asarray, learner.params))
         models[step] = model
     ckpt.close()
     return models
@@ -95,6 +99,18 @@ def test_export_writes_any_checkpoint_that_transformers_loads_with_equal_logits(
     assert np.abs(_logits(models[1], tmp_path / "newest")[1] - ref).max() > 100 * TOL
     with pytest.raises(FileNotFoundError, match=r"holds no checkpoint 7; expected one of \[1, 2\]"):
         export_checkpoint(str(tmp_path / "run"), step=7)
+
+
+@pytest.mark.slow  # one transformers load (~10 s cold)
+def test_a_lora_runs_checkpoint_exports_merged_into_its_base(tmp_path):
+    models = _saved_run(tmp_path / "run", steps=(1,), lora_rank=4)
+    assert models[1].config.lora is not None
+    done = export_checkpoint(str(tmp_path / "run"), str(tmp_path / "hf"))
+    assert done["step"] == 1
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert not any("lora" in key for key in hf)
+    ref, ours = _logits(models[1], tmp_path / "hf")  # ours: base + adapters, unmerged
+    np.testing.assert_allclose(ref, ours, atol=TOL, rtol=0)
 
 
 def test_export_errors_are_one_line_naming_what_was_wrong(tmp_path):

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from rl.metrics import round_metrics
+from rl.metrics import publish_metrics, round_metrics
 from rl.timeline import Timeline
 
 TOL = dict(rel=1e-12, abs=1e-12)  # pure float arithmetic on small exact values
@@ -122,3 +122,13 @@ def test_round_metrics_missing_update_is_nan_and_bad_input_raises():
     tl.span("sampler/slot1", "seq", 1, 2, round=0)
     with pytest.raises(ValueError, match="2 sampler slot lanes; expected at most num_slots=1"):
         round_metrics(tl, round=0, rollout_start=0.0, num_slots=1)
+
+
+def test_publish_metrics_sum_the_rounds_publishes_only():
+    tl = Timeline()
+    tl.span("publish", "v1", 1.0, 1.5, version=1, round=0, bytes=3 * 2**20)
+    tl.span("publish", "v2", 2.0, 2.25, version=2, round=0, bytes=2**19)
+    tl.span("publish", "v3", 4.0, 5.0, version=3, round=1, bytes=2**20)
+    got = publish_metrics(tl, round=0, rollout_start=0.0)
+    assert got == pytest.approx({"publish_s": 0.75, "publish_mb": 3.5}, **TOL)
+    assert publish_metrics(tl, round=2, rollout_start=0.0) == {"publish_s": 0.0, "publish_mb": 0.0}

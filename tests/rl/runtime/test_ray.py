@@ -340,6 +340,21 @@ def sft_run(runtime_name, workdir):
         runtime.close()
 
 
+@pytest.mark.slow  # a threaded and a 2-replica Ray run of 3 rounds (~40 s)
+def test_a_lora_run_under_ray_equals_threads(ray_cluster):
+    configs = [tiny_config(runtime, replicas) for runtime, replicas in (("threads", 1), ("ray", 2))]
+    for config in configs:
+        config.model.lora.rank = 4
+    threads_results, threads_params, _ = run_rounds(configs[0])
+    results, params, _ = run_rounds(configs[1])
+    assert tokens_of(results) == tokens_of(threads_results)
+    assert_same_params(params, threads_params)  # the adapters: the TrainState holds nothing else
+    assert all(x.ndim in (2, 3) for x in jax.tree.leaves(params))
+    # threads hands the sampler the learner's arrays (colocated) or moves the adapters; Ray puts
+    # the whole model in the object store every publish
+    assert threads_results[0].metrics["publish_mb"] < results[0].metrics["publish_mb"]
+
+
 @pytest.mark.slow
 def test_sft_warm_start_on_the_learner_worker_equals_threads(ray_cluster, tmp_path):
     threads = sft_run("threads", tmp_path / "threads")
