@@ -184,6 +184,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # killed: for CPU-bound verifiers such as sympy)
     config.task.reward_backend = "thread"
 
+    # Multi-turn episodes (rl/envs): each sample answers, the environment replies with
+    # observation tokens appended to its KV cache (zero loss weight), and it answers again; its
+    # reward is the sum of its turns' rewards (config.task.reward is then the environment's to use).
+    config.env = ml_collections.ConfigDict()
+    config.env.name = ""  # a name in rl.envs.ENVIRONMENTS (retry), or "": single-turn
+    config.env.max_turns = 3  # the model's turns per episode at most
+    config.env.timeout_s = 5.0  # an environment step past this ends its episode (turn reward 0)
+    config.env.workers = 4  # environment steps run at once, off the decode thread
+    config.env.feedback = "no:"  # retry: the checker's answer to a wrong turn
+    config.env.restate = True  # retry: the question again after the feedback
+
     # Local data for the file tasks, and the prompt format of every task (rl/tasks/data.py).
     config.data = ml_collections.ConfigDict()
     # gsm8k | math: the training data (required for them), read offline by its path: a .parquet
@@ -207,7 +218,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     config.sft = ml_collections.ConfigDict()
     config.sft.max_steps = 0  # supervised warm-start steps before RL; 0: none
-    config.sft.batch_size = 64  # sequences per SFT step
+    config.sft.batch_size = 64  # records per SFT step
+    # records one after another in an SFT row, attending across (> 1: the model learns to answer
+    # after earlier problems in its context, as multi-turn episodes need; rl/envs)
+    config.sft.examples_per_row = 1
     config.sft.lr = 1e-3  # SFT learning rate (Adam)
     config.sft.warmup_steps = 0  # linear SFT lr warmup (steps)
     config.sft.eval_every = 100  # SFT steps between held-out evaluations

@@ -120,6 +120,7 @@ class Seq:
     logprobs: tuple[float, ...]  # the sampler's, one per response token
     advantage: float
     masked: bool = False  # no loss (the overlong filter's truncated responses)
+    observed: tuple[bool, ...] = ()  # response tokens the environment wrote: no loss (rl/envs)
 
     def __len__(self) -> int:  # the model positions it takes: (prompt + response)[:-1]
         return len(self.prompt) + len(self.response) - 1
@@ -142,7 +143,15 @@ def sequences_of(groups: Sequence[Group], advantages: Sequence[Sequence[float]])
                     f"Completion uid={c.uid} sample={c.sample}: {len(c.tokens)} tokens but "
                     f"{len(c.logprobs)} log-probs."
                 )
-            seqs.append(Seq(tuple(c.prompt), tuple(c.tokens), tuple(c.logprobs), float(a)))
+            seqs.append(
+                Seq(
+                    tuple(c.prompt),
+                    tuple(c.tokens),
+                    tuple(c.logprobs),
+                    float(a),
+                    observed=c.observation_mask,
+                )
+            )
     return seqs
 
 
@@ -194,6 +203,8 @@ def build(
                 out.token_index[i, :n] = row * length + offset + np.arange(n)
             if not s.masked:
                 out.loss_mask[i, len(s.prompt) - 1 : n] = 1.0
+                if s.observed:  # observation tokens are inputs, never targets of the loss
+                    out.loss_mask[i, len(s.prompt) - 1 : n][np.asarray(s.observed)] = 0.0
             out.behavior_logp[i, len(s.prompt) - 1 : n] = s.logprobs
             out.advantages[i] = s.advantage
             offset += n

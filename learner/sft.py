@@ -31,33 +31,45 @@ def sft_batch(
     tokenizer: Tokenizer,
     *,
     min_length_bucket: int = 32,
+    examples_per_row: int = 1,
     **prompt_kwargs: Any,
 ) -> Batch:
-    """One row per record: prompt + answer + eos; the loss mask covers the answer and the eos.
+    """Rows of prompt + answer + eos; the loss mask covers each answer and its eos.
 
-    `prompt_kwargs` (template, system, instruction) go to rl.tasks.templates.render_prompt.
+    With `examples_per_row` k > 1, each row holds k records one after another, attending across
+    them (one sequence, not packed segments): the model learns to answer after earlier problems
+    and answers in its context, as it must in a multi-turn episode (rl/envs). `prompt_kwargs`
+    (template, system, instruction) go to rl.tasks.templates.render_prompt.
     """
     if not records:
         raise ValueError("sft_batch received no records; expected at least one.")
-    seqs = []
-    for r in records:
+    if examples_per_row < 1:
+        raise ValueError(f"examples_per_row must be >= 1; received {examples_per_row}.")
+    rows: list[tuple[list[int], list[float]]] = []
+    for i, r in enumerate(records):
         if "answer" not in r:
             raise ValueError(f"SFT record id={r.get('id')} has no 'answer'; keys: {sorted(r)}.")
-        prompt = render_prompt(r, tokenizer, **prompt_kwargs)
-        seqs.append((prompt, tuple(tokenizer.encode(str(r["answer"]))) + (tokenizer.eos_id,)))
-    b, t = len(seqs), length_bucket(max(len(p) + len(a) - 1 for p, a in seqs), min_length_bucket)
+        prompt = list(render_prompt(r, tokenizer, **prompt_kwargs))
+        answer = [*tokenizer.encode(str(r["answer"])), tokenizer.eos_id]
+        if i % examples_per_row == 0:
+            rows.append(([], []))
+        tokens, weights = rows[-1]
+        tokens += prompt + answer
+        weights += [0.0] * len(prompt) + [1.0] * len(answer)
+    b = len(rows)
+    t = length_bucket(max(len(tokens) - 1 for tokens, _ in rows), min_length_bucket)
     out = Batch(
         *(np.zeros((b, t), np.int32) for _ in range(4)),
         loss_mask=np.zeros((b, t), np.float32),
         advantages=np.zeros((b,), np.float32),
         behavior_logp=np.zeros((b, t), np.float32),
     )
-    for i, (p, a) in enumerate(seqs):
-        seq = np.asarray(p + a, np.int32)
+    for i, (tokens, weights) in enumerate(rows):
+        seq = np.asarray(tokens, np.int32)
         n = len(seq) - 1
         out.inputs[i, :n], out.targets[i, :n] = seq[:-1], seq[1:]
         out.positions[i, :n], out.segments[i, :n] = np.arange(n), 1
-        out.loss_mask[i, len(p) - 1 : n] = 1.0
+        out.loss_mask[i, :n] = weights[1:]  # target j is token j + 1
     return out
 
 
@@ -96,6 +108,7 @@ def sft_batches(
     batch_size: int,
     seed: int = 0,
     min_length_bucket: int = 32,
+    examples_per_row: int = 1,
     **prompt_kwargs: Any,
 ) -> Iterator[Batch]:
     """Endless shuffled batches (one shuffle per epoch, seeded); the rest as sft_batch."""
@@ -104,7 +117,13 @@ def sft_batches(
         order = rng.permutation(len(records))
         for i in range(0, len(order) - batch_size + 1, batch_size):
             batch = [records[j] for j in order[i : i + batch_size]]
-            yield sft_batch(batch, tokenizer, min_length_bucket=min_length_bucket, **prompt_kwargs)
+            yield sft_batch(
+                batch,
+                tokenizer,
+                min_length_bucket=min_length_bucket,
+                examples_per_row=examples_per_row,
+                **prompt_kwargs,
+            )
 
 
 def make_sft_step(
@@ -128,6 +147,7 @@ class SftTrainer:
       batch_size, lr, warmup_steps: config.sft's.
       seed: the batches' shuffle seed.
       min_length_bucket: rows are padded to length buckets from this size (as in RL).
+      examples_per_row: records one after another in a row (`sft_batch`).
       prompt_kwargs: rl.tasks.templates.render_prompt's (template, system, instruction).
     """
 
@@ -142,6 +162,7 @@ class SftTrainer:
         warmup_steps: int,
         seed: int,
         min_length_bucket: int,
+        examples_per_row: int = 1,
         **prompt_kwargs: Any,
     ):
         if len(records) < batch_size:
@@ -161,6 +182,7 @@ class SftTrainer:
             batch_size=batch_size,
             seed=seed,
             min_length_bucket=min_length_bucket,
+            examples_per_row=examples_per_row,
             **prompt_kwargs,
         )
         self._loss: jax.Array | None = None

@@ -23,6 +23,7 @@ from learner.config import LearnerConfig, OptimizerConfig, learner_config_from
 from learner.distributed import distributed_config_from
 from learner.mesh import MeshConfig, make_meshes
 from rl.driver import DriverConfig
+from rl.envs import get_environment
 from rl.losses import LOSS_OPTIONS, LossConfig
 from rl.models.build import model_config_from
 from rl.models.config import DTYPES
@@ -274,6 +275,17 @@ def check_config(config: Any) -> None:
                 f"config.overlong.cache_tokens={penalty.cache_tokens} exceeds "
                 f"config.sampling.max_new_tokens={cap}; expected at most the response cap."
             )
+    if clean("env") and config.env.get("name"):
+        p.build("env.name", lambda: get_environment(config.env.name))
+        p.integer(config.env, "env.", "max_turns", 1, "the model's turns per episode")
+        p.positive(config.env, "env.", "timeout_s", "seconds")
+        p.integer(config.env, "env.", "workers", 1, "environment steps run at once")
+        if config.overlong.cache_tokens:
+            p.add(
+                f"config.overlong.cache_tokens={config.overlong.cache_tokens} with config.env."
+                f"name={config.env.name!r}: an episode's reward is its environment's; expected "
+                "overlong.cache_tokens=0 (or env.name='')."
+            )
     p.positive(config.task, "task.", "reward_timeout_s", "seconds")
     p.integer(config.task, "task.", "reward_workers", 1, "reward calls run at once")
     backend = config.task.get("reward_backend", "thread")
@@ -418,7 +430,8 @@ def check_config(config: Any) -> None:
     sft = config.get("sft") or {}
     if sft and p.integer(sft, "sft.", "max_steps", 0, "SFT warm-start steps; 0: none"):
         if sft.get("max_steps", 0) > 0:
-            p.integer(sft, "sft.", "batch_size", 1, "sequences per SFT step")
+            p.integer(sft, "sft.", "batch_size", 1, "records per SFT step")
+            p.integer(sft, "sft.", "examples_per_row", 1, "records one after another in a row")
             p.integer(sft, "sft.", "eval_every", 1, "SFT steps between evaluations")
             p.positive(sft, "sft.", "lr", "the SFT learning rate")
             target = sft.get("target_accuracy", 0.0)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from rl.metrics import (
+    episode_metrics,
     migration_metrics,
     publish_metrics,
     replica_metrics,
@@ -413,6 +414,7 @@ class Driver:
             "response_len_max": float(lengths.max()),
             "response_len_p99": float(np.percentile(lengths, 99)),
             "response_len_mean": float(lengths.mean()),
+            **episode_metrics(c for g in sampled for c in g.completions),
         }
         cut = stats.samples_cut - stats0.samples_cut
         if plan.response_eta > 1 and cut:  # the bias response over-provisioning introduces

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rl.admission import FCFS
+from rl.envs import EnvRunner
 from rl.models.tokenizer import Tokenizer
 from rl.passk import mean_pass_at_k
 from rl.tasks.pipeline import DEFAULT_META_FIELDS, record_meta
@@ -37,10 +38,12 @@ def evaluate(
     system: str | None = None,
     instruction: str = "",
     meta_fields: Sequence[str] = DEFAULT_META_FIELDS,
+    environment: EnvRunner | None = None,
 ) -> dict[str, float]:
     """Greedy accuracy over `records`, and pass@k from n samples at `temperature` when k > 1.
 
-    A response is correct when `reward_fn` gives it a reward >= 1. Prompts are rendered with
+    A response is correct when `reward_fn` gives it a reward >= 1 (with an `environment`, when
+    its episode's return is >= 1: rl/envs). Prompts are rendered with
     `template`, `system` and `instruction` as in training (rl.tasks.templates.render_prompt);
     each request's meta holds the record's `meta_fields` (the task's, as in training).
     pass@k is the unbiased estimator of the Codex paper (rl.passk) over n >= k samples per
@@ -60,7 +63,12 @@ def evaluate(
     def run(group_size: int, sampling: SamplingParams) -> list[Group]:
         groups: list[Group] = []
         loop = SamplerLoop(
-            engine, params, admission=FCFS(), reward_fn=reward_fn, emit=groups.append
+            engine,
+            params,
+            admission=FCFS(),
+            reward_fn=reward_fn,
+            emit=groups.append,
+            environment=environment,
         )
         loop.submit(
             Request(

@@ -44,6 +44,8 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from rl.timeline import SLOT_PREFIX, Span, Timeline, lane_group
 
 LEARNER_LANE = "learner"
@@ -229,3 +231,16 @@ def staleness_metrics(groups: Iterable[Any], version: int) -> dict[str, float]:
     if not lags:
         return {"lag_mean": NAN, "lag_max": NAN}
     return {"lag_mean": float(sum(lags)) / len(lags), "lag_max": float(max(lags))}
+
+
+def episode_metrics(completions: Iterable[Any]) -> dict[str, float]:
+    """Multi-turn rollouts (rl/envs): turns per episode, the first turn's reward (what a
+    single-turn run would have scored) and observation tokens per episode; {} when single-turn."""
+    episodes = [c for c in completions if c.turn_rewards]
+    if not episodes:
+        return {}
+    return {
+        "turns_mean": float(np.mean([len(c.turn_rewards) for c in episodes])),
+        "first_turn_reward_mean": float(np.mean([c.turn_rewards[0] for c in episodes])),
+        "observation_tokens_mean": float(np.mean([sum(c.observation_mask) for c in episodes])),
+    }

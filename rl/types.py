@@ -102,6 +102,10 @@ class Completion:
     versions: tuple[int, ...]  # policy version that produced each token
     finish_reason: FinishReason
     reward: float | None = None
+    # Multi-turn episodes (rl/envs): True where the environment wrote the token (an observation
+    # between the model's turns: fed to the model, zero loss weight); empty: none did.
+    observation_mask: tuple[bool, ...] = ()
+    turn_rewards: tuple[float, ...] = ()  # the environment's reward for each of the model's turns
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

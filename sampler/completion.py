@@ -41,6 +41,7 @@ def record(
             sample.tokens.append(int(result.tokens[t, s]))
             sample.logprobs.append(float(result.logprobs[t, s]))
             sample.versions.append(version)
+            sample.observed.append(False)
             if result.finished[t, s]:
                 table.run[s] = None
                 finished.append((s, run, i))
@@ -55,8 +56,13 @@ def score(
     the decode thread), or, with `submit` None, `reward_fn` computed here (inline)."""
     if submit is not None:
         return submit(request, done)
+    return resolved(float(reward_fn(request, done)))
+
+
+def resolved(reward: float) -> concurrent.futures.Future:
+    """A reward known now, as the Future the loop settles."""
     future: concurrent.futures.Future = concurrent.futures.Future()
-    future.set_result(float(reward_fn(request, done)))
+    future.set_result(float(reward))
     return future
 
 

@@ -8,13 +8,15 @@
     state = engine.prefill_insert(params, state, [(request, slots, samples), ...])  # or batched
     state, result = engine.generate(params, state)            # k decode steps for all slots
     state = engine.free(state, slots)             # abort
+    state = engine.extend(params, state, [(slot, fed, last), ...])  # multi-turn: observations in
     moved = engine.export_slots(state, slots)     # migration: running slots out ...
     state = other.import_slots(other_state, moved, free_slots)  # ... into another engine
 
 The Engine holds the jitted programs, their shardings and the checks at its boundary; the
 mechanisms live in a module each: the decode state, its layout and memory (sampler/cache.py),
 prefill and insert with each slot's random stream (sampler/prefill.py), the decode step and its
-attention reads (sampler/decode.py), export and import of running slots (sampler/slot_export.py).
+attention reads (sampler/decode.py), observations appended between turns (sampler/extend.py),
+export and import of running slots (sampler/slot_export.py).
 A request's tokens depend on its seed, round, uid and sample index only, not on its slot or on the
 other requests in the batch.
 """
@@ -36,7 +38,7 @@ from rl.compiles import CompileCounter
 from rl.models.sharding import Rules, axis_rules, current_rules, logical_to_spec, tree_shardings
 from rl.models.transformer import Transformer, abstract_model
 from rl.types import Request
-from sampler import cache, decode, prefill, slot_export
+from sampler import cache, decode, extend, prefill, slot_export
 from sampler.cache import CacheLayout, DecodeState
 from sampler.config import EngineConfig
 from sampler.decode import StepResult
@@ -98,6 +100,7 @@ class Engine:
         chunk_out = {} if mesh is None else dict(out_shardings=self._chunk_kv)
         self._prefill_chunk = jit("prefill_chunk", self._prefill_chunk_impl, **chunk_out)
         self._insert_chunk = jit("insert_chunk", prefill.insert_rows, donate_argnums=(0,), **out)
+        self._extend = jit("extend", self._extend_impl, donate_argnums=(1,), **out)
         self._export = jit("export", slot_export.export_rows, static_argnums=(2,))
         self._import = jit("import", slot_export.import_rows, donate_argnums=(0,), **out)
 
@@ -127,7 +130,12 @@ class Engine:
     # ---------------------------------------------------------------------------- compile budget
 
     def precompile(
-        self, params_like: Any, *, recompute: bool = False, migrate_rows: int = 0
+        self,
+        params_like: Any,
+        *,
+        recompute: bool = False,
+        migrate_rows: int = 0,
+        multi_turn: bool = False,
     ) -> None:
         """Compiles, now, every program a run calls on this engine (rl/compiles.py), for
         parameters shaped like `params_like` (arrays or ShapeDtypeStructs: what a publish hands
@@ -135,7 +143,7 @@ class Engine:
         bucket and its insert for every bucket x slot rung (`recompute`: also re-prefill's
         max_length bucket), generate for every count of live attention blocks, free, and
         (`migrate_rows` > 0: a migration moves up to that many slots at once) export and import
-        of every row count x length.
+        of every row count x length; `multi_turn`: extend for every prompt bucket.
 
         The JetStream-shaped `prefill` and `bulk_insert` are not compiled: a run does not call
         them.
@@ -166,6 +174,8 @@ class Engine:
             for blocks in rungs:
                 self._generate.precompile(params, state, blocks)
             self._free.precompile(state, host(jax.ShapeDtypeStruct((c.max_slots,), bool)))
+            for bucket in c.buckets() if multi_turn else ():
+                self._extend.precompile(params, state, *map(host, extend.abstract(bucket)))
             if migrate_rows:
                 rows, lengths = slot_export.rungs(self.layout, migrate_rows)
                 for n in rows:
@@ -219,6 +229,9 @@ class Engine:
 
     def _prefill_chunk_impl(self, params: Any, tokens_CxT: jax.Array) -> tuple[tuple, tuple]:
         return prefill.prefill_rows(self._model(params), tokens_CxT, self.layout.dtype)
+
+    def _extend_impl(self, params: Any, state: DecodeState, *arrays: jax.Array) -> DecodeState:
+        return extend.extend_rows(self._model(params), state, *arrays)
 
     def _generate_impl(
         self, params: Any, state: DecodeState, blocks: int
@@ -404,6 +417,22 @@ class Engine:
         mask = np.zeros((self.config.max_slots,), bool)
         mask[np.asarray(slots, np.int64)] = True
         return self._call(self._free, state, mask)
+
+    def extend(self, params: Any, state: DecodeState, items: Sequence[extend.Item]) -> DecodeState:
+        """Appends observations to waiting samples' KV caches (multi-turn; sampler/extend.py).
+
+        Args:
+          items: (slot, fed, last): the slot, inactive since its turn ended on the stop token it
+            is to feed next, is fed `fed` (that stop token, then the observation but its last
+            token) at its next positions and left active, about to feed `last`. The caller keeps
+            every position within the slot's response budget.
+        """
+        c = self.config
+        extend.check(items, c.max_slots, c.bucket)
+        for length, chunk in extend.chunks(items, c.bucket):
+            arrays = extend.pack(chunk, length, c.max_slots)
+            state = self._call(self._extend, params, state, *arrays)
+        return state
 
     # --------------------------------------------------------------------------------- migration
 

@@ -15,6 +15,10 @@ the freed slots; groups are emitted in the order they completed, each once its r
 a slow verifier delays a group's emission, never a decode step, and the groups, their order and
 their tokens are those of an inline `reward_fn`.
 
+With an `environment` (rl.envs.EnvRunner) a sample is a multi-turn episode: a stopped turn goes to
+the environment and its slot waits, KV kept, until the answer's observation is appended and it
+decodes on (sampler/episodes.py); its reward is the episode's return, and `reward_fn` is not used.
+
 New weights (`set_params`) are taken between decode steps; every token records the version that
 drew it. Running samples go on with their KV cache (PipelineRL), or, with `recompute_kv=True`
 (AReaL interruptible generation), are re-prefilled first, prompt + tokens so far, with the new
@@ -39,11 +43,13 @@ import jax
 
 from rl.admission import AdmissionPolicy
 from rl.elastic.migration import ReplicaView
+from rl.envs import EnvRunner
 from rl.round_planner import RoundCut, RoundCuts
 from rl.types import Completion, Group, Request
 from sampler import admit, completion, migration
 from sampler.background import LoopThread
 from sampler.engine import Engine
+from sampler.episodes import Episodes
 from sampler.migration import Handoff
 from sampler.runs import Complete, Run, SlotTable, slot_span
 from sampler.stats import SamplerStats
@@ -69,8 +75,14 @@ class SamplerLoop:
         timeline: Any = None,
         clock: Callable[[], float] = time.monotonic,
         on_boundary: Callable[[], None] | None = None,
+        environment: EnvRunner | None = None,
     ):
         self.engine = engine
+        self._episodes = (
+            None
+            if environment is None
+            else Episodes(environment, max_observation=engine.max_prefill_length)
+        )
         # Called on the loop's thread at every step boundary (after frees and adoptions, before
         # admission): a replica sampler decides and executes migrations there.
         self.on_boundary = on_boundary
@@ -191,25 +203,51 @@ class SamplerLoop:
             self._state = self.engine.import_slots(self._state, moved, slots)
         if swapped and self.recompute_kv:
             self._recompute(params)
+        episodes = self._episodes
+        if episodes is not None:
+            self._next_turns(episodes, params, version)
         if self.on_boundary is not None:
             self.on_boundary()
         self._admit(params)
-        if not self._table.busy():
-            self._emit_scored(wait=True)  # nothing to decode: wait for rewards still running
+        waiting = 0 if episodes is None else len(episodes.waiting)
+        if self._table.busy() == waiting:  # nothing to decode
+            if episodes is not None and waiting:
+                self._emit_scored(wait=False)
+                episodes.wait()
+                return True
+            self._emit_scored(wait=True)  # wait for rewards still running
             return self.pending() > 0
         self._state, result = self.engine.generate(params, self._state)
         result = jax.device_get(result)
         if imports:
             with self._lock:
                 migration.decoded(self._table, imports)
-        complete = [g for g in map(self._finish, self._record(result, version)) if g is not None]
+        self._complete(self._record(result, version))
+        return self.pending() > 0
+
+    def _complete(self, finished: list[tuple[Run, int]]) -> None:
+        """Settles finished samples; their complete groups go to scoring (round cuts applied)."""
+        complete = [g for g in map(self._finish, finished) if g is not None]
         with self._lock:
             groups, abort, refused = self._cuts.apply(complete)  # round cuts: abort the rest
             self._abort_locked(abort)
             self.stats.groups_cut += refused
             self._scoring.extend(groups)
         self._emit_scored(wait=False)
-        return self.pending() > 0
+
+    def _next_turns(self, episodes: Episodes, params: Any, version: int) -> None:
+        """Samples whose environment answered go on (observation into their KV) or finish."""
+        with self._lock:
+            resume, finished = episodes.settle(self._table, version, self.stats)
+            for s, run, i in finished:
+                slot_span(self.timeline, s, run, i, self.clock())
+        extend = [(r.slot, r.fed, r.last) for r in resume if not r.reprefill]
+        if extend:
+            self._state = self.engine.extend(params, self._state, extend)
+        again = [(r.slot, r.run, r.sample) for r in resume if r.reprefill]
+        if again:
+            self._state = self.engine.reprefill(params, self._state, self._recomputed(again))
+        self._complete([(run, i) for _, run, i in finished])
 
     def run_until_idle(self, max_steps: int | None = None) -> None:
         """Steps until nothing waits or runs (synchronous use)."""
@@ -258,21 +296,33 @@ class SamplerLoop:
     def _recompute(self, params: Any) -> None:
         """Re-prefills every running sample (prompt + its tokens so far) with `params`."""
         with self._lock:
-            running = [
-                (s, run, i, tuple(run.samples[i].tokens)) for s, run, i in self._table.running()
-            ]
-        items = [(s, run.request, i, generated) for s, run, i, generated in running]
-        self._state = self.engine.reprefill(params, self._state, items)
+            running = []
+            for s, run, i in self._table.running():
+                if i in run.waiting:  # between turns: re-prefilled when its next turn starts
+                    run.samples[i].stale = True
+                else:
+                    running.append((s, run, i))
+        self._state = self.engine.reprefill(params, self._state, self._recomputed(running))
+
+    def _recomputed(
+        self, samples: list[tuple[int, Run, int]]
+    ) -> list[tuple[int, Request, int, tuple]]:
+        """`Engine.reprefill`'s items for these (slot, run, sample)s: prompt + tokens so far."""
         with self._lock:
-            self.stats.recomputes += len(running)
-            self.stats.recomputed_tokens += sum(
-                len(run.request.prompt) + len(g) for _, run, _, g in running
-            )
+            items = [(s, run.request, i, tuple(run.samples[i].tokens)) for s, run, i in samples]
+            self.stats.recomputes += len(items)
+            self.stats.recomputed_tokens += sum(len(q.prompt) + len(g) for _, q, _, g in items)
+        return items
 
     def _record(self, result: Any, version: int) -> list[tuple[Run, int]]:
-        """Appends produced tokens to their samples; returns the (run, sample) pairs that finished."""
+        """Appends produced tokens to their samples; returns the (run, sample) pairs that finished
+        (with an environment, none: a stopped turn waits for its answer, sampler/episodes.py)."""
         with self._lock:
             finished = completion.record(self._table, result, version, self.stats)
+            if self._episodes is not None:
+                for s, run, i in finished:
+                    self._episodes.turn_ended(self._table, s, run, i)
+                return []
             for s, run, i in finished:
                 slot_span(self.timeline, s, run, i, self.clock())
         return [(run, i) for _, run, i in finished]
@@ -284,7 +334,10 @@ class SamplerLoop:
         with self._lock:
             if run.aborted:
                 return None
-        reward = completion.score(self.reward_fn, self._submit_reward, run.request, done)
+        if self._episodes is not None:  # the episode's return
+            reward = completion.resolved(sum(done.turn_rewards))
+        else:
+            reward = completion.score(self.reward_fn, self._submit_reward, run.request, done)
         with self._lock:
             return completion.settle(self._table, run, i, done, reward, self.stats)
 
@@ -386,8 +439,15 @@ class SamplerLoop:
     def _has_work(self) -> bool:
         """Something waits, runs, is scored, or waits for the next step boundary (lock held)."""
         t, queued = self._table, len(self.admission)
+        episodes = self._episodes is not None and bool(self._episodes.waiting)
         return bool(
-            queued or t.runs or self._scoring or t.to_free or t.imports or self._pending_params
+            queued
+            or t.runs
+            or self._scoring
+            or t.to_free
+            or t.imports
+            or self._pending_params
+            or episodes
         )
 
     def drain(self, timeout: float | None = None) -> None:

@@ -34,9 +34,11 @@ class Handoff:
 
 
 def movable(table: SlotTable, run: Run) -> bool:
-    """A run can move: not done, every sample started, decoded here since it came."""
+    """A run can move: not done, every sample started, decoded here since it came, none between
+    turns (waiting for its environment)."""
     return (
         not run.aborted
+        and not run.waiting
         and None not in run.slots
         and run.request.key not in table.unmovable
         and run.request.key in table.runs

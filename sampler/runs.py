@@ -25,6 +25,11 @@ class Sample:
     versions: list[int] = dataclasses.field(default_factory=list)
     start: float = 0.0  # when it entered its slot
     base: int = 0  # tokens it had when it entered this slot (> 0 after a migration)
+    # multi-turn (sampler/episodes.py): which tokens the environment wrote, each turn's reward,
+    # and whether its cached KV predates a weight swap it waited through (recompute_kv)
+    observed: list[bool] = dataclasses.field(default_factory=list)
+    turn_rewards: list[float] = dataclasses.field(default_factory=list)
+    stale: bool = False
 
 
 @dataclasses.dataclass
@@ -37,6 +42,7 @@ class Run:
         default_factory=dict
     )
     aborted: bool = False  # aborted, or its group is already emitted
+    waiting: set[int] = dataclasses.field(default_factory=set)  # samples between turns
 
     @classmethod
     def of(cls, request: Request) -> Run:
@@ -48,6 +54,7 @@ class Run:
         """Sample i as a Completion (its reward still 0)."""
         r, sample = self.request, self.samples[i]
         stop = bool(sample.tokens) and sample.tokens[-1] in r.params.stop_token_ids
+        multi_turn = bool(sample.turn_rewards)
         return Completion(
             uid=r.uid,
             round=r.round,
@@ -57,6 +64,8 @@ class Run:
             logprobs=tuple(sample.logprobs),
             versions=tuple(sample.versions),
             finish_reason="stop" if stop else "length",
+            observation_mask=tuple(sample.observed) if any(sample.observed) else (),
+            turn_rewards=tuple(sample.turn_rewards) if multi_turn else (),
         )
 
 

@@ -23,6 +23,8 @@ class SamplerStats:
     migrations: int = 0  # requests handed off to another replica (JigsawRL migration)
     migrated_sequences: int = 0  # their running samples
     migrated_bytes: int = 0  # decode state moved (KV rows and per-slot state)
+    env_turns: int = 0  # multi-turn: the model's turns the environment answered
+    observation_tokens: int = 0  # tokens the environment appended (not in `tokens`)
 
     @property
     def occupancy(self) -> float:

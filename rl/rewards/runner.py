@@ -59,6 +59,10 @@ class RewardRunner:
         workers: int = 4,
         max_stuck: int = 32,
         backend: str = "thread",
+        check: Callable[[Any], Any] | None = None,
+        failure: Any = 0.0,
+        what: str = "Reward",
+        expected: str = "a finite real number",
     ):
         """Starts the workers.
 
@@ -70,6 +74,11 @@ class RewardRunner:
             max_stuck: thread backend: stopped calls that may still be running at once (inside a
                 C function) before a timeout raises.
             backend: "thread" or "process" (see the module docstring).
+            check: turns a call's value into the result, or None when the value is invalid
+                (default: a finite real number; rl.envs.EnvRunner checks an environment's Turn).
+            failure: the result of a call that raised, returned an invalid value or timed out.
+            what: what `fn` is, in log messages and errors ("Reward", "Environment").
+            expected: what a valid value is, in the message about an invalid one.
         """
         if not (timeout_s > 0 and math.isfinite(timeout_s)):
             raise ValueError(f"timeout_s must be a finite number > 0; received {timeout_s}.")
@@ -90,6 +99,8 @@ class RewardRunner:
                     "(e.g. a registered reward), or backend='thread'."
                 ) from None
         self.fn, self.decode, self.backend = fn, decode, backend
+        self.check, self.failure, self.what = check or as_finite_float, failure, what
+        self.expected = expected
         self.timeout_s, self.workers, self.max_stuck = timeout_s, workers, max_stuck
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
@@ -113,10 +124,16 @@ class RewardRunner:
         The Future raises only when the runner cannot score at all: it was closed with the call
         still queued, or too many calls are stuck (thread backend, see `max_stuck`).
         """
-        job = Job(request, completion.tokens)
+        return self.submit_call(request, completion.tokens)
+
+    def submit_call(self, request: Request, payload: Any) -> concurrent.futures.Future:
+        """`submit` of any payload: `fn(request, decode(payload))` on a worker (a Future)."""
+        job = Job(request, payload)
         with self._lock:
             if self._closed:
-                raise RuntimeError(f"RewardRunner({self.name}) is closed; expected an open one.")
+                raise RuntimeError(
+                    f"{self.what} runner {self.name} is closed; expected an open one."
+                )
             self._calls += 1
         self._jobs.put(job)
         return job.future
@@ -201,7 +218,7 @@ class RewardRunner:
                     except BaseException as e:
                         job.future.set_exception(e)
                     else:
-                        job.future.set_result(0.0)
+                        job.future.set_result(self.failure)
                 except BaseException as e:  # the runner itself failed: the caller sees it
                     job.future.set_exception(e)
                 if isinstance(worker, ProcessWorker) and not worker.alive():
@@ -211,28 +228,28 @@ class RewardRunner:
             if worker is not None:
                 worker.stop()  # an idle worker: ends at once
 
-    def _score(self, worker: ThreadWorker | ProcessWorker, job: Job) -> float:
-        """The call's score: its value, or 0.0 (counted) for an error or an invalid value."""
+    def _score(self, worker: ThreadWorker | ProcessWorker, job: Job) -> Any:
+        """The call's result (`check`ed), or `failure` (counted) for an error or an invalid value."""
         try:
             value = worker.call(job, self.timeout_s)
         except CallTimeout:
             raise
         except Exception as error:
             self._count_error(
-                "exception", "Reward %s raised on request uid=%d round=%d: %r", job.request, error
+                "exception", "%s %s raised on request uid=%d round=%d: %r", job.request, error
             )
-            return 0.0
-        reward = _as_finite_float(value)
-        if reward is None:
+            return self.failure
+        result = self.check(value)
+        if result is None:
             self._count_error(
                 "invalid value",
-                "Reward %s returned an invalid value for request uid=%d round=%d: %r; expected "
-                "a finite real number",
+                "%s %s returned an invalid value for request uid=%d round=%d: %r; expected "
+                + self.expected,
                 job.request,
                 value,
             )
-            return 0.0
-        return reward
+            return self.failure
+        return result
 
     def _replace(
         self, worker: ThreadWorker | ProcessWorker, job: Job
@@ -245,12 +262,14 @@ class RewardRunner:
         if first:
             how = "the worker process killed" if self.backend == "process" else "the call stopped"
             logging.warning(
-                "Reward %s took over timeout_s=%s on request uid=%d round=%d; scored 0.0 and %s. "
+                "%s %s took over timeout_s=%s on request uid=%d round=%d; gave %r and %s. "
                 "Later timeouts are only counted: see RewardRunner.stats().",
+                self.what,
                 self.name,
                 self.timeout_s,
                 job.request.uid,
                 job.request.round,
+                self.failure,
                 how,
             )
         if isinstance(worker, ProcessWorker):
@@ -260,7 +279,7 @@ class RewardRunner:
             with self._lock:
                 if self._stuck() >= self.max_stuck:  # (this one not counted: the run stops)
                     raise RuntimeError(
-                        f"Reward {self.name}: {self._stuck() + 1} calls are stuck past timeout_s="
+                        f"{self.what} {self.name}: {self._stuck() + 1} calls are stuck past timeout_s="
                         f"{self.timeout_s} (each inside a C function that a thread cannot "
                         f"interrupt); expected at most max_stuck={self.max_stuck}. The last was "
                         f"request uid={job.request.uid}; backend='process' kills such calls."
@@ -283,16 +302,18 @@ class RewardRunner:
             self._logged.add(kind)
         if first:
             logging.warning(
-                message + "; scored 0.0. Later errors of this kind are only counted: see "
+                message + "; gave %r. Later errors of this kind are only counted: see "
                 "RewardRunner.stats().",
+                self.what,
                 self.name,
                 request.uid,
                 request.round,
                 detail,
+                self.failure,
             )
 
 
-def _as_finite_float(value: Any) -> float | None:
+def as_finite_float(value: Any) -> float | None:
     """`float(value)` for a finite real (bool, int, float, numpy or jax scalar); else None."""
     if isinstance(value, (str, bytes, bytearray, complex)) or not hasattr(value, "__float__"):
         return None

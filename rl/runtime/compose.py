@@ -13,6 +13,7 @@ wire nothing by hand. This module only builds parts; rl.runtime.factory picks th
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,7 @@ from rl.elastic.migration import (
     has_consumer,
     make_migration_policy,
 )
+from rl.envs import EnvRunner, get_environment
 from rl.evaluate import evaluate
 from rl.models.build import build_model
 from rl.models.export import export_hf
@@ -158,6 +160,7 @@ def build_sft(config: Any, setup: Setup, learner: Learner, records: Any) -> SftT
         warmup_steps=config.sft.warmup_steps,
         seed=config.seed,
         min_length_bucket=config.learner.min_length_bucket,  # rows padded as in RL, not to 32
+        examples_per_row=config.sft.examples_per_row,
         **setup.data.prompt_kwargs,
     )
 
@@ -183,6 +186,7 @@ def precompile_engine(config: Any, engine: Engine, params_like: Any) -> None:
         params_like,
         recompute=config.driver.recompute_kv,
         migrate_rows=launched if migrates else 0,
+        multi_turn=bool(config.env.name),
     )
 
 
@@ -197,6 +201,29 @@ def build_reward(config: Any, setup: Setup) -> RewardRunner:
     )
 
 
+# config.env's own fields; the rest are the environment's options (those its constructor takes)
+ENV_FIELDS = ("name", "max_turns", "timeout_s", "workers")
+
+
+def build_environment(config: Any, setup: Setup) -> EnvRunner | None:
+    """The multi-turn environment of config.env (rl/envs) on its runner, or None (env.name "":
+    single-turn). The environment is given the tokenizer, the task's reward and the options of
+    config.env its constructor names."""
+    if not config.env.name:
+        return None
+    factory = get_environment(config.env.name)
+    takes = inspect.signature(factory).parameters
+    options = {k: v for k, v in config.env.items() if k not in ENV_FIELDS and k in takes}
+    env = factory(tokenizer=setup.tokenizer, reward=get_reward(config.task.reward), **options)
+    return EnvRunner(
+        env,
+        vocab_size=setup.tokenizer.vocab_size,
+        max_turns=config.env.max_turns,
+        timeout_s=config.env.timeout_s,
+        workers=config.env.workers,
+    )
+
+
 def rollout_reward(config: Any, runner: RewardRunner) -> Any:
     """What the sampler scores rollouts with: the task's reward, plus DAPO's soft overlong
     punishment when config.overlong.cache_tokens > 0 (evaluation scores the plain reward)."""
@@ -208,10 +235,18 @@ def rollout_reward(config: Any, runner: RewardRunner) -> Any:
 
 
 def evaluate_heldout(
-    config: Any, setup: Setup, engine: Engine, published: Any, records: Any, reward: Any, k: int
+    config: Any,
+    setup: Setup,
+    engine: Engine,
+    published: Any,
+    records: Any,
+    reward: Any,
+    k: int,
+    environment: EnvRunner | None = None,
 ) -> dict[str, float]:
     """Greedy accuracy of published params on `records`, and pass@k from config.eval.pass_n
-    samples when k > 1 (rl.evaluate); every runtime evaluates through this."""
+    samples when k > 1 (rl.evaluate), episodes in `environment` if any; every runtime evaluates
+    through this."""
     return evaluate(
         engine,
         published,
@@ -223,6 +258,7 @@ def evaluate_heldout(
         k=k,
         n=config.eval.pass_n if k > 1 else 0,
         temperature=config.sampling.temperature,
+        environment=environment,
         **setup.data.prompt_kwargs,
     )
 

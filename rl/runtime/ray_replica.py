@@ -25,6 +25,7 @@ from rl.runtime.compose import (
     Setup,
     build_checked_model,
     build_engine,
+    build_environment,
     build_learner,
     build_reward,
     evaluate_heldout,
@@ -89,6 +90,7 @@ class ReplicaCore:
         self.sync = DevicePutSync(params_like, mesh, rules=self.setup.rules)
         self.reward = build_reward(config, self.setup)
         self.eval_reward = build_reward(config, self.setup)
+        self.environment = build_environment(config, self.setup)
         self.timeline = Timeline()
         self._migration = threading.Lock()  # the handoffs asked for and taken
         self._asked: set[tuple[int, int]] = set()
@@ -103,6 +105,7 @@ class ReplicaCore:
             recompute_kv=config.driver.recompute_kv,
             timeline=self.timeline,
             on_boundary=self._boundary,
+            environment=self.environment,
         )
         self.loop = self._new_loop()
 
@@ -162,7 +165,14 @@ class ReplicaCore:
 
         published = self.sync.publish(params, -1).params
         return evaluate_heldout(
-            self.config, self.setup, self.engine, published, records, self.eval_reward, k
+            self.config,
+            self.setup,
+            self.engine,
+            published,
+            records,
+            self.eval_reward,
+            k,
+            self.environment,
         )
 
     # ------------------------------------------------ lending its devices to the learner (BiDiRL)

@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from rl.elastic.migration import MigrationPolicy, Off
+from rl.envs import EnvRunner
 from rl.round_planner import RoundCut
 from rl.runtime.routing import RoutedCuts, Routing
 from rl.timeline import SLOT_PREFIX, replica_lane
@@ -79,8 +80,8 @@ class ReplicaSampler:
     Args:
       engines: one Engine per replica, each on its own devices.
       make_admission: a fresh admission policy (one per replica).
-      reward_fn, emit, group_atomic, recompute_kv, timeline, clock: as for SamplerLoop; `emit`
-        gets each group once.
+      reward_fn, emit, group_atomic, recompute_kv, timeline, clock, environment: as for
+        SamplerLoop; `emit` gets each group once.
       version: the weights' version before the first set_params.
       routing: "round_robin" or "least_loaded".
       migration: the migration policy (default: none).
@@ -100,6 +101,7 @@ class ReplicaSampler:
         migration: MigrationPolicy | None = None,
         timeline: Any = None,
         clock: Callable[[], float] = time.monotonic,
+        environment: EnvRunner | None = None,
     ):
         engines = list(engines)
         if not engines:
@@ -110,6 +112,7 @@ class ReplicaSampler:
         self._group_atomic, self._recompute_kv = group_atomic, recompute_kv
         self.migration = Off() if migration is None else migration
         self.timeline, self.clock = timeline, clock
+        self.environment = environment
         self._params: tuple[Any, int] = (None, version)
         # routing, cuts and the replica table; taken before a loop's lock, never inside one
         self._lock = threading.Lock()
@@ -144,6 +147,7 @@ class ReplicaSampler:
             timeline=None if self.timeline is None else ReplicaTimeline(self.timeline, i, offset),
             clock=self.clock,
             on_boundary=lambda: self._boundary(i),
+            environment=self.environment,
         )
         with self._lock:
             self.loops[i], self._offsets[i] = loop, offset

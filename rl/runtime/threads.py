@@ -30,12 +30,14 @@ from rl.admission import make_policy
 from rl.compiles import compile_stats
 from rl.driver import Driver, DriverConfig
 from rl.elastic.migration import MigrationPolicy
+from rl.envs import EnvRunner
 from rl.queue import GroupQueue
 from rl.runtime.compose import (
     Setup,
     build_borrower,
     build_checked_model,
     build_engine,
+    build_environment,
     build_learner,
     build_lender,
     build_migration,
@@ -70,6 +72,7 @@ def threaded_driver(
     driver_cls: type[Driver] = Driver,
     routing: str = "round_robin",
     migration: MigrationPolicy | None = None,
+    environment: EnvRunner | None = None,
     **driver_kwargs: Any,
 ) -> Driver:
     """A Driver over sampler replica threads (one per engine) and an in-process GroupQueue.
@@ -80,6 +83,7 @@ def threaded_driver(
       driver_cls: Driver or a subclass.
       routing: request -> replica, "round_robin" or "least_loaded" (rl.runtime.routing).
       migration: a long-tail migration policy (rl.elastic.migration); default none.
+      environment: multi-turn episodes in this environment (rl.envs); default single-turn.
       driver_kwargs: passed on to the Driver (version, rounds, barrier_every).
     """
     timeline = Timeline() if timeline is None else timeline
@@ -97,6 +101,7 @@ def threaded_driver(
         migration=migration,
         timeline=timeline,
         clock=clock,
+        environment=environment,
     )
     return driver_cls(
         cfg,
@@ -127,6 +132,7 @@ class ThreadsRuntime:
       lend: the sampler's lender of the learner's devices (config.elastic.borrowing), or None.
       reward, eval_reward: rollouts and evaluation get their own runners, so each counts its own
         errors and timeouts.
+      environment: the multi-turn environment's runner (config.env), or None.
     """
 
     def __init__(self, config: Any, setup: Setup, *, total_updates: int):
@@ -165,6 +171,7 @@ class ThreadsRuntime:
         for engine in self.engines:
             precompile_engine(config, engine, published)
         self.reward, self.eval_reward = build_reward(config, setup), build_reward(config, setup)
+        self.environment = build_environment(config, setup)
         self._ckpt = None
         self.borrow = build_borrower(
             config,
@@ -198,6 +205,7 @@ class ThreadsRuntime:
             migration=self.migration,
             weight_sync=self.weight_sync,
             reward_fn=reward_fn or rollout_reward(self.config, self.reward),
+            environment=self.environment,
             **kwargs,
         )
 
@@ -216,6 +224,7 @@ class ThreadsRuntime:
             records,
             self.eval_reward,
             k,
+            self.environment,
         )
 
     def export_hf(self, path: str) -> None:
@@ -246,6 +255,8 @@ class ThreadsRuntime:
     def close(self) -> None:
         self.reward.close()
         self.eval_reward.close()
+        if self.environment is not None:
+            self.environment.close()
 
 
 class LocalCheckpoints:

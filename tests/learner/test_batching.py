@@ -1,5 +1,7 @@
 """Packed learner batches: the layout, and the same loss and gradients as one sequence per row."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -190,3 +192,65 @@ def test_packed_sharded_learner_equals_unpacked_single_device():
             np.testing.assert_allclose(b[k], a[k], atol=1e-5, rtol=1e-5, err_msg=k)
     for x, y in zip(jax.tree.leaves(p0), jax.tree.leaves(p1), strict=True):
         np.testing.assert_allclose(y, x, atol=1e-5, rtol=0)
+
+
+def _observed(groups, every=3):
+    """The groups with every `every`-th response token marked as the environment's."""
+    out = []
+    for g in groups:
+        comps = tuple(
+            dataclasses.replace(
+                c, observation_mask=tuple(i % every == 1 for i in range(len(c.tokens)))
+            )
+            for c in g.completions
+        )
+        out.append(dataclasses.replace(g, completions=comps))
+    return out
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_observation_tokens_carry_no_loss_weight(pack):
+    groups = _observed(make_groups(2, seed=4, max_response=12))
+    batch = make_batch(groups, _advantages(groups), rows=8, min_length_bucket=16, pack=pack)
+    for k, c in enumerate(x for g in groups for x in g.completions):
+        start = len(c.prompt) - 1
+        row = batch.loss_mask[k, start : start + len(c.tokens)]
+        np.testing.assert_array_equal(row, [0.0 if m else 1.0 for m in c.observation_mask])
+        assert batch.loss_mask[k].sum() == len(c.tokens) - sum(c.observation_mask)
+
+
+@pytest.mark.slow  # ~8 s cold; test_observation_tokens_carry_no_loss_weight checks the mask
+def test_an_update_ignores_what_the_sampler_reported_for_observation_tokens():
+    """The behaviour log-probs of observation tokens (0.0 from the sampler: it did not draw them)
+    enter neither the loss nor its metrics: any value there gives the same update, bitwise."""
+    model = create_model(get_preset("tiny"), seed=3)
+    groups = _observed(make_groups(2, seed=10, max_response=12))
+    garbage = [
+        dataclasses.replace(
+            g,
+            completions=tuple(
+                dataclasses.replace(
+                    c,
+                    logprobs=tuple(
+                        -50.0 if m else lp
+                        for lp, m in zip(c.logprobs, c.observation_mask, strict=True)
+                    ),
+                )
+                for c in g.completions
+            ),
+        )
+        for g in groups
+    ]
+    cfg = LearnerConfig(
+        optimizer=OptimizerConfig(lr=1e-3), micro_batch_rows=8, old_logprobs="sampler"
+    )
+    results = []
+    for gs in (groups, garbage):
+        learner = Learner(model, cfg, mesh=_single_mesh())
+        learner.begin_round(updates=1)
+        learner.add_groups(gs)
+        results.append((learner.update(), jax.tree.leaves(learner.params)))
+    (m0, p0), (m1, p1) = results
+    assert m0 == m1
+    for a, b in zip(p0, p1, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

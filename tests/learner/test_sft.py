@@ -28,6 +28,29 @@ def test_sft_batch_masks_answer_and_eos_only():
     assert small.inputs.shape == (2, 8)  # as the RL learner pads (learner.min_length_bucket)
 
 
+def test_sft_rows_of_several_examples_attend_across_and_train_every_answer():
+    """examples_per_row=2: one sequence (one segment, positions 0..n-1) holding both records, the
+    loss on each answer and its eos: the second answer is learned after the first problem."""
+    recs = [{"id": i, "question": f"{i}+1=", "answer": str(i + 1)} for i in (1, 2, 3)]
+    batch = sft_batch(recs, TOK, examples_per_row=2, min_length_bucket=8)
+    assert batch.inputs.shape == (2, 16)  # rows [1, 2] and [3]
+    one = [TOK.bos_id, *TOK.encode("1+1="), *TOK.encode("2"), TOK.eos_id]
+    two = [TOK.bos_id, *TOK.encode("2+1="), *TOK.encode("3"), TOK.eos_id]
+    seq = one + two
+    n = len(seq) - 1
+    assert batch.inputs[0, :n].tolist() == seq[:-1] and batch.targets[0, :n].tolist() == seq[1:]
+    assert batch.positions[0, :n].tolist() == list(range(n)) and set(batch.segments[0, :n]) == {1}
+    trained = [
+        TOK.decode([t]) if t != TOK.eos_id else "<e>"
+        for t, m in zip(batch.targets[0], batch.loss_mask[0], strict=True)
+        if m
+    ]
+    assert trained == ["2", "<e>", "3", "<e>"]
+    assert batch.loss_mask[1].sum() == 2  # the last row: record 3 alone
+    with pytest.raises(ValueError, match="examples_per_row must be >= 1"):
+        sft_batch(recs, TOK, examples_per_row=0)
+
+
 @pytest.mark.slow
 def test_sft_raises_heldout_accuracy():
     import jax

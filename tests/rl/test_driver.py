@@ -14,6 +14,7 @@ from learner.learner import Learner
 from learner.mesh import MeshConfig, make_meshes
 from learner.publish import DevicePutSync
 from rl.driver import Driver, DriverConfig
+from rl.envs import EnvRunner, Turn
 from rl.models import create_model, get_preset
 from rl.round_planner import TailConfig
 from rl.runtime.threads import threaded_driver
@@ -56,6 +57,8 @@ def build(
     recompute_kv=False,
     dynamic_sampling=False,
     max_oversample=3.0,
+    environment=None,
+    stop_token_ids=(),
 ):
     lm, sm = make_meshes(MeshConfig(learner_devices=1, sampler_devices=1))
     model = create_model(get_preset("tiny", init_std=0.3), seed=seed)
@@ -68,7 +71,13 @@ def build(
     )
     engine = Engine(
         model,
-        EngineConfig(max_slots=4, max_length=32, max_prefill_length=16, steps_per_call=2),
+        EngineConfig(
+            max_slots=4,
+            max_length=32,
+            max_prefill_length=16,
+            steps_per_call=2,
+            max_stop_tokens=max(4, len(stop_token_ids)),
+        ),
         mesh=sm,
     )
     cfg = DriverConfig(
@@ -78,7 +87,9 @@ def build(
         groups_per_round=R,
         groups_per_update=U,
         group_size=G,
-        sampling=dataclasses.replace(SAMPLING, max_new_tokens=max_new_tokens),
+        sampling=dataclasses.replace(
+            SAMPLING, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids
+        ),
         queue_size=queue_size,
         tail=tail or TailConfig(),
         epoch_size=epoch_size,
@@ -96,6 +107,7 @@ def build(
         weight_sync=DevicePutSync(learner.params, sm),
         prompts=prompts(seed),
         reward_fn=reward_fn,
+        environment=environment,
     )
 
 
@@ -131,6 +143,37 @@ def test_cgp_ordered_equals_sync(U):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for r in cgp:  # every token of round r was sampled by policy version r
         assert {v for g in r.groups for c in g.completions for v in c.versions} == {r.round}
+
+
+class Relay:
+    """A deterministic environment: each turn is answered with its first token and a 7, rewarded
+    by that token's parity; done after 3 turns."""
+
+    def step(self, request, transcript):
+        turn = transcript.turns[-1]
+        n = len(transcript.turns)
+        return Turn(observation=(turn[0], 7), reward=float(turn[0] % 2), done=n >= 3)
+
+
+@pytest.mark.slow  # ~25 s cold
+def test_cgp_ordered_equals_sync_for_multi_turn_episodes():
+    """Multi-turn episodes (observations appended between turns, environment answers arriving
+    whenever they do) keep complete-group pipelining exact: the tokens and parameters of sync."""
+    kw = dict(max_new_tokens=12, stop_token_ids=tuple(range(0, 256, 5)))
+    with EnvRunner(Relay(), vocab_size=256, max_turns=3) as env:
+        sync_driver = build("sync", environment=env, **kw)
+        cgp_driver = build("cgp", "ordered", environment=env, **kw)
+        sync, cgp = run(sync_driver), run(cgp_driver)
+    assert tokens_of(sync) == tokens_of(cgp)
+    completions = [c for r in cgp for g in r.groups for c in g.completions]
+    assert sum(len(c.turn_rewards) > 1 for c in completions) >= len(completions) // 4
+    assert [r.version for r in cgp] == [0, 1, 2]
+    for a, b in zip(
+        jax.tree.leaves(sync_driver.learner.params),
+        jax.tree.leaves(cgp_driver.learner.params),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_per_sample_admission_trains_the_same_tokens_and_params_as_group_atomic():
