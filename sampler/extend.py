@@ -25,24 +25,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl.models.transformer import KVCache, Transformer
+from sampler import prefill
 from sampler.cache import DecodeState
-from sampler.prefill import PREFILL_CHUNK
 
-CHUNK = PREFILL_CHUNK  # rows per cached forward
+CHUNK = prefill.PREFILL_CHUNK  # rows per cached forward (prefill.chunks' size)
 
 # (slot, fed tokens (the stop token, then the observation but its last), the observation's last)
 Item = tuple[int, tuple[int, ...], int]
 
 
-def chunks(items: Sequence[Item], bucket: Callable[[int], int]) -> list[tuple[int, list[Item]]]:
+def chunks(items: Sequence[Item], bucket: Callable[[int], int]) -> list[tuple[int, Sequence[Item]]]:
     """`items` in calls of at most CHUNK rows of one bucket of fed tokens, shortest first."""
-    out: dict[int, list[Item]] = {}
-    for item in items:
-        out.setdefault(bucket(len(item[1])), []).append(item)
+    fed = lambda item: len(item[1])
     return [
-        (length, group[i : i + CHUNK])
-        for length, group in sorted(out.items())
-        for i in range(0, len(group), CHUNK)
+        (length, chunk)
+        for length, group in prefill.by_bucket(items, bucket, length=fed)
+        for chunk in prefill.chunks(group)
     ]
 
 

@@ -101,16 +101,21 @@ def insert_args(
     return np.asarray(ids, np.int32), sampling, stop
 
 
-def by_bucket(items: Sequence[Item], bucket: Callable[[int], int]) -> list[tuple[int, list[Item]]]:
-    """`items` grouped by their prompts' length bucket (`bucket(length)`), shortest first."""
-    out: dict[int, list[Item]] = {}
+def by_bucket(
+    items: Sequence[Any],
+    bucket: Callable[[int], int],
+    length: Callable[[Any], int] = lambda item: len(item[0].prompt),
+) -> list[tuple[int, list[Any]]]:
+    """`items` grouped by the bucket of their length (default: an Item's prompt length),
+    shortest first."""
+    out: dict[int, list[Any]] = {}
     for item in items:
-        out.setdefault(bucket(len(item[0].prompt)), []).append(item)
+        out.setdefault(bucket(length(item)), []).append(item)
     return sorted(out.items())
 
 
-def chunks(items: Sequence[Item]) -> list[Sequence[Item]]:
-    """`items` in calls of at most PREFILL_CHUNK prompts."""
+def chunks(items: Sequence[Any]) -> list[Sequence[Any]]:
+    """`items` in calls of at most PREFILL_CHUNK rows."""
     return [items[i : i + PREFILL_CHUNK] for i in range(0, len(items), PREFILL_CHUNK)]
 
 

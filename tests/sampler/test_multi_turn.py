@@ -54,18 +54,17 @@ def request(uid, group=2, n_new=30):
     )
 
 
-def episodes(engine, params, env, requests, max_turns=4, **loop_kwargs):
+def episode_loop(engine, params, runner, groups):
+    """A sampler loop whose samples are episodes in `runner`'s environment, emitting to `groups`."""
+    return SamplerLoop(
+        engine, params, admission=FCFS(), reward_fn=None, emit=groups.append, environment=runner
+    )
+
+
+def episodes(engine, params, env, requests, max_turns=4):
     groups = []
     with EnvRunner(env, vocab_size=256, max_turns=max_turns) as runner:
-        loop = SamplerLoop(
-            engine,
-            params,
-            admission=FCFS(),
-            reward_fn=None,
-            emit=groups.append,
-            environment=runner,
-            **loop_kwargs,
-        )
+        loop = episode_loop(engine, params, runner, groups)
         loop.submit(requests)
         loop.run_until_idle(max_steps=2000)
         assert loop.busy_slots() == 0 and loop.pending() == 0
@@ -204,14 +203,7 @@ def test_abort_between_turns_frees_the_slot(engine, model):
     params = engine.load_params(model)
     groups = []
     with EnvRunner(Echo(delay=0.3), vocab_size=256, max_turns=4) as runner:
-        loop = SamplerLoop(
-            engine,
-            params,
-            admission=FCFS(),
-            reward_fn=None,
-            emit=groups.append,
-            environment=runner,
-        )
+        loop = episode_loop(engine, params, runner, groups)
         r = request(3, group=4)
         loop.submit([r])
         for _ in range(8):  # 16 tokens a sample: turns have ended (a quarter of tokens stop)
