@@ -59,15 +59,20 @@ presets allow, beside the paper's, with the baseline and the setting; --json wri
 time per round.
 
 --borrowing compares BiDiRL's bidirectional borrowing (rl/elastic/borrowing.py, carried out by
-rl/sim/borrow.py) with the static split: for each setup, sync and cgp+frontier+fifo (--borrow_modes)
-with each setting (off = static split; learner: the learner trains on the sampler's devices once the
-rollout drains; sampler: the learner's devices decode as extra replicas while the learner waits;
-both; each also as "<setting>+migration" with JigsawRL's long-tail migration, policy --migration or
-tail, so "off+migration" is migration alone), the throughput (groups/s) and its ratio to the
-static split, the moves made, against BiDiRL's up-to-1.94x (and JigsawRL's up-to-1.85x); with --balance_wait > 0 again with the learner scaled so that sync waits that share
-of its round ("borrowing_balanced"). The switch cost is --switch_cost_s (BiDiRL measures seconds; weighed by the policy and
-charged by the simulator); the sampler side predicts from the workload's true lengths (an oracle the
-runtime lacks).
+rl/sim/borrow.py) with the static split: for each setup, sync, cgp+frontier+fifo and
+async+frontier+s4+fill (--borrow_modes) with each setting (off = static split; learner: the
+learner trains on the sampler's devices once the rollout drains; sampler: the learner's devices
+decode as extra replicas while the learner waits, under async until its next batch is complete,
+when they are taken back mid-rollout and what ran there resumes on the other replicas,
+re-prefilled with the tokens it made; both; each also as "<setting>+migration" with JigsawRL's
+long-tail migration, policy --migration or tail, so "off+migration" is migration alone), the
+throughput (groups/s), its ratio to the static split, the moves made and the static split's
+pooling bound (its device-seconds over those its devices worked: what borrowing could gain at
+most), against BiDiRL's up-to-1.94x (and JigsawRL's up-to-1.85x); with --balance_wait > 0 again
+with the learner scaled so that sync waits that share of its round ("borrowing_balanced"). The
+switch cost is --switch_cost_s (BiDiRL measures seconds; weighed by the policy and charged by the
+simulator); the sampler side predicts from the workload's true lengths (an oracle the runtime
+lacks).
 """
 
 from __future__ import annotations
@@ -153,7 +158,9 @@ _BORROWING = flags.DEFINE_list(
     "borrowing", [], "Borrowing settings to compare (off,learner,sampler,both); empty: skip."
 )
 _BORROW_MODES = flags.DEFINE_list(
-    "borrow_modes", ["sync", "cgp+frontier+fifo"], "Modes of the borrowing comparison."
+    "borrow_modes",
+    ["sync", "cgp+frontier+fifo", "async+frontier+s4+fill"],
+    "Modes of the borrowing comparison.",
 )
 _SWITCH = flags.DEFINE_float("switch_cost_s", 5.0, "Borrowing: the switch cost (there and back).")
 _MIGRATION = flags.DEFINE_enum(
@@ -439,14 +446,20 @@ def borrowing(model: StageModel, slots: int, out: dict[str, Any]) -> None:
             print(f"  R={r}{what}:")
             print(
                 f"  {'mode':<26}{'borrowing':<16}{'groups/s':>9}{'vs static':>10}{'moves L/S':>10}"
+                f"{'bound':>7}"
             )
             for mode, by in rows.items():
-                for b, x in by.items():
+                for i, (b, x) in enumerate(by.items()):
+                    bound = f"{x['pooling_bound']:>6.2f}x" if i == 0 else ""
                     print(
                         f"  {mode:<26}{b:<16}{x['groups_per_s']:>9.3f}"
                         f"{x['throughput_vs_static']:>9.2f}x"
-                        f"{x['moves_learner']:>6.0f}/{x['moves_sampler']:<4.0f}"
+                        f"{x['moves_learner']:>6.0f}/{x['moves_sampler']:<4.0f}{bound}"
                     )
+            print(
+                "  bound (on the static row): its device-seconds over the device-seconds its "
+                "devices worked, the most any borrowing can gain there with free switches"
+            )
 
 
 def checkpoint_barriers(model: StageModel, slots: int, out: dict[str, Any]) -> None:

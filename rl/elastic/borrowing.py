@@ -15,6 +15,13 @@ measured switches of that direction; `switch_cost_s` before the first).
                     waits for its devices. remaining without = max(T_roll(n) + one update, T_learn)
                     when the learner trains groups as they arrive (cgp), T_roll(n) + T_learn when it
                     trains after the rollout (sync); with = T_roll(n + k) + T_learn.
+  under async       (`PoolState.ahead`: the sampler works ahead within the staleness bound) the
+                    sampler borrows while the learner waits for its next batch, whose groups
+                    still sampling the state describes: the learner would wait T_roll(n) for
+                    them, and the k extra replicas decode the window's queued sequences
+                    meanwhile; gain = (T_roll(n) - switch) x min(k, queued / slots) / n, the
+                    replica-time they take off the n replicas' backlog. The runtime takes them
+                    back once the batch is complete (what runs there resumes on the others).
 
 T_learn(D): micro-batches x learner_fixed + tokens x learner_per_token x (L0 / D) + updates x
 update_s (data parallel over D devices: only the per-token term scales; the optimizer apply and the
@@ -90,6 +97,8 @@ class PoolState:
     learner_tokens_left: float = 0.0
     learner_waiting: bool = False
     overlap: bool = True  # the learner trains groups as they arrive (cgp); sync: after the rollout
+    ahead: bool = False  # async: the sampler works ahead; the sampler side is the next batch's
+    queued: int = 0  # sequences submitted and waiting for a slot (what extra replicas can take)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -215,6 +224,8 @@ class BorrowPolicy:
                     f"{s.learner_devices} learner devices make no replica of tp "
                     f"{s.replica_devices}",
                 )
+            if s.ahead:
+                return self._judge("sampler", extra * s.replica_devices, self._ahead_gain(s, extra))
             learn = self.learner_s(s, s.learner_devices)
             one_update = self.learner_s(
                 dataclasses.replace(
@@ -230,6 +241,16 @@ class BorrowPolicy:
             with_ = self.rollout_s(s, s.sampler_replicas + extra) + learn
             return self._judge("sampler", extra * s.replica_devices, without - with_)
         return NO_DECISION
+
+    def _ahead_gain(self, s: PoolState, extra: int) -> float:
+        """async: the learner waits rollout_s(next batch) for its batch; the extra replicas decode
+        the window's queued sequences meanwhile (after the switch), which takes that much
+        replica-time off the n replicas' backlog: (wait - switch) x extra' / n seconds, extra'
+        the replicas the queue can fill."""
+        wait = self.rollout_s(s, s.sampler_replicas)
+        fill = min(float(extra), s.queued / s.slots)
+        cost = self.switch["sampler"].estimate
+        return max(wait - cost, 0.0) * fill / s.sampler_replicas
 
     def _judge(self, direction: str, devices: int, gain: float) -> Decision:
         cost = self.switch[direction].estimate

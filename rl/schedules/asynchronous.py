@@ -176,6 +176,11 @@ class AsyncSchedule:
     def updates_done(self) -> int:
         return self._done
 
+    def next_batch_missing(self) -> frozenset[tuple[int, int]]:
+        """The (round, uid) keys of the groups the next update still waits for."""
+        need = self._need.get(self._next_update)
+        return frozenset(need[1]) if need is not None else frozenset()
+
     def begin(self, round: int) -> list[Action]:
         """The runtime wants round `round`: submits what the bound allows (rounds run ahead of
         `begin` on their own). StopIteration: the source ran out before `round`."""

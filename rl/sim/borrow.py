@@ -63,7 +63,7 @@ class SimBorrower:
         open_rounds = sim.open_rounds()
         return open_rounds[0] if open_rounds else None
 
-    def _state(self, r: int, waiting: bool) -> PoolState:
+    def _state(self, r: int, waiting: bool, updates_left: int | None = None) -> PoolState:
         sim = self.sim
         assert sim is not None
         m, cfg = sim.model, sim.cfg
@@ -72,7 +72,8 @@ class SimBorrower:
         per_token = m.learner_per_token * sim.learner_scale
         learner_tokens = (queued / per_token if per_token else 0.0) + sim.round_tokens_unadded(r)
         learner_tokens += sim.sampler.remaining_learner_tokens()
-        updates_left = max(sim.updates_planned - sim.updates_done(r), 0)
+        if updates_left is None:
+            updates_left = max(sim.updates_planned - sim.updates_done(r), 0)
         rows = updates_left * cfg.groups_per_update * cfg.group_size
         return PoolState(
             learner_devices=self.learner_devices,
@@ -99,7 +100,10 @@ class SimBorrower:
         """Decides (once per round and direction) and moves; see the module docstring."""
         sim = self.sim
         assert sim is not None
-        if sim.cfg.mode == "async" or sim.learner_op is not None:
+        if sim.cfg.mode == "async":
+            self._check_ahead(now)
+            return
+        if sim.learner_op is not None:
             return
         r = self._round()
         if r is None:
@@ -132,6 +136,68 @@ class SimBorrower:
                 if d.move:
                     self._lend_to_sampler(r, d, now)
 
+    def _check_ahead(self, now: float) -> None:
+        """async: lend while the learner waits for its next batch; take back once it is complete."""
+        sim = self.sim
+        assert sim is not None
+        if self._lent is not None:
+            if any(op.name == "update" for op in sim.learner_ops):
+                self._return_sampler(now)
+            return
+        if self._learner_round is not None:
+            return
+        nxt = sim.schedule.updates_done
+        if (
+            not sim.sampler.outstanding
+            and any(op.name == "update" for op in sim.learner_ops)
+            and (nxt, "learner") not in self._decided
+            and self.policy.cfg.allows("learner")
+        ):
+            self._decided.add((nxt, "learner"))
+            r = self._round()
+            if r is not None:
+                d = self.policy.decide(self._state(r, waiting=False, updates_left=1))
+                self._record(r, d)
+                if d.move:
+                    self._borrow_learner(r, d, now)
+            return
+        busy = sim.learner_op is not None or sim.learner_ops
+        if busy or not sim.sampler.outstanding or (nxt, "sampler") in self._decided:
+            return
+        if not self.policy.cfg.allows("sampler"):
+            return
+        self._decided.add((nxt, "sampler"))
+        r = self._round()
+        if r is None:
+            return
+        d = self.policy.decide(self._ahead_state())
+        if d.direction == "sampler":
+            self._record(r, d)
+            if d.move:
+                self._lend_to_sampler(r, d, now)
+
+    def _ahead_state(self) -> PoolState:
+        """async: the next update's groups still sampling, and the sequences waiting for a slot."""
+        sim = self.sim
+        assert sim is not None
+        cfg = sim.cfg
+        missing = sim.schedule.next_batch_missing()
+        seqs, tokens, longest, context = sim.sampler.remaining(lambda r: r.key in missing)
+        return PoolState(
+            learner_devices=self.learner_devices,
+            sampler_replicas=cfg.replicas,
+            replica_devices=self.tp,
+            slots=cfg.slots,
+            sequences=seqs,
+            tokens_left=tokens,
+            longest_left=longest,
+            context=context,
+            updates_left=1,
+            learner_waiting=True,
+            ahead=True,
+            queued=sim.sampler.queued,
+        )
+
     def _borrow_learner(self, r: int, d: Decision, now: float) -> None:
 
         sim = self.sim
@@ -150,14 +216,16 @@ class SimBorrower:
         assert sim is not None
         extra = d.devices // self.tp
         sim.learner_blocked = True
-        self._lent = (r, extra, now)
+        lend = self._lent = (r, 0, now)  # no replica joined yet
         self.moves["sampler"] += 1
 
         def join(t: float) -> None:
+            if self._lent is not lend:  # taken back during the switch (async)
+                return
             if sim.sampler.outstanding:
                 sim.sampler.add_replicas(extra, t)
+                self._lent = (r, extra, now)
             else:  # the rollout ended during the switch
-                self._lent = (r, 0, self._lent[2] if self._lent else t)
                 self._return_sampler(t)
 
         sim.at(now + d.switch_cost_s / 2, join)
@@ -167,7 +235,9 @@ class SimBorrower:
         assert sim is not None and self._lent is not None
         r, extra, since = self._lent
         self._lent = None
-        if extra:
+        if extra and sim.cfg.mode == "async":  # taken back mid-rollout
+            sim.sampler.evict_replicas(extra, now)
+        elif extra:
             sim.sampler.remove_replicas(extra)
         cost = self.policy.switch["sampler"].estimate
         self.policy.record_switch("sampler", cost)

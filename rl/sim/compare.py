@@ -79,6 +79,20 @@ def summarize(result: SimResult, skip: int = 0) -> dict[str, Any]:
     return out
 
 
+def pooling_bound(result: SimResult, *, learner_devices: int, replica_devices: int = 1) -> float:
+    """The most any moving of devices between the learner and the sampler could gain over this
+    static-split run: its device-seconds over the device-seconds its devices worked (a sampler
+    replica counts as working while any of its slots runs). Borrowing only fills the idle ones,
+    so a run that borrows is at most this many times faster, with free switches."""
+    t = result.end_s
+    sampler = result.config.replicas * replica_devices
+    busy = (
+        learner_devices * result.counters["learner_busy_s"]
+        + replica_devices * result.counters["replica_busy_s"]
+    )
+    return (learner_devices + sampler) * t / busy if busy > 0 else math.nan
+
+
 def run_modes(
     modes: Sequence[str],
     model: StageModel,
@@ -217,10 +231,11 @@ def compare_borrowing(
     **fields: Any,
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """Each mode with each borrowing setting (rl.elastic.borrowing, rl/sim/borrow.py) on the same
-    workload: summarize's figures, the moves made and the throughput vs the static split ("off").
+    workload: summarize's figures, the moves made, the throughput vs the static split ("off") and
+    each run's pooling_bound (on the static row: the most any borrowing could gain there).
 
     Args:
-      modes: round modes (sync, cgp+...); `async` does not borrow.
+      modes: mode names (sync, cgp+..., async+...).
       model: the stage-time model (its learner terms for `learner_devices`).
       workload: response and prompt lengths.
       rounds: rounds per run.
@@ -260,6 +275,9 @@ def compare_borrowing(
             row["moves_learner"] = float(borrow.moves["learner"]) if borrow else 0.0
             row["moves_sampler"] = float(borrow.moves["sampler"]) if borrow else 0.0
             row["migrations"] = float(sum(float(r.get("migrations", 0)) for r in sim_rounds))
+            row["pooling_bound"] = pooling_bound(
+                result, learner_devices=learner_devices, replica_devices=replica_devices
+            )
             out[mode][name] = row
         base = out[mode][borrowings[0]]["groups_per_s"]
         for row in out[mode].values():

@@ -75,3 +75,4 @@ class Pending:
     done: dict[int, Completion] = dataclasses.field(default_factory=dict)
     seqs: list[Seq] = dataclasses.field(default_factory=list)
     version: int = 0  # the weights' version at admission
+    resume: dict[int, int] = dataclasses.field(default_factory=dict)  # sample -> tokens made

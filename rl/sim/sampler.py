@@ -240,23 +240,30 @@ class SimSampler:
         """Prefills one request into the replica's free slots; returns when the prefill ends."""
         p = self.pending[request.key]
         p.replica = rep.index
-        p.version = self.version
+        if not p.resume:
+            p.version = self.version
         if not rep.busy:
             self._set_busy(rep, True, now)
-        t = now + self.factor * self.model.prefill_s(len(request.prompt))
+        # a resumed request re-prefills each unfinished sample's tokens too
+        kv = len(request.prompt) + sum(p.resume.values())
+        t = now + self.factor * self.model.prefill_s(kv)
         self.timeline.span(
             "sampler/prefill", "prefill", now, t, round=request.round, uid=request.uid
         )
         self.counters.prefills += 1
         k = self.model.steps_per_call
-        for i, (slot, n) in enumerate(zip(rep.free_slots(), p.lengths, strict=False)):
-            seq = Seq(request, i, slot, n, rep.calls, rep.calls + -(-n // k), t)
+        samples = [i for i in range(len(p.lengths)) if i not in p.done]
+        for i, slot in zip(samples, rep.free_slots(), strict=False):
+            n, made = p.lengths[i], p.resume.get(i, 0)
+            admit = rep.calls - made // k
+            seq = Seq(request, i, slot, n, admit, admit + -(-n // k), t, made)
             rep.seqs[slot] = seq
             p.seqs.append(seq)
             heapq.heappush(rep.heap, (seq.finish_call, id(seq), slot))
             rep.active += 1
             rep.prompt_sum += len(request.prompt)
-            rep.admit_sum += rep.calls
+            rep.admit_sum += admit
+        p.resume = {}
         return t
 
     def _go(self, rep: Replica, now: float) -> None:
@@ -393,16 +400,25 @@ class SimSampler:
         """Requests submitted and not yet emitted, aborted or cut."""
         return len(self.pending)
 
-    def remaining(self) -> tuple[int, int, int, float]:
-        """(sequences, tokens, longest, mean context) still to decode, from the known lengths."""
+    def remaining(
+        self, select: Callable[[Request], bool] | None = None
+    ) -> tuple[int, int, int, float]:
+        """(sequences, tokens, longest, mean context) still to decode, from the known lengths, of
+        the pending requests `select` accepts (default all)."""
         k, seqs, tokens, longest, context = self.model.steps_per_call, 0, 0, 0, 0.0
         for p in self.pending.values():
+            if select is not None and not select(p.request):
+                continue
             running = {s.sample: s for s in p.seqs}
             for i, n in enumerate(p.lengths[: p.request.kept]):
                 if i in p.done:
                     continue
                 s = running.get(i)
-                made = 0 if s is None else k * (self.replicas[p.replica].calls - s.admit_call)
+                made = (
+                    p.resume.get(i, 0)
+                    if s is None
+                    else k * (self.replicas[p.replica].calls - s.admit_call)
+                )
                 left = max(n - made, 0)
                 seqs, tokens, longest = seqs + 1, tokens + left, max(longest, left)
                 context += len(p.request.prompt) + made
@@ -417,6 +433,49 @@ class SimSampler:
         self.replicas += [Replica(n + i, self.slots, admission) for i in range(count)]
         self.peak_replicas = max(self.peak_replicas, len(self.replicas))
         self._admit_idle(now)
+
+    @property
+    def queued(self) -> int:
+        """Sequences of requests waiting for admission."""
+        return sum(p.request.group_size for p in self.pending.values() if not p.seqs)
+
+    def evict_replicas(self, count: int, now: float) -> None:
+        """Removes the last `count` replicas now, busy or not (lent devices taken back): what
+        runs there goes back to the queue, each sample with the tokens it has made, and is
+        re-prefilled (prompt + those tokens) when admitted again; nothing is lost."""
+        if self.routing != "shared" or count >= len(self.replicas):
+            raise ValueError(
+                f"evict_replicas({count}) needs routing 'shared' and a replica left; "
+                f"{len(self.replicas)} replicas, routing {self.routing!r}."
+            )
+        k = self.model.steps_per_call
+        gone = self.replicas[len(self.replicas) - count :]
+        del self.replicas[len(self.replicas) - count :]
+        again: dict[tuple[int, int], Pending] = {}
+        for rep in gone:
+            for seq in [s for s in rep.seqs if s is not None]:
+                p = self.pending[seq.request.key]
+                made = min(seq.length, k * (rep.calls - seq.admit_call))
+                p.resume[seq.sample] = made
+                rep.remove(seq)
+                self.slot_span(rep, seq, now, made, evicted=True)
+                again[p.request.key] = p
+            for _, p, moved in rep.incoming:  # on their way here: they resume elsewhere
+                for old, _, made in moved:
+                    p.resume[old.sample] = made
+                again[p.request.key] = p
+            rep.incoming.clear()
+            rep.epoch += 1  # its planned call end is void
+            rep.chunk = None
+            if rep.busy:
+                self._set_busy(rep, False, now)
+        for p in again.values():
+            p.seqs = []
+        self.replicas[0].admission.submit([p.request for p in again.values()])
+        self._admit_idle(now)
+        for rep in self.replicas:
+            if rep.busy and len(rep.admission) and rep.free_slots():
+                self.cut_jump(rep, now)
 
     def remove_replicas(self, count: int) -> None:
         """Removes the last `count` replicas, which must be idle (the borrowed devices return)."""

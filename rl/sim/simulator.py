@@ -103,7 +103,8 @@ class SimResult:
     config: SimConfig
     rounds: list[dict[str, float | str]]
     timeline: Timeline
-    counters: dict[str, Any]  # the sampler's counts, and replica_busy_s (replica-seconds busy)
+    counters: dict[str, Any]  # the sampler's counts, replica_busy_s (replica-seconds busy) and
+    # learner_busy_s (seconds the learner worked: steps, updates, publishes)
     end_s: float  # virtual time when the last round's publish ended
 
 
@@ -174,6 +175,7 @@ class Simulator:
         self.learner_ops: list[LearnerOp] = []
         self.learner_op: LearnerOp | None = None
         self._op_start = self._op_last = 0.0
+        self._learner_busy = 0.0  # seconds the learner's devices worked (publishes included)
         self._op_epoch = 0
         self._rate = 1.0
         self._starts: dict[int, float] = {}  # round -> when its first requests were submitted
@@ -276,6 +278,7 @@ class Simulator:
             out.append(m)
         c: dict[str, Any] = dataclasses.asdict(self.sampler.counters)
         c["replica_busy_s"] = sum(self.sampler.replica_busy_s(self._end))
+        c["learner_busy_s"] = self._learner_busy
         return SimResult(self.cfg, out, self.timeline, c, self._end)
 
     # --------------------------------------------------------------------------- the schedule
@@ -391,6 +394,8 @@ class Simulator:
         self.learner_ops.append(op)
         if self.learner_op is None and not self.learner_blocked:
             self._next_op(now)
+        elif self.learner_blocked and self.borrow is not None:
+            self.borrow.check(now)  # async: the learner's batch may take its devices back
 
     def _next_op(self, now: float) -> None:
         if self.borrow is not None:
@@ -433,6 +438,7 @@ class Simulator:
         else:
             self.timeline.span("learner", op.name, self._op_start, now, step=self._steps, **op.args)
         self.learner_op = None
+        self._learner_busy += now - self._op_start
         if op.name == "update":
             self._steps += 1
         if op.on_end is not None:

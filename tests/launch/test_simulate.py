@@ -116,10 +116,11 @@ def test_simulate_borrowing_alone_writes_the_comparison(tmp_path):
     result = json.loads(out.read_text())
     assert "setups" not in result  # --borrowing alone skips the mode comparison
     rows = result["borrowing"]["R8"]
-    assert set(rows) == {"sync", "cgp+frontier+fifo"}
+    assert set(rows) == {"sync", "cgp+frontier+fifo", "async+frontier+s4+fill"}
     for by in rows.values():
         assert list(by) == ["off", "both"] and by["off"]["throughput_vs_static"] == 1.0
         assert by["both"]["groups_per_s"] > 0 and by["off"]["moves_learner"] == 0
+        assert by["off"]["pooling_bound"] >= 1.0
     assert "BiDiRL reports up to 1.94x" in proc.stdout
 
 

@@ -82,3 +82,33 @@ def test_bad_config_and_state_get_clear_errors():
         dataclasses.replace(DRAINED, tokens_left=float("nan"))
     with pytest.raises(ValueError, match="slots must be >= 1; received 4, 4, 1, 0"):
         dataclasses.replace(DRAINED, slots=0)
+
+
+def test_under_async_the_sampler_borrows_only_with_a_queue_to_take_and_a_wait_to_cover():
+    """`ahead` (async): the learner waits for its next batch's groups; extra replicas pay only if
+    sequences wait for a slot, and the wait outlasts the switch."""
+    policy = BorrowPolicy(
+        BorrowConfig(borrowing="both", switch_cost_s=1.0), MODEL, model_learner_devices=4
+    )
+    waiting = PoolState(
+        learner_devices=4,
+        sampler_replicas=4,
+        slots=8,
+        sequences=16,
+        tokens_left=16 * 400,
+        longest_left=800,
+        context=300,
+        updates_left=1,
+        learner_waiting=True,
+        ahead=True,
+        queued=64,
+    )
+    d = policy.decide(waiting)
+    wait = policy.rollout_s(waiting, 4)
+    assert d.direction == "sampler" and d.move and d.devices == 4
+    assert d.gain_s == pytest.approx((wait - 1.0) * 4 / 4)  # the queue fills all 4 extra
+    half = policy.decide(dataclasses.replace(waiting, queued=16))  # fills 2 of them
+    assert half.gain_s == pytest.approx(d.gain_s / 2)
+    assert not policy.decide(dataclasses.replace(waiting, queued=0)).move  # nothing to take
+    short = dataclasses.replace(waiting, tokens_left=16 * 5, longest_left=10)
+    assert policy.rollout_s(short, 4) < 1.0 and not policy.decide(short).move
