@@ -141,7 +141,7 @@ def _sample(engines: list[Engine], params: Any, requests: list[Request], policy:
         make_admission=FCFS,
         reward_fn=lambda r, c: 0.0,
         emit=emit,
-        migration=make_migration_policy(cfg),
+        migration=make_migration_policy(cfg, consumer=True),  # the mechanism, forced on
         timeline=timeline,
     )
     sampler.set_params(params, 0)
@@ -405,7 +405,7 @@ def ray_migration_section() -> dict[str, Any]:
     model = build_checked_model(config, setup, local_mesh(config, "sampler"))
     params = ray.put(jax.device_get(nnx.split(model)[1]))
     policy = make_migration_policy(
-        MigrationConfig(policy="tail", max_running_fraction=_FRACTION.value)
+        MigrationConfig(policy="tail", max_running_fraction=_FRACTION.value), consumer=True
     )
     print(
         f"ray_migration: replica actors, G={_GROUP_SIZE.value}, {_SLOTS.value} slots each, 4n "

@@ -47,8 +47,8 @@ and simulated figures and the error, cgp also without the contention term.
 migration (rl/elastic/migration.py, thresholds --migration_fraction and --migration_min_left; a
 move costs StageModel.migrate_s: the request's KV bytes over NVLink plus a fixed 10 ms in the GPU
 presets): throughput (groups/s) and the sampler replica-seconds busy, each vs the static split.
-`tail` acts only where the replicas it frees have a consumer (async, or a learner that borrows:
-rl.elastic.migration.has_consumer); a round mode's rows are then the static split.
+`tail` is forced on here to measure what consolidating costs: in a run it stays off, since in one
+pipeline the replicas it frees have no work the others would not take (rl/elastic/migration.py).
 
 --papers prints only the seed systems' headline table (rl/sim/papers.py): for RolloutPipe,
 PipelineRL, RollPacker, BiDiRL and JigsawRL, our figure at the paper's setting as close as the

@@ -132,10 +132,10 @@ class Driver:
         borrower: LearnerBorrower | None = None,
         lender: SamplerLender | None = None,
     ):
-        if (borrower is not None or lender is not None) and cfg.mode == "async":
+        if borrower is not None and cfg.mode == "async":
             raise ValueError(
-                "Borrowing needs a round mode (sync or cgp); received mode='async' (it publishes "
-                "after every update, so devices would move back and forth each update)."
+                "The learner borrows in round modes (sync or cgp); received mode='async' (it "
+                "publishes after every update, so devices would move back and forth each update)."
             )
         self.cfg = cfg
         self.borrower, self.lender = borrower, lender
@@ -230,6 +230,23 @@ class Driver:
         )
         self.num_slots = max(self.num_slots, self.sampler.num_slots)
 
+    def _maybe_lend_ahead(self) -> None:
+        """async: the learner waits for its next batch; the lender may add replicas until it is
+        complete."""
+        assert self.lender is not None
+        missing = self.schedule.next_batch_missing()
+        if self.lender.lent or not missing:
+            return
+        self.lender.maybe_lend_ahead(
+            self.sampler,
+            min(r for r, _ in missing),
+            self.schedule.updates_done,
+            missing=len(missing),
+            group_size=self.cfg.group_size,
+            max_new_tokens=self.cfg.sampling.max_new_tokens,
+        )
+        self.num_slots = max(self.num_slots, self.sampler.num_slots)
+
     def _maybe_borrow(self, round: int) -> None:
         if self.borrower is None:
             return
@@ -283,10 +300,12 @@ class Driver:
             a = todo.popleft()
             follow: list[Action] = []
             if self.lender is not None and self.lender.lent and not isinstance(a, Submit):
-                self._deferred.append(a)  # the learner's devices decode: its work waits
-                continue
+                if self.cfg.mode != "async":
+                    self._deferred.append(a)  # the learner's devices decode: its work waits
+                    continue
+                self.lender.give_back(self.sampler, mid_rollout=True)  # its batch is complete
             if isinstance(a, Submit):
-                if self.lender is not None:
+                if self.lender is not None and self.cfg.mode != "async":
                     self._maybe_lend(a)
                 if a.round not in self._starts:
                     self._starts[a.round] = self.clock()
@@ -335,6 +354,8 @@ class Driver:
                 deferred, self._deferred = self._deferred, []
                 self._run(deferred)
                 continue
+            if self.lender is not None and self.cfg.mode == "async":
+                self._maybe_lend_ahead()
             self._run(self.schedule.on_group(self._next_group()))
         done = self._done.pop(round)
         stats = self.sampler.stats  # first: a remote sampler's timeline events come with it

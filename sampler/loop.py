@@ -100,6 +100,7 @@ class SamplerLoop:
         self._table = SlotTable(engine.max_concurrent_decodes)  # runs and slots, under the lock
         self._cuts = RoundCuts()  # which complete groups of a cut round are emitted
         self._scoring: collections.deque[Complete] = collections.deque()  # completion order
+        self._parked: collections.deque[Run] = collections.deque()  # `resume`d, not yet in slots
         self._submit_reward = getattr(reward_fn, "submit", None)  # off the decode thread
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -157,6 +158,11 @@ class SamplerLoop:
         out = []
         for key in keys:
             r = self.admission.remove(key)
+            parked = next((run for run in self._parked if run.request.key == key), None)
+            if r is None and parked is not None:
+                parked.aborted = True
+                self._parked.remove(parked)
+                r = parked.request
             if r is None and key in self._table.runs:
                 run = self._table.runs.pop(key)
                 run.aborted = True
@@ -177,10 +183,22 @@ class SamplerLoop:
         with self._lock:
             return self._table.busy()
 
+    def free_slots(self) -> int:
+        """Slots free for admission now."""
+        with self._lock:
+            return len(self._table.free_slots())
+
+    def waiting(self) -> int:
+        """Requests waiting for admission."""
+        with self._lock:
+            return len(self.admission)
+
     def pending(self) -> int:
         """Requests waiting, running, or complete with rewards still running."""
         with self._lock:
-            return len(self.admission) + len(self._table.runs) + len(self._scoring)
+            return (
+                len(self.admission) + len(self._table.runs) + len(self._scoring) + len(self._parked)
+            )
 
     # ----------------------------------------------------------------------------- the loop itself
 
@@ -273,9 +291,12 @@ class SamplerLoop:
             # weights before it (async's staleness bound counts on that).
             if self._pending_params is not None:
                 return
+            resumed = self._place_parked()
             admitted = admit.admit(
                 self._table, self.admission, group_atomic=self.group_atomic, stats=self.stats
             )
+        if resumed:
+            self._state = self.engine.reprefill(params, self._state, resumed)
         if not admitted:
             return
         t0 = self.clock()
@@ -430,6 +451,87 @@ class SamplerLoop:
             self._thread.idle.clear()
             self._wake.notify_all()
 
+    # ------------------------------------------------------------------- a replica taken back
+
+    def evict(self) -> tuple[list[Request], list[Run], list[Complete]]:
+        """Empties a stopped loop (`close` first: a lent replica taken back mid-rollout).
+
+        Returns:
+          (the requests still waiting for admission; the runs admitted and not complete, each
+          sample out of its slot with its tokens so far, to `resume` on another loop; the
+          complete groups whose rewards are still running, to be emitted by the caller).
+        """
+        if self._thread.is_alive():
+            raise RuntimeError("evict() needs a stopped loop; call close() first.")
+        with self._lock:
+            if self._episodes is not None and any(r.waiting for r in self._table.runs.values()):
+                raise ValueError("evict(): an episode waits for its environment here.")
+            queued = []
+            while (r := self.admission.next(1 << 30)) is not None:
+                queued.append(r)
+            runs = [run for run in self._table.runs.values() if not run.aborted]
+            runs += [run for run in self._parked if not run.aborted]
+            now = self.clock()
+            for s, run, i in self._table.running():
+                slot_span(self.timeline, s, run, i, now, evicted=True)
+                self.stats.evicted_sequences += 1
+            for run in runs:
+                run.slots = [None] * len(run.slots)
+            self._table = SlotTable(self.engine.max_concurrent_decodes)
+            self._parked.clear()
+            scoring, self._scoring = list(self._scoring), collections.deque()
+            self.stats.groups_emitted += len(scoring)  # the caller emits them
+        return queued, runs, scoring
+
+    def resume(self, runs: Iterable[Run]) -> None:
+        """Takes over runs another loop evicted (any thread): each goes into free slots as soon
+        as all its unfinished samples fit, before any new request, re-prefilled with its prompt
+        and tokens so far (Engine.reprefill: it decodes on as if it had never moved)."""
+        runs = list(runs)
+        with self._lock:
+            self._raise_if_failed()
+            for run in runs:
+                if run.request.key in self._table.runs:
+                    raise ValueError(f"resume: request {run.request.key} already runs here.")
+            self._parked.extend(runs)
+            self._thread.idle.clear()
+            self._wake.notify_all()
+
+    def take_queued(self, slots: int) -> list[Request]:
+        """Removes requests still waiting for admission here, in the policy's order, until their
+        samples fill `slots` (a replica that joins takes them: requests are routed at
+        submission)."""
+        out: list[Request] = []
+        with self._lock:
+            while slots > 0 and (r := self.admission.next(1 << 30)) is not None:
+                out.append(r)
+                slots -= r.group_size
+        return out
+
+    def _place_parked(self) -> list[tuple[int, Request, int, tuple[int, ...]]]:
+        """Parked runs into free slots, oldest first, each whole; Engine.reprefill's items
+        (lock held)."""
+        items = []
+        now = self.clock()
+        while self._parked:
+            run = self._parked[0]
+            if run.aborted:
+                self._parked.popleft()
+                continue
+            need = [i for i in range(len(run.samples)) if i not in run.done]
+            free = self._table.free_slots()
+            if len(free) < len(need):
+                break
+            self._parked.popleft()
+            self._table.runs[run.request.key] = run
+            for i, slot in zip(need, free, strict=False):
+                self._table.assign(run, i, slot)
+                sample = run.samples[i]
+                sample.start, sample.base = now, len(sample.tokens)
+                items.append((slot, run.request, i, tuple(sample.tokens)))
+            self.stats.resumed_sequences += len(need)
+        return items
+
     # ------------------------------------------------------------------------------------ threaded
 
     def start(self) -> None:
@@ -442,6 +544,7 @@ class SamplerLoop:
         episodes = self._episodes is not None and bool(self._episodes.waiting)
         return bool(
             queued
+            or self._parked
             or t.runs
             or self._scoring
             or t.to_free

@@ -23,6 +23,8 @@ class SamplerStats:
     migrations: int = 0  # requests handed off to another replica (JigsawRL migration)
     migrated_sequences: int = 0  # their running samples
     migrated_bytes: int = 0  # decode state moved (KV rows and per-slot state)
+    evicted_sequences: int = 0  # samples taken out of a replica taken back mid-rollout
+    resumed_sequences: int = 0  # samples resumed here (re-prefilled with their tokens so far)
     env_turns: int = 0  # multi-turn: the model's turns the environment answered
     observation_tokens: int = 0  # tokens the environment appended (not in `tokens`)
 

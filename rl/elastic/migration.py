@@ -24,9 +24,15 @@ Policies (`make_migration_policy`, names in MIGRATION_POLICIES):
 
 A consumer: consolidating a tail does not make it faster (each move adds the moved KV cache to
 the destination's decode steps, which read it every step), it frees replicas. That pays only if
-the freed replicas get other work: async's next requests, or the learner borrowing them
-(`has_consumer`). Without one, `tail` would only slow the round (0.68-0.71x the static split in
-the simulator at paper scale), so `make_migration_policy(..., consumer=False)` gives Off for it.
+the freed replicas get work the static split would not have done: another pipeline's (JigsawRL's
+multiplexing), or a learner that trains on part of the sampler before the rollout drains. Neither
+exists in one pipeline yet, and the simulator at paper scale shows what is left: in round modes
+`tail` gave 0.68-0.71x the static split's groups/s; under async 0.77-0.92x, because the next
+requests a freed replica takes would have gone to the other replicas' free slots anyway (work
+stealing, rl/runtime/replicas.py); a learner that borrows only a drained sampler took nothing
+from it (0.59-0.63x). So `make_migration_policy` gives Off for `tail` unless the caller has a
+consumer (`consumer=True`; the simulator's comparisons force it to measure what consolidating
+costs).
 """
 
 from __future__ import annotations
@@ -211,16 +217,10 @@ class Tail:
         return run.movable and (left is None or left >= self.config.min_tokens_left)
 
 
-def has_consumer(mode: str, borrowing: str) -> bool:
-    """Whether replicas that migration frees get other work: under `async` the next updates'
-    requests take them; in round modes only a learner that borrows the sampler's devices
-    (rl.elastic.borrowing: borrowing "learner" or "both") does."""
-    return mode == "async" or borrowing in ("learner", "both")
-
-
-def make_migration_policy(config: MigrationConfig, *, consumer: bool = True) -> MigrationPolicy:
-    """The policy `config.policy` names; `tail` without a consumer for what it frees
-    (`has_consumer`) is Off. `always`, the forcing mode, moves regardless."""
+def make_migration_policy(config: MigrationConfig, *, consumer: bool = False) -> MigrationPolicy:
+    """The policy `config.policy` names; `tail` only with a consumer for the replicas it frees
+    (module docstring: none in one pipeline), else Off. `always`, the forcing mode, moves
+    regardless."""
     if config.policy == "tail":
         return Tail(config) if consumer else Off()
     if config.policy == "always":

@@ -33,7 +33,6 @@ from rl.elastic.borrowing import BorrowConfig, BorrowPolicy
 from rl.elastic.migration import (
     MigrationConfig,
     MigrationPolicy,
-    has_consumer,
     make_migration_policy,
 )
 from rl.envs import EnvRunner, get_environment
@@ -178,13 +177,15 @@ def build_engine(config: Any, setup: Setup, mesh: Mesh, model: Any) -> Engine:
 def precompile_engine(config: Any, engine: Engine, params_like: Any) -> None:
     """Compiles, now, every program the run calls on `engine` (sampler/engine.py `precompile`)
     for published parameters like `params_like` (`learner.publish.published_shapes`): re-prefill
-    with driver.recompute_kv, and migration's export/import of up to a request's launched samples
+    with driver.recompute_kv or async borrowing, and migration's export/import of up to a request's launched samples
     when config.elastic.migration can move requests between replicas."""
     migrates = config.elastic.migration != "off" and config.mesh.sampler_replicas > 1
     launched = math.ceil(config.driver.tail.response_eta * config.driver.group_size)
+    # async borrowing takes lent replicas back mid-rollout: their samples resume re-prefilled
+    resumes = config.driver.mode == "async" and config.elastic.borrowing != "off"
     engine.precompile(
         params_like,
-        recompute=config.driver.recompute_kv,
+        recompute=config.driver.recompute_kv or resumes,
         migrate_rows=launched if migrates else 0,
         multi_turn=bool(config.env.name),
     )
@@ -350,18 +351,15 @@ def migration_config_from(config: Any) -> MigrationConfig:
 
 
 def build_migration(config: Any) -> MigrationPolicy:
-    """The run's long-tail migration policy (config.elastic.migration). `tail` without a consumer
-    for the replicas it frees (round modes without the learner borrowing) would only slow the
-    rounds; it is off then, and the log says so."""
+    """The run's long-tail migration policy (config.elastic.migration). `tail` has no consumer
+    for the replicas it would free in one pipeline (rl/elastic/migration.py) and would only slow
+    the run; it is off then, and the log says so."""
     cfg = migration_config_from(config)
-    consumer = has_consumer(config.driver.mode, config.elastic.borrowing)
-    if cfg.policy == "tail" and not consumer:
+    if cfg.policy == "tail":
         logging.warning(
-            "config.elastic.migration='tail' with driver.mode=%r and elastic.borrowing=%r: the "
-            "replicas it would free get no other work, and consolidating a tail only slows it; "
-            "migration is off for this run (it acts under mode='async' or with the learner "
-            "borrowing).",
-            config.driver.mode,
-            config.elastic.borrowing,
+            "config.elastic.migration='tail': in one pipeline the replicas it would free get no "
+            "work the others would not take anyway, and consolidating a tail only slows it "
+            "(rl/elastic/migration.py); migration is off for this run. 'always' moves at every "
+            "chance (the exactness tests' forcing mode)."
         )
-    return make_migration_policy(cfg, consumer=consumer)
+    return make_migration_policy(cfg)

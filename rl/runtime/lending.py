@@ -138,10 +138,21 @@ class SamplerLender:
     per `replica_devices` of the learner's devices, as the policy counts them; built once by
     `make_replicas`: Engines for the threaded ReplicaSampler, handles to replicas the learner
     worker hosts for the Ray router) join the sampler with the published weights (`add_replica`)
-    before the round's requests are routed; the driver holds the learner's work until the sampler has drained,
-    then they leave (`remove_replica`, idle: nothing is re-sampled) and the learner resumes. The switch (add + remove) is timed into the policy's
-    estimate, drawn on the "elastic" lane ("lend") and reported in the round's metrics
-    (borrow_sampler, _gain_s, _switch_cost_s, _measured_s).
+    before the round's requests are routed; the driver holds the learner's work until the sampler
+    has drained, then they leave (`remove_replica`, idle: nothing is re-sampled) and the learner
+    resumes.
+
+    Under async (`maybe_lend_ahead`, BiDiRL's setting), while the learner waits for its next
+    batch, once per update: the policy decides from the batch's groups still sampling (their
+    sequences x the mean response so far; the longest so far as the tail) and the sequences
+    queued on the sampler; on a move the extra replicas join taking queued requests
+    (`add_replica(take_queued=True)`), and once the batch is complete the driver takes them back
+    mid-rollout (`take_back`: what runs there resumes on the others, re-prefilled with its
+    tokens so far) before the learner trains.
+
+    The switch (add + remove) is timed into the policy's estimate, drawn on the "elastic" lane
+    ("lend") and reported in the round's metrics (borrow_sampler, _gain_s, _switch_cost_s,
+    _measured_s).
 
     Args:
       policy: the borrowing policy (its config allows the "sampler" direction).
@@ -179,6 +190,7 @@ class SamplerLender:
         self._replicas: list[Any] = []
         self._lengths = (0.0, 0.0, 0.0, 0)  # responses trained: mean, max, mean prompt, count
         self._lent: tuple[int, list[int], float, float] | None = None  # round, replicas, since, s
+        self._decided_update = -1  # async: the last update decided for
         self._metrics: dict[int, dict[str, float]] = {}
 
     def bind(self, *, clock: Callable[[], float], timeline: Timeline) -> None:
@@ -187,6 +199,11 @@ class SamplerLender:
     @property
     def lent(self) -> bool:
         return self._lent is not None
+
+    def prepare(self) -> None:
+        """Builds (and compiles) the extra replicas now, so that no switch pays for that."""
+        if not self._replicas:
+            self._replicas = self.make_replicas()
 
     def maybe_lend(
         self,
@@ -227,19 +244,62 @@ class SamplerLender:
         if d.direction != "sampler" or not d.move:
             return
         t0 = self.clock()
-        if not self._replicas:
-            self._replicas = self.make_replicas()
+        self.prepare()
         added = [sampler.add_replica(e) for e in self._replicas]
         self._lent = (round, added, t0, self.clock() - t0)
 
-    def give_back(self, sampler: Any) -> None:
-        """Removes the extra replica (the sampler has drained); the learner's devices return."""
+    def maybe_lend_ahead(
+        self,
+        sampler: Any,
+        round: int,
+        update: int,
+        *,
+        missing: int,
+        group_size: int,
+        max_new_tokens: int,
+    ) -> None:
+        """async: decides once per `update` while the learner waits for that batch's `missing`
+        groups (round: the batch's round, for the metrics); on a move the extra replicas join,
+        taking requests queued on the others."""
+        if self._lent is not None or update <= self._decided_update or not missing:
+            return
+        self._decided_update = update
+        mean, longest, prompt, n = self._lengths
+        response_tokens = mean if n else max_new_tokens / 2
+        sequences = missing * group_size
+        state = PoolState(
+            **self.shape,
+            sequences=sequences,
+            tokens_left=sequences * response_tokens,
+            longest_left=longest if n else max_new_tokens,
+            context=prompt + response_tokens / 2,
+            updates_left=1,
+            learner_waiting=True,
+            ahead=True,
+            queued=sampler.waiting() * group_size,
+        )
+        d = self.policy.decide(state)
+        self._metrics[round] = d.metrics() | {"borrow_sampler_measured_s": math.nan}
+        if d.direction != "sampler" or not d.move:
+            return
+        t0 = self.clock()
+        self.prepare()
+        added = [sampler.add_replica(e, take_queued=True) for e in self._replicas]
+        self._lent = (round, added, t0, self.clock() - t0)
+
+    def give_back(self, sampler: Any, *, mid_rollout: bool = False) -> None:
+        """Removes the extra replicas; the learner's devices return. Round modes: the sampler
+        has drained. `mid_rollout` (async): they are taken back with work running
+        (ReplicaSampler.take_back)."""
         assert self._lent is not None
         round, added, since, add_s = self._lent
         self._lent = None
         t0 = self.clock()
         for i in added:
-            sampler.remove_replica(i)
+            if mid_rollout:
+                sampler.take_back(i)
+            else:
+                sampler.remove_replica(i)
         t1 = self.clock()
         self.timeline.span("elastic", "lend", since, t1, round=round, replicas=len(added))
         measured = add_s + (t1 - t0)

@@ -11,8 +11,12 @@ once: free slots are reserved on the destination, the request's running samples 
 i (KV rows, positions, sampling state; Engine.export_slots) and adopted by the destination, which
 imports them before its next decode step; the group completes there. Each move is a span
 "migrate" on the source replica's lane sampler/[replica{i}/]migrate (args round, uid, sequences,
-bytes, src, dst); rl.metrics.migration_metrics sums them per round. A replica left with nothing
-to do takes queued work at its next step, or is idle (`idle_replicas`).
+bytes, src, dst); rl.metrics.migration_metrics sums them per round.
+
+Work stealing: at each step boundary a replica with free slots and nothing waiting takes
+requests waiting on the replica with the longest queue (`_steal`; their routing moves with
+them). So a replica freed by migration, or one that just joined, takes the next requests, and
+none idles while another's queue waits; otherwise it is idle (`idle_replicas`).
 
 Tail batching (rl.round_planner): a round's RoundCut is decided where the replicas' groups meet, in
 `emit`, on the shared Routing (rl.runtime.routing.RoutedCuts, as the Ray router): the first
@@ -28,7 +32,8 @@ Elastic replicas: `add_replica(engine)` starts another replica (it gets the late
 randomness makes them identical; a group delivered twice is dropped). Both are safe between the
 replicas' decode steps, from any thread.
 
-Lanes: replica i's slot s is lane sampler/slot{offset_i + s} (offsets never reused) and its slot
+Lanes: replica i's slot s is lane sampler/slot{offset_i + s} (an offset per engine: a lent
+engine added again writes on the same lanes) and its slot
 spans carry args["replica"] = i; replica 0 keeps the plain sampler/prefill and sampler/groups
 lanes, replica i > 0 writes sampler/replica{i}/... (as the Ray router merges them).
 """
@@ -121,6 +126,7 @@ class ReplicaSampler:
         self._removed: list[SamplerLoop] = []  # their counters stay in `stats`
         self._offsets: dict[int, int] = {}
         self._next_offset = 0
+        self._lanes: dict[int, int] = {}  # id(engine) -> its first slot lane
         self._started = False
         for i, engine in enumerate(engines):
             self._build(i, engine)
@@ -128,11 +134,10 @@ class ReplicaSampler:
     # ------------------------------------------------------------------------------ replicas
 
     def _build(self, i: int, engine: Engine) -> SamplerLoop:
-
-        offset, self._next_offset = (
-            self._next_offset,
-            self._next_offset + engine.max_concurrent_decodes,
-        )
+        offset = self._lanes.get(id(engine))  # an engine lent again draws on its own lanes
+        if offset is None:
+            offset = self._lanes[id(engine)] = self._next_offset
+            self._next_offset += engine.max_concurrent_decodes
         published = self._params
         params, version = published
         loop = SamplerLoop(
@@ -156,15 +161,61 @@ class ReplicaSampler:
             loop.set_params(engine.place_params(latest[0]), latest[1])
         return loop
 
-    def add_replica(self, engine: Engine) -> int:
-        """Starts another replica on `engine` (with the latest weights); returns its index."""
+    def add_replica(self, engine: Engine, *, take_queued: bool = False) -> int:
+        """Starts another replica on `engine` (with the latest weights); returns its index.
+
+        With `take_queued`, it takes requests still waiting on the others, up to its slots'
+        worth, the most loaded replica's first (requests are routed at submission, so a replica
+        joining mid-rollout would otherwise wait for later submissions or stealing)."""
         with self._topology:
             with self._lock:
                 i = self.routing.add()
             loop = self._build(i, engine)
+            if take_queued:
+                with self._lock:
+                    room, taken = loop.num_slots, []
+                    for j in sorted(self.loops, key=lambda j: -self.routing.load[j]):
+                        if j != i and room > 0:
+                            got = self.loops[j].take_queued(room)
+                            room -= sum(r.group_size for r in got)
+                            taken += got
+                    for r in taken:
+                        self.routing.move(r.key, i)
+                    if taken:
+                        loop.submit(taken)
             if self._started:
                 loop.start()
         return i
+
+    def take_back(self, i: int) -> None:
+        """Stops replica i mid-rollout (lent devices go back to the learner): its waiting requests
+        are routed to the others, its running requests resume on them (re-prefilled with their
+        tokens so far: SamplerLoop.resume) and its complete groups are delivered; nothing is lost
+        or sampled twice."""
+        with self._topology, self._lock:  # no migration from or into it after this
+            if i not in self.loops:
+                raise ValueError(f"No live sampler replica {i}; live: {sorted(self.loops)}.")
+            if len(self.loops) == 1:
+                raise ValueError(f"Replica {i} is the last one; a sampler needs one replica.")
+            loop = self.loops.pop(i)
+            self._removed.append(loop)
+            self.routing.retire(i)  # groups it emits while stopping are still delivered
+        # outside the locks: its thread may be emitting a group, or waiting for the topology
+        # lock at its step boundary (where it then finds itself gone)
+        loop.close()
+        queued, runs, scoring = loop.evict()
+        with self._lock:
+            lost = {r.key: r for r in self.routing.remove(i)}
+            for run in runs:
+                if lost.pop(run.request.key, None) is not None:
+                    self.loops[self.routing.route(run.request)].resume([run])
+            for c in scoring:
+                if lost.pop(c.request.key, None) is not None:
+                    self.routing.route(c.request)  # delivered below
+            # waiting requests (and anything else undelivered) are sampled on the others
+            self._route([lost.pop(r.key) for r in queued if r.key in lost] + list(lost.values()))
+        for c in scoring:
+            self._deliver(c.group())
 
     def remove_replica(self, i: int) -> None:
         """Stops replica i; its undelivered requests are re-sampled on the other replicas."""
@@ -183,6 +234,10 @@ class ReplicaSampler:
     def pending(self) -> int:
         """Requests waiting, running, or complete with rewards running, over the replicas."""
         return sum(loop.pending() for loop in self._live())
+
+    def waiting(self) -> int:
+        """Requests waiting for admission, over the replicas."""
+        return sum(loop.waiting() for loop in self._live())
 
     def busy_slots(self) -> int:
         return sum(loop.busy_slots() for loop in self._live())
@@ -301,7 +356,9 @@ class ReplicaSampler:
             self._emit(group)
 
     def _boundary(self, i: int) -> None:
-        """Replica i is between decode steps: run the migration policy's moves out of it."""
+        """Replica i is between decode steps: it takes queued work if it has room and none
+        (`_steal`), then the migration policy's moves out of it run."""
+        self._steal(i)
         if isinstance(self.migration, Off):
             return
         with self._topology:
@@ -315,6 +372,31 @@ class ReplicaSampler:
                 src, dst = ids[move.src], ids[move.dst]
                 if src == i:
                     self._move(move.key, i, dst, loops, views[move.src])
+
+    def _steal(self, i: int) -> None:
+        """Replica i, with free slots and nothing waiting, takes requests waiting on the replica
+        with the longest queue (their routing moves with them): requests are routed at
+        submission, and a replica that frees up (its tail done, migrated away, or lent and just
+        joined) would otherwise idle while another's queue waits. Tokens do not depend on the
+        replica."""
+        with self._lock:
+            loop = self.loops.get(i)
+            if loop is None or len(self.loops) < 2:
+                return
+            free = loop.free_slots()
+            if not free or loop.waiting():
+                return
+            j, queued = max(
+                ((j, other.waiting()) for j, other in self.loops.items() if j != i),
+                key=lambda x: (x[1], -x[0]),
+            )
+            if not queued:
+                return
+            taken = self.loops[j].take_queued(free)
+            for r in taken:
+                self.routing.move(r.key, i)
+            if taken:
+                loop.submit(taken)
 
     def _move(
         self, key: tuple[int, int], src: int, dst: int, loops: dict[int, SamplerLoop], view: Any

@@ -39,6 +39,7 @@ class Routing:
             raise ValueError(f"Routing needs >= 1 replica; received {replicas}.")
         self.routing = routing
         self.alive = list(range(replicas))
+        self._retired: set[int] = set()
         self._next = replicas
         self.outstanding: dict[tuple[int, int], tuple[int, Request]] = {}
         self.load: collections.Counter[int] = collections.Counter()
@@ -51,12 +52,22 @@ class Routing:
         self.alive.append(i)
         return i
 
-    def remove(self, i: int) -> list[Request]:
-        """Takes replica i out of routing; returns its undelivered requests (by key) and forgets
-        them, so they can be routed again."""
+    def retire(self, i: int) -> None:
+        """No new request goes to replica i; what it holds stays its own until `remove`."""
         if i not in self.alive:
             raise ValueError(f"Replica {i} is not routed to; live replicas: {self.alive}.")
         self.alive.remove(i)
+        self._retired.add(i)
+
+    def remove(self, i: int) -> list[Request]:
+        """Takes replica i (live or retired) out of routing; returns its undelivered requests (by
+        key) and forgets them, so they can be routed again."""
+        if i not in self.alive and i not in self._retired:
+            raise ValueError(f"Replica {i} is not routed to; live replicas: {self.alive}.")
+        if i in self._retired:
+            self._retired.discard(i)
+        else:
+            self.alive.remove(i)
         lost = sorted((r for j, r in self.outstanding.values() if j == i), key=lambda r: r.key)
         for r in lost:
             del self.outstanding[r.key]

@@ -185,6 +185,8 @@ class ThreadsRuntime:
             learner_devices=len(own),
             make_replicas=lambda: lent_engines(config, setup, model, own),
         )
+        if self.lend is not None:
+            self.lend.prepare()
 
     def driver(self, cfg: DriverConfig, *, reward_fn: Any = None, **kwargs: Any) -> Driver:
         """A Driver over a sampler thread (rl.runtime.threads); kwargs go to the Driver.

@@ -14,6 +14,13 @@ the runtime has to guess; the learner's queued work and the round's groups not y
                     when the sampler drains they leave and the learner resumes after the other half
                     ("lend" span on the "elastic" lane).
 
+Under async (BiDiRL's setting) only the sampler borrows, as in the runtime: once per update,
+while the learner waits for its next batch, the policy decides from that batch's groups still
+sampling and the sequences queued (PoolState.ahead); the extra replicas join after half the
+switch, and once the batch is complete (its update queued) they are taken back mid-rollout
+(SimSampler.evict_replicas: what ran there is re-queued and re-prefilled with the tokens it made)
+and the learner resumes after the other half.
+
 The switch cost is the policy's estimate (the configured prior; the simulator records each switch
 at that cost, so it stays the prior).
 """
@@ -63,7 +70,7 @@ class SimBorrower:
         open_rounds = sim.open_rounds()
         return open_rounds[0] if open_rounds else None
 
-    def _state(self, r: int, waiting: bool, updates_left: int | None = None) -> PoolState:
+    def _state(self, r: int, waiting: bool) -> PoolState:
         sim = self.sim
         assert sim is not None
         m, cfg = sim.model, sim.cfg
@@ -72,8 +79,7 @@ class SimBorrower:
         per_token = m.learner_per_token * sim.learner_scale
         learner_tokens = (queued / per_token if per_token else 0.0) + sim.round_tokens_unadded(r)
         learner_tokens += sim.sampler.remaining_learner_tokens()
-        if updates_left is None:
-            updates_left = max(sim.updates_planned - sim.updates_done(r), 0)
+        updates_left = max(sim.updates_planned - sim.updates_done(r), 0)
         rows = updates_left * cfg.groups_per_update * cfg.group_size
         return PoolState(
             learner_devices=self.learner_devices,
@@ -144,23 +150,7 @@ class SimBorrower:
             if any(op.name == "update" for op in sim.learner_ops):
                 self._return_sampler(now)
             return
-        if self._learner_round is not None:
-            return
         nxt = sim.schedule.updates_done
-        if (
-            not sim.sampler.outstanding
-            and any(op.name == "update" for op in sim.learner_ops)
-            and (nxt, "learner") not in self._decided
-            and self.policy.cfg.allows("learner")
-        ):
-            self._decided.add((nxt, "learner"))
-            r = self._round()
-            if r is not None:
-                d = self.policy.decide(self._state(r, waiting=False, updates_left=1))
-                self._record(r, d)
-                if d.move:
-                    self._borrow_learner(r, d, now)
-            return
         busy = sim.learner_op is not None or sim.learner_ops
         if busy or not sim.sampler.outstanding or (nxt, "sampler") in self._decided:
             return

@@ -241,7 +241,8 @@ def compare_borrowing(
       rounds: rounds per run.
       learner_devices, replica_devices: the split's learner devices and sampler tp.
       borrowings: the settings to compare (off | learner | sampler | both, each optionally
-        "+migration": with long-tail migration too); the first is the baseline.
+        "+migration": with long-tail migration too, forced on as in compare_migration); the
+        first is the baseline.
       switch_cost_s: the switch cost (there and back) the policy weighs and the simulator charges.
       margin: move only when gain > margin x switch cost.
       migration: the MigrationConfig of the "+migration" settings.
@@ -259,7 +260,7 @@ def compare_borrowing(
                     f"Borrowing setting {name!r}; expected off|learner|sampler|both, optionally "
                     "with '+migration' (and a MigrationConfig)."
                 )
-            extra = {"migration": migration} if mig else {}
+            extra = {"migration": migration, "migration_consumer": True} if mig else {}
             borrow = None
             if b != "off":
                 bcfg = BorrowConfig(borrowing=b, switch_cost_s=switch_cost_s, margin=margin)
@@ -295,7 +296,9 @@ def compare_migration(
     **fields: Any,
 ) -> dict[str, dict[str, Any]]:
     """Each mode with its replicas' static split (requests routed round-robin at submission, as
-    the runtimes route) and with long-tail migration (`migration`, a MigrationConfig).
+    the runtimes route) and with long-tail migration (`migration`, a MigrationConfig), `tail`
+    forced on (SimConfig.migration_consumer: a run has no consumer for it in one pipeline) to
+    measure what consolidating costs.
 
     Returns, per "<mode>" and "<mode>+migration": summarize's figures, replica_busy_s (sampler
     replica-seconds busy, what freed replicas give back), migrations and migrated_mb per round,
@@ -305,7 +308,7 @@ def compare_migration(
     factor = fill_factor(workload, fields.get("group_size", SimConfig.group_size))
     for mode in modes:
         for name, mig in ((mode, None), (f"{mode}+migration", migration)):
-            extra = {} if mig is None else {"migration": mig}
+            extra = {} if mig is None else {"migration": mig, "migration_consumer": True}
             cfg = sim_config(
                 mode, routing="round_robin", tail_factor=factor, **extra, **dict(fields)
             )

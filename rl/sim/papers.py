@@ -187,7 +187,9 @@ def jigsawrl_migration(p: PaperSetup, mode: str = MIGRATION_MODE) -> Headline:
         metric="groups/s with long-tail migration vs the same static split (paper: up to 1.85x "
         "vs veRL, migration and multiplexing together)",
         setting=(
-            f"{mode}, migration tail vs requests routed round-robin, R = {p.groups_per_round}"
+            f"{mode}, migration tail forced on vs requests routed round-robin (work stealing in "
+            f"both), R = {p.groups_per_round}; a run leaves tail off: in one pipeline a freed "
+            "replica has no work the others would not take (the consumer is multiplexing)"
         ),
     )
 

@@ -24,7 +24,8 @@ records each (args round, uid, sequences, bytes, src, dst), as in the runtime.
 
 Routing: "shared" (one admission policy; a replica pulls from it whenever it has free slots at a
 call boundary, an idle one at once) or "round_robin" (a policy per replica; submissions dealt in
-turn, so a replica's queue may wait while another idles).
+turn; at a call boundary a replica with free slots and an empty queue takes requests waiting on
+the replica with the longest queue, as the runtime's replicas steal work).
 """
 
 from __future__ import annotations
@@ -229,12 +230,25 @@ class SimSampler:
         """A step at a call boundary: adopt what arrived, migrate out what the policy says,
         admit what fits (prefills), then plan the next calls."""
         self.migrator.take_arrivals(rep, now)
+        self._steal(rep)
         if self.migration is not None and len(self.replicas) > 1:
             self.migrator.migrate(rep, now)
         t = now
         while (request := rep.admission.next(len(rep.free_slots()))) is not None:
             t = self._admit(rep, request, t)
         self._go(rep, t)
+
+    def _steal(self, rep: Replica) -> None:
+        """round_robin: a replica with free slots and nothing waiting takes requests waiting on
+        the replica with the longest queue, as the runtime's replicas do at a step boundary."""
+        if self.routing != "round_robin" or len(rep.admission) or not rep.free_slots():
+            return
+        other = max(self.replicas, key=lambda r: (len(r.admission), -r.index))
+        room, taken = len(rep.free_slots()), []
+        while room > 0 and (r := other.admission.next(1 << 30)) is not None:
+            taken.append(r)
+            room -= r.group_size
+        rep.admission.submit(taken)
 
     def _admit(self, rep: Replica, request: Request, now: float) -> float:
         """Prefills one request into the replica's free slots; returns when the prefill ends."""

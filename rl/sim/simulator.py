@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from rl.admission import AdmissionPolicy, make_policy
-from rl.elastic.migration import MigrationConfig, has_consumer, make_migration_policy
+from rl.elastic.migration import MigrationConfig, make_migration_policy
 from rl.elastic.stage import StageModel
 from rl.formation import BatchFormer
 from rl.metrics import migration_metrics, round_metrics, staleness_metrics
@@ -56,6 +56,7 @@ class SimConfig(ScheduleConfig):
     slots: int = 256  # slots per replica
     routing: str = "shared"  # shared | round_robin (rl/sim/sampler.py)
     migration: MigrationConfig = MigrationConfig()  # long-tail migration between replicas
+    migration_consumer: bool = False  # `tail` acts (none in one pipeline: forced to measure it)
     checkpoint_every: int = 0  # async: a barrier every this many rounds (the run's checkpoints)
     keep_sampling: bool = False  # async: at those barriers only the learner waits (no_bubble)
 
@@ -161,12 +162,7 @@ class Simulator:
             timeline=self.timeline,
             migration=None
             if cfg.migration.policy == "off"
-            else make_migration_policy(
-                cfg.migration,
-                consumer=has_consumer(
-                    cfg.mode, borrow.policy.cfg.borrowing if borrow is not None else "off"
-                ),
-            ),
+            else make_migration_policy(cfg.migration, consumer=cfg.migration_consumer),
         )
         self.schedule: Any = None
         self.on_update: Callable[[Update], None] | None = None  # called as each update ends

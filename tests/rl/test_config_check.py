@@ -262,6 +262,16 @@ def test_elastic_borrowing_and_the_open_split_are_checked():
     config.runtime, config.mesh.colocated = "ray", False
     config.elastic.borrowing, config.elastic.stage_model = "sampler", "preset:qwen3-1.7b:h100"
     check_config(config)
+    config = smoke.get_config()  # async: the sampler borrows, threads only, no environment
+    config.mesh.colocated, config.driver.mode = False, "async"
+    config.elastic.borrowing, config.elastic.stage_model = "sampler", "preset:qwen3-1.7b:h100"
+    check_config(config)
+    config.runtime, config.env.name = "ray", "retry"
+    with pytest.raises(ConfigError) as e:
+        check_config(config)
+    text = "\n".join(e.value.problems)
+    assert "expected runtime='threads': taking a lent replica back mid-rollout" in text
+    assert "config.env.name='retry'; expected no environment" in text
     config = smoke.get_config()
     config.elastic.borrowing = "sometimes"
     config.mesh.split = "open"

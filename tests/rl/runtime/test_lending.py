@@ -103,8 +103,13 @@ def test_planner_picks_the_open_split_and_the_runtime_builds_it():
 
 @pytest.mark.slow  # end-to-end: 2 runs of the threads runtime
 def test_sampler_borrows_the_learners_devices_and_the_run_is_unchanged():
-    static, p_static = static_run(0)
-    lent, p_lent, runtime, driver = run(tiny_config("sampler"))
+    def config(borrowing):  # 8 groups of 4: more than the sampler's own 2 x 8 slots hold
+        c = tiny_config(borrowing)
+        c.driver.groups_per_round = 8
+        return c
+
+    static, p_static, _, _ = run(config("off"))
+    lent, p_lent, runtime, driver = run(config("sampler"))
     assert tokens_of(lent) == tokens_of(static)
     for a, b in zip(jax.tree.leaves(p_static), jax.tree.leaves(p_lent), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the learner never moved
@@ -115,3 +120,47 @@ def test_sampler_borrows_the_learners_devices_and_the_run_is_unchanged():
     assert sorted(driver.sampler.loops) == [0, 1]  # the extra replicas left after each round
     slot_lanes = {s.lane for s in driver.timeline.spans("sampler/slot")}
     assert len(slot_lanes) > 2 * 8  # the extra replicas decoded too
+
+
+def async_config(borrowing, seed=0):
+    """async (s = 3, U = 2), 8 groups a round on 2 replicas x 8 slots: a window of 32 samples,
+    twice the slots, so requests queue while the learner waits for its next batch."""
+    config = tiny_config(borrowing, seed)
+    config.driver.mode, config.driver.max_staleness = "async", 3
+    config.driver.groups_per_round, config.driver.groups_per_update = 8, 2
+    config.sampling.max_new_tokens = 40
+    config.engine.max_length = 64
+    return config
+
+
+def versions_of(results):
+    return [c.versions for r in results for g in r.groups for c in g.completions]
+
+
+@pytest.mark.slow  # end-to-end: 2 runs of the threads runtime
+@pytest.mark.parametrize("migration", ["off", "always"])
+def test_async_lends_the_learners_devices_and_takes_them_back_mid_rollout(migration):
+    """BiDiRL's setting: under async the learner's devices decode while it waits for its next
+    batch and are taken back once it is complete, samples running there resuming on the
+    sampler's own replicas (with migration forced at every step too): every group is trained
+    once, every token within the bound, versions in order along each sequence."""
+    rounds = 3
+    static, _, _, _ = run(async_config("off"), rounds)
+    config = async_config("sampler")
+    config.elastic.migration = migration
+    lent, _, runtime, driver = run(config, rounds)
+    keys = lambda results: sorted(g.request.key for r in results for g in r.groups)
+    assert keys(lent) == keys(static) and len(keys(lent)) == 8 * rounds
+    assert len(driver.timeline.spans("elastic")) >= 1  # lent at least once
+    stats = driver.sampler.stats
+    assert stats.resumed_sequences == stats.evicted_sequences  # every one taken back resumed
+    assert stats.groups_emitted == 8 * rounds
+    versions = versions_of(lent)
+    assert all(list(v) == sorted(v) for v in versions)  # the versions that drew each token
+    assert any(len(set(v)) > 1 for v in versions)  # sequences that really mix versions
+    assert max(r.metrics["lag_max"] for r in lent) <= 3
+    decided = [r.metrics for r in lent if "borrow_sampler" in r.metrics]
+    assert decided and any(m["borrow_sampler"] == 1.0 for m in decided)
+    lent_lanes = [s for s in driver.timeline.spans("sampler/slot") if s.args["replica"] >= 2]
+    assert sum(s.args["tokens"] for s in lent_lanes) > 0  # the lent replicas decoded
+    assert sorted(driver.sampler.loops) == [0, 1]  # and went back

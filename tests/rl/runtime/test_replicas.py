@@ -78,8 +78,8 @@ def sample(
         reward_fn=lambda r, c: 0.0,
         emit=groups.append,
         routing=routing,
-        migration=make_migration_policy(
-            MigrationConfig(policy=policy, max_running_fraction=fraction)
+        migration=make_migration_policy(  # the mechanism, forced on
+            MigrationConfig(policy=policy, max_running_fraction=fraction), consumer=True
         ),
         timeline=timeline,
     )
@@ -163,6 +163,44 @@ def test_add_and_remove_replicas_between_steps(model, engines):
         sampler.remove_replica(0)
     with pytest.raises(ValueError, match="at least one engine; received none"):
         ReplicaSampler([], make_admission=FCFS, reward_fn=lambda r, c: 0.0, emit=groups.append)
+
+
+def test_a_lent_replica_takes_queued_work_and_is_taken_back_mid_rollout(model, engines):
+    """Async borrowing's replica: it joins mid-rollout taking requests queued on the others, is
+    taken back with samples half decoded, and they resume on replica 0 (re-prefilled): every
+    group is delivered once, with the tokens one engine gives."""
+    reqs = requests(8, lengths=[24] * 8)
+    groups = []
+    sampler = ReplicaSampler(
+        [engines(0)], make_admission=FCFS, reward_fn=lambda r, c: 0.0, emit=groups.append
+    )
+    sampler.set_params(engines(0).load_params(model), 0)
+    sampler.submit(reqs)  # 2 of 8 requests run (4 slots); 6 wait
+    sampler.step()
+    i = sampler.add_replica(engines(1), take_queued=True)
+    assert sampler.routed[i] == 0 and sampler.routing.load[i] == 2  # moved, not routed anew
+    for _ in range(3):
+        sampler.step()
+    assert sampler.loops[i].busy_slots() == 4
+    sampler.take_back(i)
+    assert sorted(sampler.loops) == [0] and sampler.stats.evicted_sequences == 4
+    sampler.run_until_idle(max_steps=500)
+    assert sorted(g.request.key for g in groups) == sorted(r.key for r in reqs)
+    assert sampler.stats.resumed_sequences == 4
+    alone = []
+    ref = ReplicaSampler(
+        [engines(2)], make_admission=FCFS, reward_fn=lambda r, c: 0.0, emit=alone.append
+    )
+    ref.set_params(engines(2).load_params(model), 0)
+    ref.submit(reqs)
+    ref.run_until_idle(max_steps=500)
+    want = {g.request.key: g for g in alone}
+    for g in groups:
+        for c, w in zip(g.completions, want[g.request.key].completions, strict=True):
+            assert c.tokens == w.tokens and c.versions == w.versions
+            np.testing.assert_allclose(c.logprobs, w.logprobs, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="is the last one"):
+        sampler.take_back(0)
 
 
 @pytest.mark.parametrize("policy", ["off", "always"])

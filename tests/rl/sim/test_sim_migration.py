@@ -39,6 +39,7 @@ def simulate(policy, seed, routing="round_robin", replicas=4, mode="cgp+frontier
         replicas=replicas,
         routing=routing,
         migration=MigrationConfig(policy=policy, max_running_fraction=0.5),
+        migration_consumer=True,  # the mechanism, forced on (no consumer in one pipeline)
     )
     sim = Simulator(cfg, GPU_LIKE, Workload(dataclasses.replace(WORKLOAD, seed=seed)))
     return sim.run(3), sim
@@ -47,7 +48,6 @@ def simulate(policy, seed, routing="round_robin", replicas=4, mode="cgp+frontier
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("routing", ["round_robin", "shared"])
 def test_migration_moves_work_and_loses_nothing(seed, routing):
-    # async: the replicas a consolidated tail frees take the next requests (a consumer exists)
     static, _ = simulate("off", seed, routing, mode="async+frontier+s1")
     moved, sim = simulate("tail", seed, routing, mode="async+frontier+s1")
     assert sum(r["migrations"] for r in moved.rounds) > 0
