@@ -93,6 +93,23 @@ def pooling_bound(result: SimResult, *, learner_devices: int, replica_devices: i
     return (learner_devices + sampler) * t / busy if busy > 0 else math.nan
 
 
+def overlap_bound(result: SimResult) -> float:
+    """The least mean rollout-to-train-end a trainer could reach on this run's group arrivals: one
+    that trains each group the moment it arrives, each at the mean learner time per group of the
+    round (its micro-steps and updates), so round r ends no earlier than max over its groups k
+    (in arrival order) of arrival_k + (groups from k on) x that mean, counted from the round's
+    first prefill. cgp's reduction vs sync cannot beat 1 - this / sync's."""
+    timeline, out = result.timeline, []
+    for i, _ in enumerate(result.rounds):
+        arrivals = sorted(e.t for e in timeline.instants("sampler/groups") if e.args["round"] == i)
+        learner = [s for s in timeline.spans("learner") if s.args.get("round") == i]
+        start = min(s.start for s in timeline.spans("sampler/prefill") if s.args["round"] == i)
+        per_group = sum(s.end - s.start for s in learner) / len(arrivals)
+        n = len(arrivals)
+        out.append(max(a + (n - k) * per_group for k, a in enumerate(arrivals)) - start)
+    return float(np.mean(out))
+
+
 def run_modes(
     modes: Sequence[str],
     model: StageModel,

@@ -7,7 +7,7 @@ import pytest
 
 from rl.elastic.migration import MigrationConfig
 from rl.sim import papers
-from rl.sim.compare import compare_migration, fill_factor, run_modes, sim_config
+from rl.sim.compare import compare_migration, fill_factor, overlap_bound, run_modes, sim_config
 from rl.sim.presets import gpu_preset
 from rl.sim.simulator import Simulator
 from rl.sim.workload import Workload
@@ -92,3 +92,23 @@ def test_tail_migration_is_off_in_a_run_and_forced_only_to_measure_it():
         **setup.fields(16),
     )
     assert rows["async+frontier+s4+fill+migration"]["migrations"] > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_overlap_bound_is_a_lower_bound_of_cgp(seed):
+    """No trainer beats one that takes each group the moment it arrives: cgp's own
+    rollout-to-train-end is never below the bound computed on its arrivals, and the bound is
+    past the last arrival."""
+    setup = small_setup(seed=seed)
+    results = {}
+    rows = run_modes(
+        ["sync", "cgp+frontier+fifo"],
+        setup.model,
+        setup.workload(),
+        rounds=3,
+        on_result=results.__setitem__,
+        **setup.fields(16),
+    )
+    bound = overlap_bound(results["cgp+frontier+fifo"])
+    assert 0 < bound <= rows["cgp+frontier+fifo"]["rollout_to_train_end_s"] + 1e-9
+    assert bound < rows["sync"]["rollout_to_train_end_s"]
