@@ -291,7 +291,8 @@ class SamplerLoop:
             # weights before it (async's staleness bound counts on that).
             if self._pending_params is not None:
                 return
-            resumed = self._place_parked()
+            resumed = migration.place(self._table, self._parked, self.clock())
+            self.stats.resumed_sequences += len(resumed)
             admitted = admit.admit(
                 self._table, self.admission, group_atomic=self.group_atomic, stats=self.stats
             )
@@ -466,19 +467,12 @@ class SamplerLoop:
         with self._lock:
             if self._episodes is not None and any(r.waiting for r in self._table.runs.values()):
                 raise ValueError("evict(): an episode waits for its environment here.")
-            queued = []
-            while (r := self.admission.next(1 << 30)) is not None:
-                queued.append(r)
-            runs = [run for run in self._table.runs.values() if not run.aborted]
-            runs += [run for run in self._parked if not run.aborted]
+            queued, runs, running = migration.evict(self._table, self.admission, self._parked)
             now = self.clock()
-            for s, run, i in self._table.running():
+            for s, run, i in running:
                 slot_span(self.timeline, s, run, i, now, evicted=True)
-                self.stats.evicted_sequences += 1
-            for run in runs:
-                run.slots = [None] * len(run.slots)
+            self.stats.evicted_sequences += len(running)
             self._table = SlotTable(self.engine.max_concurrent_decodes)
-            self._parked.clear()
             scoring, self._scoring = list(self._scoring), collections.deque()
             self.stats.groups_emitted += len(scoring)  # the caller emits them
         return queued, runs, scoring
@@ -507,30 +501,6 @@ class SamplerLoop:
                 out.append(r)
                 slots -= r.group_size
         return out
-
-    def _place_parked(self) -> list[tuple[int, Request, int, tuple[int, ...]]]:
-        """Parked runs into free slots, oldest first, each whole; Engine.reprefill's items
-        (lock held)."""
-        items = []
-        now = self.clock()
-        while self._parked:
-            run = self._parked[0]
-            if run.aborted:
-                self._parked.popleft()
-                continue
-            need = [i for i in range(len(run.samples)) if i not in run.done]
-            free = self._table.free_slots()
-            if len(free) < len(need):
-                break
-            self._parked.popleft()
-            self._table.runs[run.request.key] = run
-            for i, slot in zip(need, free, strict=False):
-                self._table.assign(run, i, slot)
-                sample = run.samples[i]
-                sample.start, sample.base = now, len(sample.tokens)
-                items.append((slot, run.request, i, tuple(sample.tokens)))
-            self.stats.resumed_sequences += len(need)
-        return items
 
     # ------------------------------------------------------------------------------------ threaded
 

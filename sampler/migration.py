@@ -4,15 +4,23 @@ JigsawRL migration (rl/elastic/migration.py decides what moves): at a step bound
 loop's `handoff` takes a running request out, with its samples' decode state
 (Engine.export_slots), as a Handoff; the destination loop `reserve`s free slots for it and `adopt`s
 it, and imports the state before its next decode step, where the request's group then completes.
-sampler/transfer.py carries a Handoff between processes. The functions here are the bookkeeping
-on a loop's SlotTable (callers hold the loop's lock); SamplerLoop runs the engine calls.
+sampler/transfer.py carries a Handoff between processes.
+
+A replica taken back mid-rollout (async borrowing) gives up everything at once: `evict` empties
+its table (each run's samples out of their slots, tokens kept), another loop parks the runs and
+`place`s each, whole, into free slots, to be re-prefilled with its prompt and tokens so far
+(Engine.reprefill) instead of importing state. The functions here are the bookkeeping on a loop's
+SlotTable (callers hold the loop's lock); SamplerLoop runs the engine calls.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
+from rl.admission import AdmissionPolicy
 from rl.elastic.migration import ReplicaView, RunningView
+from rl.types import Request
 from sampler.runs import Run, SlotTable
 from sampler.slot_export import SlotState
 
@@ -135,3 +143,48 @@ def decoded(table: SlotTable, imported: list[tuple[list[int], SlotState]]) -> No
     table.unmovable.difference_update(
         run.request.key for slots, _ in imported for s in slots if (run := table.run[s]) is not None
     )
+
+
+def evict(
+    table: SlotTable, admission: AdmissionPolicy, parked: collections.deque[Run]
+) -> tuple[list[Request], list[Run], list[tuple[int, Run, int]]]:
+    """Takes everything out of a stopped loop's table, admission and parked runs.
+
+    Returns:
+      (the requests waiting for admission; the runs admitted or parked and not done, every sample
+      out of its slot with its tokens so far; the (slot, run, sample) that were running).
+    """
+    queued = []
+    while (r := admission.next(1 << 30)) is not None:
+        queued.append(r)
+    running = table.running()
+    runs = [run for run in [*table.runs.values(), *parked] if not run.aborted]
+    for run in runs:
+        run.slots = [None] * len(run.slots)
+    parked.clear()
+    return queued, runs, running
+
+
+def place(
+    table: SlotTable, parked: collections.deque[Run], now: float
+) -> list[tuple[int, Request, int, tuple[int, ...]]]:
+    """Parked runs into free slots, oldest first, each whole (all its unfinished samples);
+    Engine.reprefill's (slot, request, sample, tokens so far) items."""
+    items = []
+    while parked:
+        run = parked[0]
+        if run.aborted:
+            parked.popleft()
+            continue
+        need = [i for i in range(len(run.samples)) if i not in run.done]
+        free = table.free_slots()
+        if len(free) < len(need):
+            break
+        parked.popleft()
+        table.runs[run.request.key] = run
+        for i, slot in zip(need, free, strict=False):
+            table.assign(run, i, slot)
+            sample = run.samples[i]
+            sample.start, sample.base = now, len(sample.tokens)
+            items.append((slot, run.request, i, tuple(sample.tokens)))
+    return items
