@@ -8,6 +8,7 @@ validation of the simulator against a real run.
     python -m launch.simulate --borrowing off,both,off+migration,both+migration \
         --sampler_gpus 8 --learner_gpus 24 --setups 256
     python -m launch.simulate --migration tail --modes sync,cgp+frontier+fifo,async+frontier+s1
+    python -m launch.simulate --multiplex 2,3,4 --setups 64 --balance_wait 0.7
     python -m launch.simulate --workload rollpacker --modes sync,sync+tail,cgp+frontier+fifo,\
         cgp+frontier+tail --setups 64,128 --balance_wait 0.7
 
@@ -55,6 +56,15 @@ PipelineRL, RollPacker, BiDiRL and JigsawRL, our figure at the paper's setting a
 presets allow, beside the paper's, with the baseline and the setting; --json writes
 {"papers": {NAME: {"paper", "ours", "metric", "setting"}}}.
 
+--multiplex 2,3,4 runs JigsawRL's pipeline multiplexing (rl/elastic/multiplex.py, carried out by
+rl/sim/multiplex.py): for each setup, mode of --multiplex_modes and pipeline count N, N pipelines
+of that mode (workload seeds --seed ... --seed + N - 1) back to back on the whole pool, on a static
+partition (each on its share of the replicas and of the learner's devices), and multiplexed (every
+replica and the learner shared, tail migration on): the wall times, the multiplexed run's ratio
+to each, and the bound no multiplexing beats (the slowest pipeline alone on the pool, or the
+learner's total work without a gap); with --balance_wait > 0 the learner is scaled first so that
+sync waits that share of its round (0: the preset's learner).
+
 --plan_budgets runs rl/device_split.py on each budget: the planner's split beside every split's simulated
 time per round.
 
@@ -97,6 +107,7 @@ from rl.sim.compare import (
     sim_config,
     validate,
 )
+from rl.sim.multiplex import compare_multiplexing
 from rl.sim.presets import gpu_preset
 from rl.sim.simulator import SimResult
 from rl.sim.workload import Workload, WorkloadConfig
@@ -182,6 +193,12 @@ _PAPERS = flags.DEFINE_bool(
     "papers",
     False,
     "Only the seed systems' headline table (rl/sim/papers.py), ours vs the paper's.",
+)
+_MULTIPLEX = flags.DEFINE_list(
+    "multiplex", [], "Pipeline counts of the multiplexing block (e.g. 2,3,4); empty: skip."
+)
+_MUX_MODES = flags.DEFINE_list(
+    "multiplex_modes", ["sync", "cgp+frontier+fifo"], "Modes of the multiplexing block."
 )
 _GANTT_DIR = flags.DEFINE_string("gantt_dir", "", "Write simulated Gantt PNGs of setup R=32 here.")
 
@@ -505,6 +522,38 @@ def checkpoint_barriers(model: StageModel, slots: int, out: dict[str, Any]) -> N
             print(f"  R={r:<6}{m:<22}{none:>8.3f}" + "".join(f"{c:>19}" for c in cells))
 
 
+def multiplexing(model: StageModel, slots: int, out: dict[str, Any]) -> None:
+    replicas = _SAMPLER_GPUS.value // _SAMPLER_TP.value
+    counts = sorted(map(int, _MULTIPLEX.value))
+    out["multiplexing"] = {}
+    for r in map(int, _SETUPS.value):
+        fields = setup_fields(r, replicas, slots, tail=False)
+        scaled, note = model, "the preset's learner"
+        if _BALANCE.value:
+            scaled, scale = balance_learner(
+                model, workload_config(), target_wait=_BALANCE.value, rounds=_ROUNDS.value, **fields
+            )
+            note = f"learner x{scale:.1f} (sync waits {_BALANCE.value:.0%})"
+        print(f"multiplexing, {replicas} replicas x {slots} slots and one learner, R={r}, {note}:")
+        print(
+            f"  {'mode':<24}{'N':>3}{'back2back s':>12}{'static s':>10}{'muxed s':>9}"
+            f"{'vs static':>10}{'vs b2b':>8}{'bound':>7}{'switches':>9}{'learner':>8}"
+        )
+        for mode in _MUX_MODES.value:
+            for n in counts:
+                workloads = [
+                    dataclasses.replace(workload_config(), seed=_SEED.value + i) for i in range(n)
+                ]
+                row = compare_multiplexing(mode, scaled, workloads, rounds=_ROUNDS.value, **fields)
+                out["multiplexing"][f"R{r}/{mode}/{n}"] = row
+                print(
+                    f"  {mode:<24}{n:>3}{row['back_to_back_s']:>12.0f}{row['static_s']:>10.0f}"
+                    f"{row['multiplexed_s']:>9.0f}{row['vs_static']:>9.2f}x"
+                    f"{row['vs_back_to_back']:>7.2f}x{row['bound_vs_static']:>6.2f}x"
+                    f"{row['replica_switches']:>9.0f}{row['learner_busy']:>8.0%}"
+                )
+
+
 def paper_headlines(model: StageModel, slots: int, out: dict[str, Any]) -> None:
     borrow = gpu_preset(
         _PRESET.value, _GPU.value, learner_gpus=papers.PaperSetup.borrow_learner_gpus
@@ -541,8 +590,8 @@ def main(argv: list[str]) -> None:
         paper_headlines(model, slots, out)
     elif _VALIDATE.value:
         validation(model, out)
-    elif not _BORROWING.value or flags.FLAGS["modes"].present:  # --borrowing alone: only it
-        comparison(model, slots, out)
+    elif (not _BORROWING.value and not _MULTIPLEX.value) or flags.FLAGS["modes"].present:
+        comparison(model, slots, out)  # --borrowing or --multiplex alone: only that block
     if _MIGRATION.value != "off":
         migration_block(model, slots, out)
     if _CHECKPOINTS.value:
@@ -551,6 +600,8 @@ def main(argv: list[str]) -> None:
         planning(out)
     if _BORROWING.value:
         borrowing(model, slots, out)
+    if _MULTIPLEX.value and not _PAPERS.value:
+        multiplexing(model, slots, out)
     if _JSON.value:
         with open(_JSON.value, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=2, default=str)

@@ -25,8 +25,9 @@ Policies (`make_migration_policy`, names in MIGRATION_POLICIES):
 A consumer: consolidating a tail does not make it faster (each move adds the moved KV cache to
 the destination's decode steps, which read it every step), it frees replicas. That pays only if
 the freed replicas get work the static split would not have done: another pipeline's (JigsawRL's
-multiplexing), or a learner that trains on part of the sampler before the rollout drains. Neither
-exists in one pipeline yet, and the simulator at paper scale shows what is left: in round modes
+multiplexing: rl/sim/multiplex.py turns `tail` on), or a learner that trains on part of the
+sampler before the rollout drains. Neither exists in one pipeline, and the simulator at paper
+scale shows what is left there: in round modes
 `tail` gave 0.68-0.71x the static split's groups/s; under async 0.77-0.92x, because the next
 requests a freed replica takes would have gone to the other replicas' free slots anyway (work
 stealing, rl/runtime/replicas.py); a learner that borrows only a drained sampler took nothing
@@ -74,7 +75,7 @@ class ReplicaView:
     """One replica at a step boundary.
 
     Attributes:
-      slots: its engine slots.
+      slots: its engine slots (0: the replica serves another pipeline now).
       free: slots a move may fill now (not running, not being freed or reserved).
       queued: whether requests wait for admission there.
       running: the requests running there.
@@ -87,9 +88,9 @@ class ReplicaView:
 
     def __post_init__(self):
         used = sum(r.sequences for r in self.running)
-        if self.slots < 1 or not 0 <= self.free <= self.slots - used:
+        if self.slots < 0 or not 0 <= self.free <= self.slots - used:
             raise ValueError(
-                f"ReplicaView: expected slots >= 1 and 0 <= free <= slots - running sequences; "
+                f"ReplicaView: expected slots >= 0 and 0 <= free <= slots - running sequences; "
                 f"received slots={self.slots}, free={self.free}, running sequences={used}."
             )
 

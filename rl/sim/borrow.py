@@ -31,10 +31,10 @@ import math
 from typing import Any
 
 from rl.elastic.borrowing import BorrowPolicy, Decision, PoolState
-from rl.sim.simulator import LearnerOp, Simulator
+from rl.sim.simulator import LearnerOp, PoolHooks, Simulator
 
 
-class SimBorrower:
+class SimBorrower(PoolHooks):
     """Carries out a BorrowPolicy's moves in a Simulator; see the module docstring.
 
     Args:

@@ -286,7 +286,7 @@ def compare_borrowing(
                     policy, learner_devices=learner_devices, replica_devices=replica_devices
                 )
             cfg = sim_config(mode, tail_factor=factor, **extra, **dict(fields))
-            sim = Simulator(cfg, model, Workload(workload), borrow=borrow)
+            sim = Simulator(cfg, model, Workload(workload), pool=borrow)
             result = sim.run(rounds)
             sim_rounds = result.rounds
             row = summarize(result)

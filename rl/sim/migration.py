@@ -27,6 +27,8 @@ class SimMigration:
         for seq in rep.seqs:
             if seq is not None:
                 runs.setdefault(seq.request.key, []).append(seq)
+        if rep.parked:  # serving another pipeline: no slots for this one's moves
+            return ReplicaView(slots=0, free=0)
         return ReplicaView(
             slots=self.sampler.slots,
             free=len(rep.free_slots()),

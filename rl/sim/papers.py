@@ -15,7 +15,8 @@ rollpacker_tail        time per trained prompt, sync vs sync+tail (tail batching
 bidirl_borrowing       groups/s with bidirectional borrowing vs the same static split, both under
                        bounded-staleness async (BiDiRL's setting)
 jigsawrl_migration     groups/s with long-tail migration vs the same static split
-jigsawrl_multiplexing  None: pipeline multiplexing is not built yet
+jigsawrl_multiplexing  groups/s of 3 sync pipelines multiplexed on one pool vs the same pipelines
+                       on a static partition of it (rl/sim/multiplex.py), rollout 70% of a step
 
 `paper` is the paper's figure (the top of its reported range where it gives one); `setting` says
 which of our runs the figure comes from and what differs from the paper's.
@@ -36,6 +37,7 @@ from rl.sim.compare import (
     overlap_bound,
     run_modes,
 )
+from rl.sim.multiplex import compare_multiplexing
 from rl.sim.simulator import SimResult
 from rl.sim.workload import WorkloadConfig
 
@@ -44,6 +46,7 @@ ASYNC_MODE = "async+frontier+s4+fill"
 BORROW_MODE = "async+frontier+s4+fill"
 BORROWINGS = ("off", "learner", "sampler", "both")
 MIGRATION_MODE = "async+frontier+s4+fill"
+MULTIPLEX_MODE = "sync"  # JigsawRL's baseline is veRL (sync)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +76,7 @@ class PaperSetup:
     groups_per_round: int = 64  # rolloutpipe_cgp, pipelinerl_async, jigsawrl_migration
     rollpacker_groups: int = 128
     borrow_groups: int = 256
+    pipelines: int = 3  # jigsawrl_multiplexing
 
     def fields(self, groups_per_round: int, max_new_tokens: int = 8192) -> dict[str, Any]:
         return dict(
@@ -211,18 +215,37 @@ def jigsawrl_migration(p: PaperSetup, mode: str = MIGRATION_MODE) -> Headline:
     )
 
 
+def jigsawrl_multiplexing(p: PaperSetup, mode: str = MULTIPLEX_MODE) -> Headline:
+    """`p.pipelines` pipelines of `mode`, each on its own workload seed, at RollPacker's balance
+    (rollout 70% of a sync step), multiplexed vs a static partition of the same pool."""
+    fields = p.fields(p.groups_per_round)
+    model, scale = balance_learner(
+        p.model, p.workload(), target_wait=0.7, rounds=p.rounds, **fields
+    )
+    workloads = [WorkloadConfig(seed=p.seed + i) for i in range(p.pipelines)]
+    row = compare_multiplexing(mode, model, workloads, rounds=p.rounds, **fields)
+    return Headline(
+        paper=1.85,
+        ours=row["vs_static"],
+        metric="groups/s of pipelines multiplexed on one pool vs a static partition of it (paper: "
+        "up to 1.85x vs veRL)",
+        setting=(
+            f"{p.pipelines} {mode} pipelines (workload seeds {p.seed}..{p.seed + p.pipelines - 1}, "
+            f"R = {p.groups_per_round}) on {p.replicas} replicas and one learner, tail migration "
+            f"on; learner x{scale:.1f} so that rollout is 70% of a sync step; "
+            f"{row['vs_back_to_back']:.2f}x vs back to back; bound {row['bound_vs_static']:.2f}x "
+            "(the slowest pipeline alone, or the learner's total work without a gap)"
+        ),
+    )
+
+
 def headlines(p: PaperSetup) -> dict[str, Headline]:
-    """Every seed system's headline (NAMES order); jigsawrl_multiplexing's is None."""
+    """Every seed system's headline (NAMES order)."""
     return {
         "rolloutpipe_cgp": rolloutpipe_cgp(p),
         "pipelinerl_async": pipelinerl_async(p),
         "rollpacker_tail": rollpacker_tail(p),
         "bidirl_borrowing": bidirl_borrowing(p),
         "jigsawrl_migration": jigsawrl_migration(p),
-        "jigsawrl_multiplexing": Headline(
-            paper=1.85,
-            ours=None,
-            metric="throughput of several pipelines on one pool vs its static partition",
-            setting="not built: pipeline multiplexing (its own issue)",
-        ),
+        "jigsawrl_multiplexing": jigsawrl_multiplexing(p),
     }

@@ -51,9 +51,17 @@ class Replica:
         self.fresh: set[tuple[int, int]] = set()  # adopted, no call run here yet: not movable
         self.busy_since = 0.0
         self.busy_s = 0.0  # total time busy (replica-seconds)
+        self.parked = False  # serving another pipeline (rl/sim/multiplex.py): no slots here
 
     def free_slots(self) -> list[int]:
+        if self.parked:
+            return []
         return [i for i, s in enumerate(self.seqs) if s is None and i not in self.reserved]
+
+    @property
+    def vacant(self) -> bool:
+        """Nothing runs, arrives or is planned here: the replica may serve another pipeline."""
+        return not (self.busy or self.active or self.incoming or self.reserved or self.chunk)
 
     def context(self, k: int) -> float:
         return self.prompt_sum + k * (self.active * self.calls - self.admit_sum)

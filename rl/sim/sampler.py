@@ -75,6 +75,7 @@ class SimSampler:
       schedule: schedule(t, fn) runs fn(t) at virtual time t (the simulator's event queue).
       emit: emit(group, t) when a group completes.
       on_busy: on_busy(busy, t) when the sampler as a whole turns busy or idle.
+      on_idle: on_idle(replica index, t) when a replica turns idle.
       timeline: where spans go.
       migration: a long-tail migration policy (rl.elastic.migration); None: none.
     """
@@ -92,6 +93,7 @@ class SimSampler:
         emit: Callable[[Group, float], None],
         on_busy: Callable[[bool, float], None],
         timeline: Timeline,
+        on_idle: Callable[[int, float], None] | None = None,
         migration: MigrationPolicy | None = None,
     ):
         if routing not in SIM_ROUTINGS:
@@ -107,7 +109,7 @@ class SimSampler:
         self.replicas = [
             Replica(i, slots, admission[0 if routing == "shared" else i]) for i in range(replicas)
         ]
-        self.schedule, self._emit, self._on_busy = schedule, emit, on_busy
+        self.schedule, self._emit, self._on_busy, self._on_idle = schedule, emit, on_busy, on_idle
         self.timeline = timeline
         self.migration = migration
         self.migrator = SimMigration(self)
@@ -208,10 +210,12 @@ class SimSampler:
         rep.busy = busy
         if self.busy != before:
             self._on_busy(self.busy, now)
+        if not busy and self._on_idle is not None:
+            self._on_idle(rep.index, now)
 
     def _admit_idle(self, now: float) -> None:
         """Idle replicas admit what waits; "shared": one group at a time to the least loaded."""
-        idle = [r for r in self.replicas if not r.busy]
+        idle = [r for r in self.replicas if not r.busy and not r.parked]
         if self.routing == "round_robin":
             for rep in idle:
                 self.step(rep, now)

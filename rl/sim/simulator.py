@@ -10,6 +10,10 @@ staleness bound allows. Only the engine, the learner and the weight transfer are
 
 Contention (StageModel.contention = g): while both sides are busy, sampler calls take 1 + g times
 longer and the learner progresses at 1 / (1 + g) of its speed.
+
+A device pool (`pool`, a `PoolHooks`: borrowing in rl/sim/borrow.py, multiplexing in
+rl/sim/multiplex.py) moves devices between the learner, the sampler and other pipelines; several
+Simulators share one `Clock` when they share a pool.
 """
 
 from __future__ import annotations
@@ -74,6 +78,46 @@ class SimConfig(ScheduleConfig):
             )
 
 
+class Clock:
+    """The virtual clock: `at(t, fn)` runs fn(t) when the clock reaches t (ties in call order)."""
+
+    def __init__(self):
+        self._events: list[tuple[float, int, Callable[[float], None]]] = []
+        self._seq = itertools.count()
+
+    def at(self, t: float, fn: Callable[[float], None]) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn))
+
+    def run(self) -> None:
+        """Runs events until none is left."""
+        while self._events:
+            t, _, fn = heapq.heappop(self._events)
+            fn(t)
+
+
+class PoolHooks:
+    """What a device-pool controller hears from its Simulator (every hook is optional)."""
+
+    def attach(self, sim: Simulator) -> None:
+        """Called once, when the Simulator is built."""
+
+    def check(self, now: float) -> None:
+        """The learner is between operations (or held), or the sampler turned busy or idle."""
+
+    def before_publish(self, now: float) -> None:
+        """A Publish is about to be queued on the learner."""
+
+    def on_submit(self, now: float) -> None:
+        """Requests were queued on the sampler."""
+
+    def on_replica_idle(self, index: int, now: float) -> None:
+        """Sampler replica `index` has nothing running."""
+
+    def round_metrics(self, r: int) -> dict[str, Any]:
+        """Extra metrics of round r."""
+        return {}
+
+
 @dataclasses.dataclass
 class _SimRound:
     plan: RoundPlan
@@ -92,6 +136,7 @@ class LearnerOp:
     args: dict[str, Any]
     on_end: Callable[[float], None] | None = None
     scalable: float = 0.0  # of `work`: the per-token part (a borrowed mesh shortens it)
+    queued: float = 0.0  # when it was queued
 
 
 @dataclasses.dataclass
@@ -124,7 +169,8 @@ class Simulator:
       make_batches: builds a batch former (name, U, groups) (default rl.formation's registry).
       planner: the round planner (default rl.round_planner.RoundPlanner over the workload's prompts).
       timeline: where spans go (a fresh Timeline by default).
-      borrow: carries out a device-borrowing policy (rl/sim/borrow.py); None: a static split.
+      pool: a device-pool controller (borrowing, multiplexing); None: a static split.
+      clock: the virtual clock (a fresh one by default; pipelines sharing a pool share one).
     """
 
     def __init__(
@@ -137,7 +183,8 @@ class Simulator:
         make_batches: Callable[[str, int, int | None], BatchFormer] | None = None,
         planner: RoundPlanner | None = None,
         timeline: Timeline | None = None,
-        borrow: Any = None,
+        pool: PoolHooks | None = None,
+        clock: Clock | None = None,
     ):
         self.cfg, self.model, self.workload = cfg, model, workload
         self.make_batches = make_batches
@@ -148,6 +195,7 @@ class Simulator:
             epoch_size=cfg.epoch_size or None,
         )
         self.timeline = Timeline() if timeline is None else timeline
+        self.clock = Clock() if clock is None else clock
         n_policies = cfg.replicas if cfg.routing == "round_robin" else 1
         self.sampler = SimSampler(
             model,
@@ -159,6 +207,7 @@ class Simulator:
             schedule=self.at,
             emit=self._on_group,
             on_busy=self._on_sampler_busy,
+            on_idle=self._on_replica_idle,
             timeline=self.timeline,
             migration=None
             if cfg.migration.policy == "off"
@@ -166,8 +215,6 @@ class Simulator:
         )
         self.schedule: Any = None
         self.on_update: Callable[[Update], None] | None = None  # called as each update ends
-        self._events: list[tuple[float, int, Callable[[float], None]]] = []
-        self._seq = itertools.count()
         self.learner_ops: list[LearnerOp] = []
         self.learner_op: LearnerOp | None = None
         self._op_start = self._op_last = 0.0
@@ -188,9 +235,9 @@ class Simulator:
         self._scalable = 0.0
         self._emitted_tokens: dict[int, int] = {}
         self._costed_tokens: dict[int, int] = {}
-        self.borrow = borrow
-        if borrow is not None:
-            borrow.attach(self)
+        self.pool = pool
+        if pool is not None:
+            pool.attach(self)
 
     def _requests(self, plan: RoundPlan) -> list[Request]:
         return plan.requests(
@@ -202,15 +249,24 @@ class Simulator:
 
     def at(self, t: float, fn: Callable[[float], None]) -> None:
         """Calls fn(t) when the virtual clock reaches t."""
-        heapq.heappush(self._events, (t, next(self._seq), fn))
+        self.clock.at(t, fn)
 
     def open_rounds(self) -> list[int]:
         """Rounds begun (requests submitted) and not done, oldest first."""
         return sorted(set(self._starts) - set(self._done))
 
+    def round_start(self, r: int) -> float:
+        """When round r's first requests were submitted."""
+        return self._starts[r]
+
     def updates_done(self, r: int) -> int:
         """Updates applied so far with round r's groups."""
         return len(self._lags.get(r, []))
+
+    @property
+    def learner_start(self) -> float:
+        """When the learner operation in flight started."""
+        return self._op_start
 
     def resume_learner(self, now: float) -> None:
         """Starts the next queued learner operation if none runs (after the learner was held)."""
@@ -219,6 +275,12 @@ class Simulator:
 
     def run(self, rounds: int) -> SimResult:
         """Simulates `rounds` rounds (fewer if the round planner runs out of prompts)."""
+        self.start(rounds)
+        self.clock.run()
+        return self.result()
+
+    def start(self, rounds: int) -> None:
+        """Builds the schedule and queues the first publish and round on the clock."""
         if rounds < 1:
             raise ValueError(f"rounds must be >= 1; received {rounds}.")
         if self.schedule is not None:
@@ -236,9 +298,9 @@ class Simulator:
         )
         t = self._publish_span(0.0, 0.0 + self.model.publish_s(), version=0, round=-1)
         self.at(t, lambda t: self._begin(0, t))
-        while self._events:
-            t, _, fn = heapq.heappop(self._events)
-            fn(t)
+
+    def result(self) -> SimResult:
+        """The run's metrics, once the clock has run out of events."""
         open_rounds = self.open_rounds()
         if open_rounds or self.learner_op is not None:
             raise RuntimeError(
@@ -258,8 +320,8 @@ class Simulator:
                     num_slots=self.sampler.slots * self.sampler.peak_replicas,
                 )
             )
-            if self.borrow is not None:
-                m.update(self.borrow.round_metrics(r))
+            if self.pool is not None:
+                m.update(self.pool.round_metrics(r))
             lags = self._lags.get(r, [])
             m.update(migration_metrics(self.timeline, round=r, rollout_start=start))
             m.update(
@@ -296,6 +358,8 @@ class Simulator:
             if isinstance(a, Submit):
                 self._starts.setdefault(a.round, now)
                 self.sampler.submit(a.requests, now, cut=a.cut)
+                if self.pool is not None:
+                    self.pool.on_submit(now)
             elif isinstance(a, Begin):
                 self.updates_planned = a.updates  # the behaviour snapshot costs nothing here
             elif isinstance(a, Add):
@@ -303,8 +367,8 @@ class Simulator:
             elif isinstance(a, Update):
                 self._update(a, now)
             elif isinstance(a, Publish):
-                if self.borrow is not None:
-                    self.borrow.before_publish(now)
+                if self.pool is not None:
+                    self.pool.before_publish(now)
                 self._queue_op(
                     LearnerOp(
                         "publish",
@@ -387,15 +451,16 @@ class Simulator:
         return dict(round=round, tokens=sum(len(c.tokens) for g in groups for c in g.completions))
 
     def _queue_op(self, op: LearnerOp, now: float) -> None:
+        op.queued = now
         self.learner_ops.append(op)
         if self.learner_op is None and not self.learner_blocked:
             self._next_op(now)
-        elif self.learner_blocked and self.borrow is not None:
-            self.borrow.check(now)  # async: the learner's batch may take its devices back
+        elif self.learner_blocked and self.pool is not None:
+            self.pool.check(now)  # async: the learner's batch may take its devices back
 
     def _next_op(self, now: float) -> None:
-        if self.borrow is not None:
-            self.borrow.check(now)  # may put a switch first, or lend the learner's devices
+        if self.pool is not None:
+            self.pool.check(now)  # may put a switch first, lend the learner, or give it away
             if self.learner_blocked:
                 return
         was_idle = self.learner_op is None
@@ -411,9 +476,13 @@ class Simulator:
         assert op is not None
         self.at(self._op_last + op.work / self._rate, lambda t: self._op_end(epoch, t))
 
+    def _on_replica_idle(self, index: int, now: float) -> None:
+        if self.pool is not None:
+            self.pool.on_replica_idle(index, now)
+
     def _on_sampler_busy(self, busy: bool, now: float) -> None:
-        if self.borrow is not None:
-            self.borrow.check(now)
+        if self.pool is not None:
+            self.pool.check(now)
         rate = 1.0 / (1.0 + self.model.contention) if busy else 1.0
         if rate == self._rate:
             return
@@ -446,5 +515,5 @@ class Simulator:
         else:
             if self.model.contention:
                 self.sampler.set_factor(1.0, now)
-            if self.borrow is not None:
-                self.borrow.check(now)
+            if self.pool is not None:
+                self.pool.check(now)

@@ -124,6 +124,28 @@ def test_simulate_borrowing_alone_writes_the_comparison(tmp_path):
     assert "BiDiRL reports up to 1.94x" in proc.stdout
 
 
+def test_simulate_multiplex_alone_writes_each_pipeline_count(tmp_path):
+    out = tmp_path / "sim.json"
+    cmd = [sys.executable, "-m", "launch.simulate", f"--json={out}", "--setups=8", "--rounds=2"]
+    cmd += [
+        "--max_new_tokens=512",
+        "--median_tokens=100",
+        "--multiplex=2,3",
+        "--multiplex_modes=sync",
+        "--balance_wait=0",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert "setups" not in result  # --multiplex alone skips the mode comparison
+    rows = result["multiplexing"]
+    assert set(rows) == {"R8/sync/2", "R8/sync/3"}
+    for key, row in rows.items():
+        assert row["pipelines"] == int(key[-1]) and row["groups"] == row["pipelines"] * 2 * 8
+        assert 0 < row["vs_static"] <= row["bound_vs_static"] + 1e-9
+    assert "multiplexing, 4 replicas" in proc.stdout
+
+
 def test_simulate_papers_writes_the_headline_contract(tmp_path):
     out = tmp_path / "sim.json"
     cmd = [sys.executable, "-m", "launch.simulate", f"--json={out}", "--papers", "--rounds=1"]
@@ -140,5 +162,5 @@ def test_simulate_papers_writes_the_headline_contract(tmp_path):
     }
     for row in rows.values():
         assert set(row) == {"paper", "ours", "metric", "setting"}
-    assert rows["jigsawrl_multiplexing"]["ours"] is None
+    assert all(isinstance(row["ours"], float) for row in rows.values())
     assert "pipelinerl_async" in proc.stdout

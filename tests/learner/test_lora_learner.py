@@ -29,6 +29,7 @@ def _leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+@pytest.mark.slow  # ~38 s cold; the quick tier keeps the adapter-only update and publish
 def test_the_adapter_gradient_is_the_merged_models_through_the_low_rank_product():
     """dL/dA = s G B^T and dL/dB = s A^T G, with G the merged model's gradient on W (float32)."""
     cfg = LearnerConfig(policy_loss="ppo_clip", old_logprobs="sampler")

@@ -39,7 +39,7 @@ def simulate(mode, borrowing, *, seed, cost=0.2, rounds=3):
         )
         borrow = SimBorrower(policy, learner_devices=2)
     workload = Workload(dataclasses.replace(WORKLOAD, seed=seed))
-    return Simulator(cfg, MODEL, workload, borrow=borrow).run(rounds), borrow
+    return Simulator(cfg, MODEL, workload, pool=borrow).run(rounds), borrow
 
 
 def trained(result):
