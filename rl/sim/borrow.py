@@ -31,7 +31,8 @@ import math
 from typing import Any
 
 from rl.elastic.borrowing import BorrowPolicy, Decision, PoolState
-from rl.sim.simulator import LearnerOp, PoolHooks, Simulator
+from rl.sim.learner import LearnerOp
+from rl.sim.simulator import PoolHooks, Simulator
 
 
 class SimBorrower(PoolHooks):
@@ -75,8 +76,8 @@ class SimBorrower(PoolHooks):
         assert sim is not None
         m, cfg = sim.model, sim.cfg
         seqs, tokens, longest, context = sim.sampler.remaining()
-        queued = sum(op.scalable for op in sim.learner_ops)
-        per_token = m.learner_per_token * sim.learner_scale
+        queued = sum(op.scalable for op in sim.learner.ops)
+        per_token = m.learner_per_token * sim.learner.scale
         learner_tokens = (queued / per_token if per_token else 0.0) + sim.round_tokens_unadded(r)
         learner_tokens += sim.sampler.remaining_learner_tokens()
         updates_left = max(sim.updates_planned - sim.updates_done(r), 0)
@@ -109,7 +110,7 @@ class SimBorrower(PoolHooks):
         if sim.cfg.mode == "async":
             self._check_ahead(now)
             return
-        if sim.learner_op is not None:
+        if sim.learner.op is not None:
             return
         r = self._round()
         if r is None:
@@ -122,7 +123,7 @@ class SimBorrower(PoolHooks):
             return
         drained = not sim.sampler.outstanding
         if drained and (r, "learner") not in self._decided and self.policy.cfg.allows("learner"):
-            if not sim.learner_ops:
+            if not sim.learner.ops:
                 return  # nothing queued yet: decide when the learner has work
             self._decided.add((r, "learner"))
             d = self.policy.decide(self._state(r, waiting=False))
@@ -131,7 +132,7 @@ class SimBorrower(PoolHooks):
                 self._borrow_learner(r, d, now)
         elif (
             not drained
-            and not sim.learner_ops
+            and not sim.learner.ops
             and (r, "sampler") not in self._decided
             and self.policy.cfg.allows("sampler")
         ):
@@ -147,11 +148,11 @@ class SimBorrower(PoolHooks):
         sim = self.sim
         assert sim is not None
         if self._lent is not None:
-            if any(op.name == "update" for op in sim.learner_ops):
+            if any(op.name == "update" for op in sim.learner.ops):
                 self._return_sampler(now)
             return
         nxt = sim.schedule.updates_done
-        busy = sim.learner_op is not None or sim.learner_ops
+        busy = sim.learner.op is not None or sim.learner.ops
         if busy or not sim.sampler.outstanding or (nxt, "sampler") in self._decided:
             return
         if not self.policy.cfg.allows("sampler"):
@@ -193,11 +194,11 @@ class SimBorrower(PoolHooks):
         sim = self.sim
         assert sim is not None
         f = self.learner_devices / (self.learner_devices + d.devices)
-        for op in sim.learner_ops:
+        for op in sim.learner.ops:
             op.work -= op.scalable * (1 - f)
             op.scalable *= f
-        sim.learner_scale = f
-        sim.learner_ops.insert(0, LearnerOp("borrow", d.switch_cost_s, dict(round=r), scalable=0.0))
+        sim.learner.scale = f
+        sim.learner.ops.insert(0, LearnerOp("borrow", d.switch_cost_s, dict(round=r), scalable=0.0))
         self._learner_round = r
         self.moves["learner"] += 1
 
@@ -205,7 +206,7 @@ class SimBorrower(PoolHooks):
         sim = self.sim
         assert sim is not None
         extra = d.devices // self.tp
-        sim.learner_blocked = True
+        sim.learner.blocked = True
         lend = self._lent = (r, 0, now)  # no replica joined yet
         self.moves["sampler"] += 1
 
@@ -235,8 +236,8 @@ class SimBorrower(PoolHooks):
         sim.timeline.span("elastic", "lend", since, back, round=r, replicas=extra)
 
         def resume(t: float) -> None:
-            sim.learner_blocked = False
-            sim.resume_learner(t)
+            sim.learner.blocked = False
+            sim.learner.resume(t)
 
         sim.at(back, resume)
 
@@ -246,7 +247,7 @@ class SimBorrower(PoolHooks):
         assert sim is not None
         if self._learner_round is not None:
             self._learner_round = None
-            sim.learner_scale = 1.0
+            sim.learner.scale = 1.0
             self.policy.record_switch("learner", self.policy.switch["learner"].estimate)
 
     def round_metrics(self, r: int) -> dict[str, Any]:

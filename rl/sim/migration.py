@@ -22,13 +22,13 @@ class SimMigration:
         self.sampler = sampler
 
     def _view(self, rep: Replica) -> ReplicaView:
+        if rep.parked:  # serving another pipeline: no slots for this one's moves
+            return ReplicaView(slots=0, free=0)
         k = self.sampler.model.steps_per_call
         runs: dict[tuple[int, int], list[Seq]] = {}
         for seq in rep.seqs:
             if seq is not None:
                 runs.setdefault(seq.request.key, []).append(seq)
-        if rep.parked:  # serving another pipeline: no slots for this one's moves
-            return ReplicaView(slots=0, free=0)
         return ReplicaView(
             slots=self.sampler.slots,
             free=len(rep.free_slots()),

@@ -146,17 +146,14 @@ class MultiplexSim:
     def _view(self, i: int, now: float) -> PipelineView:
         sim = self.sims[i]
         held = [r for r in sim.sampler.replicas if self.owner[r.index] == i]
-        ops = ([sim.learner_op] if sim.learner_op is not None else []) + sim.learner_ops
-        work = sum(op.work for op in sim.learner_ops)
-        if sim.learner_op is not None:
-            work += max(sim.learner_op.work - (now - sim.learner_start), 0.0)
+        ops = ([sim.learner.op] if sim.learner.op is not None else []) + sim.learner.ops
         return PipelineView(
             replicas=len(held),
             free_slots=sum(len(r.free_slots()) for r in held),
             queued=sim.sampler.queued,
             running=sum(r.active for r in held),
             between_rounds=sim.sampler.outstanding == 0,
-            learner_s=work,
+            learner_s=sim.learner.left_s(now),
             waiting_since=min((op.queued for op in ops), default=math.inf),
             rollout_since=min((sim.round_start(r) for r in sim.open_rounds()), default=math.inf),
         )
@@ -208,13 +205,13 @@ class MultiplexSim:
     def learner_check(self, now: float) -> None:
         """Whenever a pipeline's learner is between operations: if the learner mesh is free,
         the policy picks whose operation runs next; every other pipeline's learner is held."""
-        if self.learner_held or any(sim.learner_op is not None for sim in self.sims):
+        if self.learner_held or any(sim.learner.op is not None for sim in self.sims):
             for sim in self.sims:
-                sim.learner_blocked = sim.learner_op is None
+                sim.learner.blocked = sim.learner.op is None
             return
         pick = self.policy.learner_for(self.views(now), self.last_learner)
         for i, sim in enumerate(self.sims):
-            sim.learner_blocked = i != pick
+            sim.learner.blocked = i != pick
         if pick is None:
             return
         cost = self.mux.learner_switch_s if pick != self.last_learner else 0.0
@@ -224,17 +221,17 @@ class MultiplexSim:
         sim = self.sims[pick]
         if cost > 0:
             self.learner_held = True
-            sim.learner_blocked = True
+            sim.learner.blocked = True
             self.timeline.span("pool/learner", "switch", now, now + cost, dst=pick)
 
             def go(t: float) -> None:
                 self.learner_held = False
-                sim.learner_blocked = False
-                sim.resume_learner(t)
+                sim.learner.blocked = False
+                sim.learner.resume(t)
 
             self.clock.at(now + cost, go)
         else:
-            self.clock.at(now, sim.resume_learner)
+            self.clock.at(now, sim.learner.resume)
 
 
 TAIL = MigrationConfig(policy="tail")

@@ -4,7 +4,8 @@ The schedule (rl.schedules: sync, cgp with the stream trainer and tail-batched r
 same object rl/driver.py drives: the simulator tells it when groups arrive, updates end and weights
 reach the sampler, and does what it says: Submit goes to the simulated sampler (rl/sim/sampler.py,
 driven by the real admission policies, a short round's RoundCut with it), Add is a "micro_step" span
-on the learner, Update an "update" span, Publish a "publish" span (the learner waits for it). Round
+on the learner (rl/sim/learner.py: its operations in order, one at a time), Update an "update"
+span, Publish a "publish" span (the learner waits for it). Round
 modes begin the next round when the previous one's weights are published; `async` submits as its
 staleness bound allows. Only the engine, the learner and the weight transfer are time models.
 
@@ -41,6 +42,7 @@ from rl.schedules import (
     Update,
     make_schedule,
 )
+from rl.sim.learner import LearnerOp, SimLearner
 from rl.sim.sampler import SIM_ROUTINGS, SimSampler
 from rl.sim.workload import Workload
 from rl.timeline import Timeline
@@ -119,27 +121,6 @@ class PoolHooks:
 
 
 @dataclasses.dataclass
-class _SimRound:
-    plan: RoundPlan
-    start: float
-    trained: list[Group] = dataclasses.field(default_factory=list)
-    updates: int = 0
-    done: bool = False
-
-
-@dataclasses.dataclass
-class LearnerOp:
-    """One operation queued on the simulated learner (Simulator.learner_ops)."""
-
-    name: str  # micro_step | update | publish
-    work: float  # seconds at full speed
-    args: dict[str, Any]
-    on_end: Callable[[float], None] | None = None
-    scalable: float = 0.0  # of `work`: the per-token part (a borrowed mesh shortens it)
-    queued: float = 0.0  # when it was queued
-
-
-@dataclasses.dataclass
 class SimResult:
     """Per-round metrics (rl.metrics.round_metrics, kind, groups, round_s, lag) and the Timeline.
 
@@ -215,24 +196,22 @@ class Simulator:
         )
         self.schedule: Any = None
         self.on_update: Callable[[Update], None] | None = None  # called as each update ends
-        self.learner_ops: list[LearnerOp] = []
-        self.learner_op: LearnerOp | None = None
-        self._op_start = self._op_last = 0.0
-        self._learner_busy = 0.0  # seconds the learner's devices worked (publishes included)
-        self._op_epoch = 0
-        self._rate = 1.0
+        self.learner = SimLearner(
+            model,
+            at=self.at,
+            timeline=self.timeline,
+            check=self._check_pool,
+            on_busy=self._on_learner_busy,
+        )
         self._starts: dict[int, float] = {}  # round -> when its first requests were submitted
         self._done: dict[int, RoundDone] = {}
         self._lags: dict[int, list[dict[str, float]]] = {}
         self._begin_next: int | None = None
-        self._pending_seqs: list[tuple[int, int]] = []  # learner rows not yet in a micro-batch
-        self._steps = 0
         self._stop_after = 0
         self._end = 0.0
-        # Borrowing (rl/sim/borrow.py): the learner's per-token speed-up, its work held while its
-        # devices are lent, the round's emitted tokens not yet costed, the updates Begin announced.
-        self.learner_scale, self.learner_blocked, self.updates_planned = 1.0, False, 0
-        self._scalable = 0.0
+        # Borrowing (rl/sim/borrow.py): the round's emitted tokens not yet costed, the updates
+        # Begin announced.
+        self.updates_planned = 0
         self._emitted_tokens: dict[int, int] = {}
         self._costed_tokens: dict[int, int] = {}
         self.pool = pool
@@ -263,16 +242,6 @@ class Simulator:
         """Updates applied so far with round r's groups."""
         return len(self._lags.get(r, []))
 
-    @property
-    def learner_start(self) -> float:
-        """When the learner operation in flight started."""
-        return self._op_start
-
-    def resume_learner(self, now: float) -> None:
-        """Starts the next queued learner operation if none runs (after the learner was held)."""
-        if self.learner_op is None and self.learner_ops:
-            self._next_op(now)
-
     def run(self, rounds: int) -> SimResult:
         """Simulates `rounds` rounds (fewer if the round planner runs out of prompts)."""
         self.start(rounds)
@@ -302,9 +271,9 @@ class Simulator:
     def result(self) -> SimResult:
         """The run's metrics, once the clock has run out of events."""
         open_rounds = self.open_rounds()
-        if open_rounds or self.learner_op is not None:
+        if open_rounds or self.learner.op is not None:
             raise RuntimeError(
-                f"Simulation stalled with rounds {open_rounds} unfinished after {self._steps} "
+                f"Simulation stalled with rounds {open_rounds} unfinished after {self.learner.steps} "
                 "updates (a request that never fits, or a former that never releases its batch?)."
             )
         out = []
@@ -336,7 +305,7 @@ class Simulator:
             out.append(m)
         c: dict[str, Any] = dataclasses.asdict(self.sampler.counters)
         c["replica_busy_s"] = sum(self.sampler.replica_busy_s(self._end))
-        c["learner_busy_s"] = self._learner_busy
+        c["learner_busy_s"] = self.learner.busy_s
         return SimResult(self.cfg, out, self.timeline, c, self._end)
 
     # --------------------------------------------------------------------------- the schedule
@@ -369,15 +338,9 @@ class Simulator:
             elif isinstance(a, Publish):
                 if self.pool is not None:
                     self.pool.before_publish(now)
-                self._queue_op(
-                    LearnerOp(
-                        "publish",
-                        self.model.publish_s(),
-                        dict(version=a.version, round=a.round),
-                        self._published,
-                    ),
-                    now,
-                )
+                args = dict(version=a.version, round=a.round)
+                op = LearnerOp("publish", self.model.publish_s(), args, self._published)
+                self.learner.queue(op, now)
             elif isinstance(a, RoundDone):
                 self._done[a.plan.round] = a
                 self._begin_next = a.plan.round + 1
@@ -402,38 +365,14 @@ class Simulator:
         return end
 
     # ---------------------------------------------------------------------------- the learner
-    # As learner.Learner: add_groups accumulates every full micro-batch of pending rows at once;
-    # update folds in the remainder and applies. Work is costed when queued (ops run in order).
-
-    def _flush_s(self) -> float:
-        if not self._pending_seqs:
-            return 0.0
-        seqs, self._pending_seqs = self._pending_seqs, []
-        scalable = self.model.learner_per_token * self.model.batch_tokens(seqs) * self.learner_scale
-        self._scalable += scalable
-        return self.model.learner_fixed + scalable
-
-    def _take_scalable(self) -> float:
-        out, self._scalable = self._scalable, 0.0
-        return out
 
     def round_tokens_unadded(self, r: int) -> int:
         """Tokens of round r's emitted groups not yet in a learner operation."""
         return self._emitted_tokens.get(r, 0) - self._costed_tokens.get(r, 0)
 
     def _add(self, groups: list[Group], now: float, round: int) -> None:
-        work = 0.0
         self._costed_tokens[round] = self._costed_tokens.get(round, 0) + sum(map(_tokens, groups))
-        for g in groups:
-            self._pending_seqs += [(len(g.request.prompt), len(c.tokens)) for c in g.completions]
-            if len(self._pending_seqs) >= max(self.model.micro_batch_rows, 1):
-                work += self._flush_s()
-        self._queue_op(
-            LearnerOp(
-                "micro_step", work, self._args(groups, round), scalable=self._take_scalable()
-            ),
-            now,
-        )
+        self.learner.queue(self.learner.micro_steps(groups, self._args(groups, round)), now)
 
     def _update(self, up: Update, now: float) -> None:
         def done(t: float) -> None:
@@ -442,78 +381,24 @@ class Simulator:
                 self.on_update(up)
             self._do(self.schedule.on_update_done(), t)
 
-        work = self._flush_s() + self.model.update_s
-        op = LearnerOp("update", work, self._args(up.batch, up.round), done, self._take_scalable())
-        self._queue_op(op, now)
+        self.learner.queue(self.learner.update(self._args(up.batch, up.round), done), now)
 
     @staticmethod
     def _args(groups: Any, round: int) -> dict[str, Any]:
         return dict(round=round, tokens=sum(len(c.tokens) for g in groups for c in g.completions))
 
-    def _queue_op(self, op: LearnerOp, now: float) -> None:
-        op.queued = now
-        self.learner_ops.append(op)
-        if self.learner_op is None and not self.learner_blocked:
-            self._next_op(now)
-        elif self.learner_blocked and self.pool is not None:
-            self.pool.check(now)  # async: the learner's batch may take its devices back
-
-    def _next_op(self, now: float) -> None:
+    def _check_pool(self, now: float) -> None:
         if self.pool is not None:
-            self.pool.check(now)  # may put a switch first, lend the learner, or give it away
-            if self.learner_blocked:
-                return
-        was_idle = self.learner_op is None
-        self.learner_op = self.learner_ops.pop(0)
-        self._op_start = self._op_last = now
-        if was_idle and self.model.contention:
-            self.sampler.set_factor(1.0 + self.model.contention, now)
-        self._plan_op()
+            self.pool.check(now)
 
-    def _plan_op(self) -> None:
-        self._op_epoch += 1
-        epoch, op = self._op_epoch, self.learner_op
-        assert op is not None
-        self.at(self._op_last + op.work / self._rate, lambda t: self._op_end(epoch, t))
+    def _on_learner_busy(self, busy: bool, now: float) -> None:
+        if self.model.contention:
+            self.sampler.set_factor(1.0 + self.model.contention if busy else 1.0, now)
 
     def _on_replica_idle(self, index: int, now: float) -> None:
         if self.pool is not None:
             self.pool.on_replica_idle(index, now)
 
     def _on_sampler_busy(self, busy: bool, now: float) -> None:
-        if self.pool is not None:
-            self.pool.check(now)
-        rate = 1.0 / (1.0 + self.model.contention) if busy else 1.0
-        if rate == self._rate:
-            return
-        if self.learner_op is not None:
-            self.learner_op.work -= (now - self._op_last) * self._rate
-            self._op_last = now
-            self._rate = rate
-            self._plan_op()
-        self._rate = rate
-
-    def _op_end(self, epoch: int, now: float) -> None:
-        if epoch != self._op_epoch:
-            return
-        op = self.learner_op
-        assert op is not None
-        if op.name == "publish":
-            self._publish_span(self._op_start, now, **op.args)
-        else:
-            self.timeline.span("learner", op.name, self._op_start, now, step=self._steps, **op.args)
-        self.learner_op = None
-        self._learner_busy += now - self._op_start
-        if op.name == "update":
-            self._steps += 1
-        if op.on_end is not None:
-            op.on_end(now)  # may queue ops (and start one)
-        if self.learner_op is not None:
-            return
-        if self.learner_ops and not self.learner_blocked:
-            self._next_op(now)
-        else:
-            if self.model.contention:
-                self.sampler.set_factor(1.0, now)
-            if self.pool is not None:
-                self.pool.check(now)
+        self._check_pool(now)
+        self.learner.set_rate(1.0 / (1.0 + self.model.contention) if busy else 1.0, now)

@@ -122,6 +122,7 @@ def test_accumulating_any_split_equals_one_batch(aggregation):
             np.testing.assert_allclose(a, b, atol=TOL, rtol=0, err_msg=f"{parts} micro-batches")
 
 
+@pytest.mark.slow  # ~28 s cold; the Ray bitwise run trains on a sharded mesh in the quick tier
 def test_sharded_update_equals_unsharded():
     cfg = LearnerConfig(optimizer=WELL_CONDITIONED, micro_batch_rows=8, old_logprobs="sampler")
     model = create_model(get_preset("tiny"), seed=2)
@@ -166,6 +167,7 @@ def _on_policy_groups(model, groups, temperature=1.0):
     return out
 
 
+@pytest.mark.slow  # ~30 s cold; test_decoupled_ppo_needs_the_samplers_logprobs stays quick
 def test_later_updates_use_the_behavior_policy_not_the_updated_learner():
     model = create_model(get_preset("tiny"), seed=3)
     rounds = [_on_policy_groups(model, make_groups(2, seed=s)) for s in (10, 11)]

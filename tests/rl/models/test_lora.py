@@ -87,6 +87,7 @@ def test_the_engine_decodes_base_plus_adapter_as_the_merged_model():
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=TOL, rtol=TOL)
 
 
+@pytest.mark.slow  # ~18 s cold; the engine's merged-model test stays quick
 def test_save_hf_writes_the_merged_weights(tmp_path):
     cfg = get_preset("tiny", init_std=0.3).replace(lora=LoraConfig(rank=2))
     model = tuned(cfg)

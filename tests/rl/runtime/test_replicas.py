@@ -135,6 +135,7 @@ def test_tail_consolidates_and_frees_a_replica(model, engines):
             assert later == []
 
 
+@pytest.mark.slow  # ~16 s cold; the lent-replica take-back test stays quick
 def test_add_and_remove_replicas_between_steps(model, engines):
     first = [engines(1)]
     groups = []
@@ -338,6 +339,7 @@ def run_threads(replicas, migration, rounds=2):
         runtime.close()
 
 
+@pytest.mark.slow  # ~27 s cold; the sampler-level forced-migration tests stay quick
 def test_threads_runtime_with_forced_migration_equals_one_replica():
     """cgp + ordered: 2 replicas migrating at every step train on the tokens of 1 replica and
     reach the same parameters, bitwise (the run-level form of the exactness invariant)."""

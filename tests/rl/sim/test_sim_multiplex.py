@@ -135,7 +135,7 @@ def test_random_lengths_and_decisions_finish_every_request_once_and_leave_the_po
         assert len(keys) == len(set(keys)) == p.counters["groups_emitted"]  # each once
     assert not sim.arriving and not sim.learner_held
     for i, s in enumerate(sim.sims):  # nothing left running, held or owned twice
-        assert s.sampler.outstanding == 0 and s.learner_op is None and not s.learner_ops
+        assert s.sampler.outstanding == 0 and s.learner.idle
         for rep in s.sampler.replicas:
             assert rep.vacant and rep.parked == (sim.owner[rep.index] != i)
 
