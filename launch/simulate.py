@@ -107,7 +107,7 @@ from rl.sim.compare import (
     sim_config,
     validate,
 )
-from rl.sim.multiplex import compare_multiplexing
+from rl.sim.multiplex import MultiplexResult, compare_multiplexing
 from rl.sim.presets import gpu_preset
 from rl.sim.simulator import SimResult
 from rl.sim.workload import Workload, WorkloadConfig
@@ -200,7 +200,9 @@ _MULTIPLEX = flags.DEFINE_list(
 _MUX_MODES = flags.DEFINE_list(
     "multiplex_modes", ["sync", "cgp+frontier+fifo"], "Modes of the multiplexing block."
 )
-_GANTT_DIR = flags.DEFINE_string("gantt_dir", "", "Write simulated Gantt PNGs of setup R=32 here.")
+_GANTT_DIR = flags.DEFINE_string(
+    "gantt_dir", "", "Write simulated Gantt PNGs here (setup R=32; --multiplex: every run)."
+)
 
 
 def stage_model() -> tuple[StageModel, int]:
@@ -544,7 +546,18 @@ def multiplexing(model: StageModel, slots: int, out: dict[str, Any]) -> None:
                 workloads = [
                     dataclasses.replace(workload_config(), seed=_SEED.value + i) for i in range(n)
                 ]
-                row = compare_multiplexing(mode, scaled, workloads, rounds=_ROUNDS.value, **fields)
+                gantt = None
+                if _GANTT_DIR.value:
+                    os.makedirs(_GANTT_DIR.value, exist_ok=True)
+                    path = os.path.join(_GANTT_DIR.value, f"multiplex_R{r}_{mode}_{n}.png")
+                    title = f"{n} x {mode} multiplexed, R={r}"
+
+                    def gantt(res: MultiplexResult, path: str = path, title: str = title) -> None:
+                        res.write_gantt_png(path, title)
+
+                row = compare_multiplexing(
+                    mode, scaled, workloads, rounds=_ROUNDS.value, on_result=gantt, **fields
+                )
                 out["multiplexing"][f"R{r}/{mode}/{n}"] = row
                 print(
                     f"  {mode:<24}{n:>3}{row['back_to_back_s']:>12.0f}{row['static_s']:>10.0f}"

@@ -21,7 +21,7 @@ import math
 import os
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -229,13 +229,20 @@ class Timeline:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(self.to_chrome_trace(), f, allow_nan=False)
 
-    def gantt_figure(self, title: str = "", *, since: float | None = None) -> Figure:
+    def gantt_figure(
+        self,
+        title: str = "",
+        *,
+        since: float | None = None,
+        color_by: Callable[[Span], str] | None = None,
+    ) -> Figure:
         """A matplotlib Figure (Agg canvas): one row per lane, x = seconds from the first event.
 
         Sampler slots (a bar per sequence), prefill, learner (updates, micro steps drawn thinner
         inside), publish; instants (group completions) as tick marks on their own rows. With
         `since`, only what happens from that time on (a long run's last rounds, where the bubble is
-        visible), x = seconds from `since`.
+        visible), x = seconds from `since`. With `color_by`, a bar's color and legend entry are
+        color_by(span) (e.g. the pipeline it belongs to) instead of its kind.
         """
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -255,13 +262,16 @@ class Timeline:
         ax = fig.add_subplot()
         bars: dict[tuple[str, str], list[tuple[float, float]]] = {}
         for s in spans:
-            bars.setdefault((s.lane, _category(s)), []).append((s.start - t0, s.duration))
+            cat = _category(s) if color_by is None else color_by(s)
+            bars.setdefault((s.lane, cat), []).append((s.start - t0, s.duration))
+        labels = list(_CATEGORIES) if color_by is None else sorted({c for _, c in bars})
+        colors = _COLORS if color_by is None else {c: f"C{i % 10}" for i, c in enumerate(labels)}
         for (lane, cat), xranges in bars.items():
             half = 0.22 if cat == "micro_step" else 0.4
-            style = dict(facecolors=_COLORS[cat], edgecolor="white", linewidth=0.3, zorder=3 - half)
+            style = dict(facecolors=colors[cat], edgecolor="white", linewidth=0.3, zorder=3 - half)
             ax.broken_barh(xranges, (row[lane] - half, 2 * half), **style)
         present = {cat for _, cat in bars}
-        handles: list[Any] = [Patch(color=_COLORS[c], label=c) for c in _CATEGORIES if c in present]
+        handles: list[Any] = [Patch(color=colors[c], label=c) for c in labels if c in present]
         for name in dict.fromkeys(i.name for i in instants):
             xs, ys = zip(
                 *[(i.t - t0, row[i.lane]) for i in instants if i.name == name], strict=True
@@ -281,7 +291,12 @@ class Timeline:
         return fig
 
     def write_gantt_png(
-        self, path: str | os.PathLike, title: str = "", *, since: float | None = None
+        self,
+        path: str | os.PathLike,
+        title: str = "",
+        *,
+        since: float | None = None,
+        color_by: Callable[[Span], str] | None = None,
     ) -> None:
-        """Writes `gantt_figure(title, since=since)` as a PNG (1200 px wide) to `path`."""
-        self.gantt_figure(title, since=since).savefig(path, format="png")
+        """Writes `gantt_figure(title, since=since, color_by=color_by)` as a PNG (1200 px wide)."""
+        self.gantt_figure(title, since=since, color_by=color_by).savefig(path, format="png")

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rl.elastic.migration import MigrationConfig
@@ -56,6 +56,33 @@ class MultiplexResult:
     @property
     def groups_per_s(self) -> float:
         return self.groups / self.end_s
+
+    def pool_timeline(self) -> Timeline:
+        """One timeline of the pool: each replica's sequences on its row (pool/replica{i}, args
+        pipeline), the learner's operations and publishes on "learner", the switches."""
+        out = Timeline()
+        for p, result in enumerate(self.pipelines):
+            slots = result.config.slots
+            for s in result.timeline.spans():
+                if s.lane.startswith("sampler/slot"):
+                    replica = int(s.lane.removeprefix("sampler/slot")) // slots
+                    lane = f"pool/replica{replica}"
+                elif s.lane in ("learner", "publish") and s.args.get("round") != -1:
+                    lane = "learner"
+                else:
+                    continue
+                out.span(lane, s.name, s.start, s.end, **{**s.args, "pipeline": p})
+        for s in self.timeline.spans():
+            out.span(s.lane.replace("pool/learner", "learner"), s.name, s.start, s.end, **s.args)
+        return out
+
+    def write_gantt_png(self, path: str, title: str = "") -> None:
+        """The pool's Gantt chart: each bar colored by its pipeline, switches apart."""
+        self.pool_timeline().write_gantt_png(
+            path,
+            title,
+            color_by=lambda s: "switch" if s.name == "switch" else f"pipeline {s.args['pipeline']}",
+        )
 
 
 class _Seat(PoolHooks):
@@ -255,11 +282,13 @@ def compare_multiplexing(
     rounds: int,
     mux: MultiplexConfig | None = None,
     migration: MigrationConfig = TAIL,
+    on_result: Callable[[MultiplexResult], None] | None = None,
     **fields: Any,
 ) -> dict[str, float]:
     """One pipeline per workload, all running `mode` (an rl.sim.compare mode name) for `rounds`
     rounds with `fields` (replicas: the pool's), three ways; see the module docstring. Returns the
-    wall times, the multiplexed run's speed-up over each, and `bound_vs_static`."""
+    wall times, the multiplexed run's speed-up over each, and `bound_vs_static`; `on_result` gets
+    the multiplexed run's MultiplexResult."""
     n, replicas = len(workloads), fields.get("replicas", SimConfig.replicas)
     if not 1 <= n <= replicas:
         raise ValueError(
@@ -280,6 +309,8 @@ def compare_multiplexing(
     ]
     cfg = sim_config(mode, **fields, migration=migration, migration_consumer=True)
     muxed = MultiplexSim([cfg] * n, model, [Workload(w) for w in workloads], mux).run(rounds)
+    if on_result is not None:
+        on_result(muxed)
     groups = sum(map(_groups, solo))
     if muxed.groups != groups or sum(map(_groups, static)) != groups:
         raise RuntimeError("compare_multiplexing: the three runs trained different groups.")

@@ -153,6 +153,20 @@ def test_multiplexing_beats_a_static_partition_and_back_to_back_within_its_bound
     assert row["vs_back_to_back"] > 1.0
 
 
+def test_the_pool_gantt_puts_each_replica_and_the_learner_on_one_row(tmp_path):
+    res = MultiplexSim(configs("sync", 2), MODEL, workloads(2)).run(2)
+    pool = res.pool_timeline()
+    lanes = {s.lane for s in pool.spans()}
+    assert lanes <= {"learner"} | {f"pool/replica{i}" for i in range(FIELDS["replicas"])}
+    sequences = [s for s in pool.spans("pool/replica") if s.name != "switch"]
+    assert {s.args["pipeline"] for s in sequences} == {0, 1}
+    assert any(s.name == "switch" for s in pool.spans("pool/replica"))
+    learner = sorted((s.start, s.end) for s in pool.spans("learner"))
+    assert all(a[1] <= b[0] + 1e-9 for a, b in zip(learner, learner[1:], strict=False))
+    res.write_gantt_png(str(tmp_path / "pool.png"), "2 x sync")
+    assert (tmp_path / "pool.png").stat().st_size > 0
+
+
 def test_bad_pools_are_refused_with_what_was_expected():
     with pytest.raises(ValueError, match="routing"):
         MultiplexSim(configs("sync", 2, routing="round_robin"), MODEL, workloads(2))
