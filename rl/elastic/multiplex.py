@@ -75,7 +75,6 @@ class PipelineView:
       replicas: replicas it holds (switching to it included).
       free_slots: free slots on those replicas.
       queued: sequences waiting for admission.
-      running: sequences decoding.
       between_rounds: nothing to sample until its learner publishes (its rollout waits).
       learner_s: learner work queued (seconds; the operation in flight counts what is left);
         between rounds, what stands before its publish.
@@ -86,7 +85,6 @@ class PipelineView:
     replicas: int
     free_slots: int
     queued: int
-    running: int
     between_rounds: bool
     learner_s: float = 0.0
     waiting_since: float = math.inf

@@ -98,6 +98,10 @@ class SimLearner:
         work = self._flush_s() + self.model.update_s
         return LearnerOp("update", work, args, on_end, self._take_scalable())
 
+    def publish_span(self, start: float, end: float, *, version: int, round: int) -> None:
+        """A weight publish on the "publish" lane (round -1: the initial weights)."""
+        self.timeline.span("publish", f"v{version}", start, end, version=version, round=round)
+
     # ---------------------------------------------------------------------------- the clock
 
     @property
@@ -129,10 +133,9 @@ class SimLearner:
             self._check(now)  # may put a switch first, lend the learner, or give it away
             if self.blocked:
                 return
-        was_idle = self.op is None
-        self.op = self.ops.pop(0)
+        self.op = self.ops.pop(0)  # the learner was idle: _next runs only then
         self.start = self._last = now
-        if was_idle and self._on_busy is not None:
+        if self._on_busy is not None:
             self._on_busy(True, now)
         self._plan()
 
@@ -159,7 +162,7 @@ class SimLearner:
         op = self.op
         assert op is not None
         if op.name == "publish":
-            self.timeline.span("publish", f"v{op.args['version']}", self.start, now, **op.args)
+            self.publish_span(self.start, now, **op.args)
         else:
             self.timeline.span("learner", op.name, self.start, now, step=self.steps, **op.args)
         self.op = None

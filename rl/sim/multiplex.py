@@ -53,10 +53,6 @@ class MultiplexResult:
     def groups(self) -> float:
         return sum(float(r["groups_trained"]) for p in self.pipelines for r in p.rounds)
 
-    @property
-    def groups_per_s(self) -> float:
-        return self.groups / self.end_s
-
     def pool_timeline(self) -> Timeline:
         """One timeline of the pool: each replica's sequences on its row (pool/replica{i}, args
         pipeline), the learner's operations and publishes on "learner", the switches."""
@@ -137,7 +133,7 @@ class MultiplexSim:
                 f"MultiplexSim needs a disaggregated pool (StageModel.contention 0); received "
                 f"{model.contention}."
             )
-        self.clock, self.timeline, self.model = Clock(), Timeline(), model
+        self.clock, self.timeline = Clock(), Timeline()
         mux = MultiplexConfig() if mux is None else mux
         switch_s = model.publish_s() if mux.switch_s is None else mux.switch_s
         self.mux, self.policy = mux, MultiplexPolicy(mux, switch_s=switch_s)
@@ -178,7 +174,6 @@ class MultiplexSim:
             replicas=len(held),
             free_slots=sum(len(r.free_slots()) for r in held),
             queued=sim.sampler.queued,
-            running=sum(r.active for r in held),
             between_rounds=sim.sampler.outstanding == 0,
             learner_s=sim.learner.left_s(now),
             waiting_since=min((op.queued for op in ops), default=math.inf),

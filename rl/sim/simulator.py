@@ -265,7 +265,8 @@ class Simulator:
             keep_sampling=self.cfg.keep_sampling,
             **kw,
         )
-        t = self._publish_span(0.0, 0.0 + self.model.publish_s(), version=0, round=-1)
+        t = self.model.publish_s()
+        self.learner.publish_span(0.0, t, version=0, round=-1)
         self.at(t, lambda t: self._begin(0, t))
 
     def result(self) -> SimResult:
@@ -359,10 +360,6 @@ class Simulator:
         if self._begin_next is not None:
             r, self._begin_next = self._begin_next, None
             self._begin(r, now)
-
-    def _publish_span(self, now: float, end: float, *, version: int, round: int) -> float:
-        self.timeline.span("publish", f"v{version}", now, end, version=version, round=round)
-        return end
 
     # ---------------------------------------------------------------------------- the learner
 

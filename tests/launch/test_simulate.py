@@ -11,6 +11,18 @@ from rl.sim.compare import run_modes, validate
 from rl.sim.workload import WorkloadConfig
 
 
+def simulate(tmp_path, *flags, timeout=600):
+    """Runs launch.simulate with `flags` and --json; returns (its JSON, its stdout)."""
+    out = tmp_path / "sim.json"
+    cmd = [sys.executable, "-m", "launch.simulate", f"--json={out}", *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+SMALL = ("--setups=8", "--rounds=2", "--max_new_tokens=512", "--median_tokens=100")
+
+
 def test_simulate_writes_the_documented_keys(tmp_path):
     out = tmp_path / "sim.json"
     cmd = [
@@ -103,17 +115,7 @@ def test_validate_against_a_run_of_the_simulator_itself_has_no_error():
 
 
 def test_simulate_borrowing_alone_writes_the_comparison(tmp_path):
-    out = tmp_path / "sim.json"
-    cmd = [sys.executable, "-m", "launch.simulate", f"--json={out}", "--setups=8", "--rounds=2"]
-    cmd += [
-        "--max_new_tokens=512",
-        "--median_tokens=100",
-        "--borrowing=off,both",
-        "--balance_wait=0",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(out.read_text())
+    result, stdout = simulate(tmp_path, *SMALL, "--borrowing=off,both", "--balance_wait=0")
     assert "setups" not in result  # --borrowing alone skips the mode comparison
     rows = result["borrowing"]["R8"]
     assert set(rows) == {"sync", "cgp+frontier+fifo", "async+frontier+s4+fill"}
@@ -121,37 +123,24 @@ def test_simulate_borrowing_alone_writes_the_comparison(tmp_path):
         assert list(by) == ["off", "both"] and by["off"]["throughput_vs_static"] == 1.0
         assert by["both"]["groups_per_s"] > 0 and by["off"]["moves_learner"] == 0
         assert by["off"]["pooling_bound"] >= 1.0
-    assert "BiDiRL reports up to 1.94x" in proc.stdout
+    assert "BiDiRL reports up to 1.94x" in stdout
 
 
 def test_simulate_multiplex_alone_writes_each_pipeline_count(tmp_path):
-    out = tmp_path / "sim.json"
-    cmd = [sys.executable, "-m", "launch.simulate", f"--json={out}", "--setups=8", "--rounds=2"]
-    cmd += [
-        "--max_new_tokens=512",
-        "--median_tokens=100",
-        "--multiplex=2,3",
-        "--multiplex_modes=sync",
-        "--balance_wait=0",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(out.read_text())
+    flags = ("--multiplex=2,3", "--multiplex_modes=sync", "--balance_wait=0")
+    result, stdout = simulate(tmp_path, *SMALL, *flags)
     assert "setups" not in result  # --multiplex alone skips the mode comparison
     rows = result["multiplexing"]
     assert set(rows) == {"R8/sync/2", "R8/sync/3"}
     for key, row in rows.items():
         assert row["pipelines"] == int(key[-1]) and row["groups"] == row["pipelines"] * 2 * 8
         assert 0 < row["vs_static"] <= row["bound_vs_static"] + 1e-9
-    assert "multiplexing, 4 replicas" in proc.stdout
+    assert "multiplexing, 4 replicas" in stdout
 
 
 def test_simulate_papers_writes_the_headline_contract(tmp_path):
-    out = tmp_path / "sim.json"
-    cmd = [sys.executable, "-m", "launch.simulate", f"--json={out}", "--papers", "--rounds=1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads(out.read_text())["papers"]
+    result, stdout = simulate(tmp_path, "--papers", "--rounds=1", timeout=900)
+    rows = result["papers"]
     assert set(rows) == {
         "rolloutpipe_cgp",
         "pipelinerl_async",
@@ -163,4 +152,4 @@ def test_simulate_papers_writes_the_headline_contract(tmp_path):
     for row in rows.values():
         assert set(row) == {"paper", "ours", "metric", "setting"}
     assert all(isinstance(row["ours"], float) for row in rows.values())
-    assert "pipelinerl_async" in proc.stdout
+    assert "pipelinerl_async" in stdout

@@ -8,7 +8,7 @@ from rl.elastic.multiplex import MultiplexConfig, MultiplexPolicy, PipelineView
 
 
 def view(**kw):
-    base = dict(replicas=1, free_slots=0, queued=0, running=0, between_rounds=False)
+    base = dict(replicas=1, free_slots=0, queued=0, between_rounds=False)
     return PipelineView(**(base | kw))
 
 
