@@ -81,6 +81,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.elastic.migration = "off"  # off | tail | always (every step: the exactness test's mode)
     config.elastic.max_running_fraction = 0.25  # tail: migrate once running <= this * all slots
     config.elastic.min_tokens_left = 0  # tail: requests with fewer tokens to go stay put
+    # tail, paged KV: a destination keeps pages for this many more positions per sequence
+    config.elastic.grow_tokens = 512
 
     config.learner = ml_collections.ConfigDict()
     config.learner.policy_loss = "ppo_clip"  # ppo_clip | gspo | tis_reinforce | decoupled_ppo
@@ -303,8 +305,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Per-device bytes for params + KV cache, checked when the engine is built; 0: the
     # device's own limit.
     config.engine.memory_budget_bytes = 0
-    # > 0: decode attention reads only the live blocks of this many positions (pays on GPUs with
-    # long caches); 0: the whole cache (faster on CPU; sampler/decode.py).
+    # A paged KV cache (sampler/paged.py): pages of page_size positions, kv_pages of them per
+    # replica (0: what max_slots x max_length would fill); a slot holds the pages of what it has
+    # written, a group's prompt pages are shared. page_size 0: a dense max_length row per slot.
+    config.engine.page_size = 16
+    config.engine.kv_pages = 0
+    # Decode attention reads only the live blocks of this many positions (paged: a multiple of
+    # page_size; 0: 64 positions); dense with 0: the whole cache (faster on CPU).
     config.engine.attention_block = 0
     config.sampler_dtype = (
         "bfloat16"  # dtype of the weights published to the sampler; "": as trained

@@ -43,7 +43,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from launch import bench_util
+from launch import bench_paged, bench_util
 from rl.admission import FCFS
 from rl.models import create_model, get_preset
 from rl.rewards import RewardRunner
@@ -72,7 +72,9 @@ _VERIFIER_MS = flags.DEFINE_float(
     "verifier_sleep_ms", 0.0, "> 0: add rows with a verifier sleeping this long per call."
 )
 _REWARD_WORKERS = flags.DEFINE_integer("reward_workers", 4, "RewardRunner workers (offloaded).")
-_MODES = flags.DEFINE_list("modes", ["loop", "decode"], "Benchmarks to run: loop, decode.")
+_MODES = flags.DEFINE_list(
+    "modes", ["loop", "decode", "paged"], "Benchmarks to run: loop, decode, paged."
+)
 _DECODE_SHAPES = flags.DEFINE_list(
     "decode_shapes", ["64x2x64", "64x4x256", "256x4x256"], "decode: slots x layers x d_model."
 )
@@ -294,11 +296,14 @@ def decode_main() -> dict[str, Any]:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    unknown = set(_MODES.value) - {"loop", "decode"}
+    unknown = set(_MODES.value) - {"loop", "decode", "paged"}
     if unknown:
-        raise app.UsageError(f"--modes {sorted(unknown)}: expected loop and/or decode.")
+        raise app.UsageError(f"--modes {sorted(unknown)}: expected loop, decode and/or paged.")
     with WATCH:
         out = decode_main() if "decode" in _MODES.value else {}
+        if "paged" in _MODES.value:
+            out["paged"] = bench_paged.measure(_SEED.value, _REPEATS.value, WATCH)
+            bench_paged.report(out["paged"])
         if "loop" in _MODES.value:
             loop_main(out)
     print(f"compiles timed: {WATCH.compiles_timed}; memory maps {bench_util.memory_maps()}")

@@ -11,7 +11,10 @@ slot); only when each sample starts changes. Callers hold the loop's lock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from rl.admission import AdmissionPolicy
+from rl.types import Request
 from sampler.runs import Run, SlotTable
 from sampler.stats import SamplerStats
 
@@ -52,17 +55,39 @@ def take(
 
 
 def admit(
-    table: SlotTable, admission: AdmissionPolicy, *, group_atomic: bool, stats: SamplerStats
+    table: SlotTable,
+    admission: AdmissionPolicy,
+    *,
+    group_atomic: bool,
+    stats: SamplerStats,
+    budget: int | None = None,
+    cost: Callable[[Request, int], int] | None = None,
 ) -> list[tuple[Run, list[int]]]:
     """Takes what fits into the free slots now, each sample assigned its slot; returns the
-    (run, sample indices) started, for one batched prefill."""
+    (run, sample indices) started, for one batched prefill.
+
+    With a paged engine, `budget` is the KV pages new sequences may take now and `cost(request,
+    samples)` the pages a start takes: a run that does not fit is held (`table.held`) and goes
+    first once it does, so the policy's order stands and nothing overtakes it."""
     admitted = []
     while True:
         free = table.free_slots()
-        taken = take(table, admission, len(free), group_atomic=group_atomic, stats=stats)
+        if table.held is not None and table.held[0].aborted:
+            table.held = None
+        taken = table.held or take(
+            table, admission, len(free), group_atomic=group_atomic, stats=stats
+        )
         if taken is None:
             return admitted
         run, samples = taken
+        if len(samples) > len(free) or (
+            budget is not None and (need := cost(run.request, len(samples))) > budget
+        ):
+            table.held = taken
+            return admitted
+        if budget is not None:
+            budget -= need
+        table.held = None
         for i, s in zip(samples, free, strict=False):
             table.assign(run, i, s)
         admitted.append((run, samples))

@@ -1,12 +1,16 @@
-"""The decode state: every slot's KV cache rows and sampling state, their layout, size and placement.
+"""The decode state: every slot's KV cache and sampling state, their layout, size and placement.
 
-Layout (issue 19): the cache is head-major, keys (slots, kv heads, head dim, positions) and values
-(slots, kv heads, positions, head dim) per layer, so a decode step attends without transposing it
-(rl/models/transformer.py's HeadMajorKVCache). Cache index == token position.
+Layout (issue 19): the cache is head-major, keys (.., kv heads, head dim, positions) and values
+(.., kv heads, positions, head dim) per layer, so a decode step attends without transposing it
+(rl/models/kv_cache.py). Cache index == token position. Dense (`page_size` 0): a row of `length`
+positions per slot, (slots, K, H, length); paged: a pool of `pages` pages of `page` positions,
+(pages, K, H, page), and a block table (slots, length / page) naming each slot's pages (which
+pages a slot holds is sampler/paged.py's).
 
-Memory: the KV cache takes 2 * n_layers * length * n_kv_heads * head_dim * itemsize bytes per slot
-(`CacheLayout.bytes_per_slot`; length is max_length rounded up to whole attention blocks, if any),
-sharded over `data` (slots) and `tp` (kv heads).
+Memory: 2 * n_layers * n_kv_heads * head_dim * itemsize bytes per position (`bytes_per_token`):
+dense, `length` positions per slot (max_length rounded up to whole attention blocks, if any);
+paged, `page` positions per page of the pool. Slots are sharded over `data`, kv heads over `tp`
+(a page pool is replicated over `data`: a paged replica wants a mesh without a data axis).
 """
 
 from __future__ import annotations
@@ -19,8 +23,17 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from rl.models.config import DTYPES, ModelConfig
+from rl.models.kv_cache import (
+    HEAD_MAJOR_K_AXES,
+    HEAD_MAJOR_V_AXES,
+    PAGED_K_AXES,
+    PAGED_V_AXES,
+    TABLE_AXES,
+    HeadMajorKVCache,
+    KVCacheLike,
+    PagedKVCache,
+)
 from rl.models.sharding import Rules, logical_to_spec
-from rl.models.transformer import HEAD_MAJOR_K_AXES, HEAD_MAJOR_V_AXES, HeadMajorKVCache
 from sampler.config import EngineConfig
 
 
@@ -29,7 +42,7 @@ from sampler.config import EngineConfig
 class DecodeState:
     """Everything the device needs per slot. B = max_slots."""
 
-    cache: HeadMajorKVCache
+    cache: KVCacheLike
     tokens: jax.Array  # (B,) int32: the token to feed next
     positions: jax.Array  # (B,) int32: its position
     active: jax.Array  # (B,) bool: slot holds an unfinished sequence
@@ -57,19 +70,22 @@ PER_SLOT = (
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CacheLayout:
-    """The shapes of one engine's decode state: `slots` rows of `length` cache positions."""
+    """The shapes of one engine's decode state: `slots` rows of `length` cache positions, dense or
+    in `pages` pages of `page` positions (page 0: dense)."""
 
     slots: int
-    length: int  # positions per slot: max_length rounded up to whole attention blocks
+    length: int  # positions per slot: max_length rounded up to whole attention blocks or pages
     n_layers: int
     n_kv_heads: int
     head_dim: int
     dtype: Any  # the cache's jnp dtype
     max_stop_tokens: int
+    page: int = 0
+    pages: int = 0
 
     @classmethod
     def of(cls, config: EngineConfig, model: ModelConfig) -> CacheLayout:
-        block = config.attention_block
+        block = config.decode_block
         length = -(-config.max_length // block) * block if block else config.max_length
         return cls(
             slots=config.max_slots,
@@ -79,41 +95,56 @@ class CacheLayout:
             head_dim=model.head_dim,
             dtype=DTYPES[config.cache_dtype or model.dtype],
             max_stop_tokens=config.max_stop_tokens,
+            page=config.page_size,
+            pages=config.pool_pages if config.page_size else 0,
         )
 
-    @staticmethod
-    def axes(kind: str) -> tuple[str, ...]:
-        """Logical axes of a key ("k") or value ("v") cache array."""
+    def axes(self, kind: str) -> tuple[str | None, ...]:
+        """Logical axes of a key ("k") or value ("v") cache array (a pool's, when paged)."""
+        if self.page:
+            return PAGED_K_AXES if kind == "k" else PAGED_V_AXES
         return HEAD_MAJOR_K_AXES if kind == "k" else HEAD_MAJOR_V_AXES
 
-    @staticmethod
-    def position_axis(kind: str) -> int:
-        """The axis of a key ("k") or value ("v") cache array that indexes positions."""
-        return CacheLayout.axes(kind).index("cache_length")
-
     def shape(self, kind: str) -> tuple[int, ...]:
-        sizes = dict(
-            batch=self.slots,
-            cache_length=self.length,
-            kv_heads=self.n_kv_heads,
-            head_dim=self.head_dim,
-        )
-        return tuple(sizes[a] for a in self.axes(kind))
+        """A key ("k") or value ("v") cache array's shape (a pool's, when paged)."""
+        heads = (self.n_kv_heads, self.head_dim)
+        if self.page:
+            kv = (*heads, self.page) if kind == "k" else (self.n_kv_heads, self.page, self.head_dim)
+            return (self.pages, *kv)
+        if kind == "k":
+            return (self.slots, *heads, self.length)
+        return (self.slots, self.n_kv_heads, self.length, self.head_dim)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes of one position over every layer."""
+        itemsize = jnp.dtype(self.dtype).itemsize
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * itemsize
 
     @property
     def bytes_per_slot(self) -> int:
-        itemsize = jnp.dtype(self.dtype).itemsize
-        return 2 * self.n_layers * self.length * self.n_kv_heads * self.head_dim * itemsize
+        """KV bytes a dense slot reserves (a paged slot: those of a max_length sequence)."""
+        return self.length * self.bytes_per_token
+
+    @property
+    def bytes(self) -> int:
+        """KV bytes of the whole cache (dense rows or the page pool)."""
+        positions = self.pages * self.page if self.page else self.slots * self.length
+        return positions * self.bytes_per_token
 
     def init(self) -> DecodeState:
-        """An empty decode state: every slot free."""
+        """An empty decode state: every slot free (and, paged, holding no page)."""
         b = self.slots
         zeros = lambda kind: jnp.zeros(self.shape(kind), self.dtype)
+        k = tuple(zeros("k") for _ in range(self.n_layers))
+        v = tuple(zeros("v") for _ in range(self.n_layers))
+        if self.page:
+            table = jnp.full((b, self.length // self.page), self.pages, jnp.int32)
+            cache = PagedKVCache(k=k, v=v, table=table)
+        else:
+            cache = HeadMajorKVCache(k=k, v=v)
         return DecodeState(
-            cache=HeadMajorKVCache(
-                k=tuple(zeros("k") for _ in range(self.n_layers)),
-                v=tuple(zeros("v") for _ in range(self.n_layers)),
-            ),
+            cache=cache,
             tokens=jnp.zeros((b,), jnp.int32),
             positions=jnp.zeros((b,), jnp.int32),
             active=jnp.zeros((b,), bool),
@@ -132,10 +163,12 @@ class CacheLayout:
         def named(x: Any, names: tuple[str | None, ...]) -> NamedSharding:
             return NamedSharding(mesh, logical_to_spec(names, mesh, rules, shape=x.shape))
 
-        cache = HeadMajorKVCache(
-            k=tuple(named(x, self.axes("k")) for x in abstract.cache.k),
-            v=tuple(named(x, self.axes("v")) for x in abstract.cache.v),
-        )
+        k = tuple(named(x, self.axes("k")) for x in abstract.cache.k)
+        v = tuple(named(x, self.axes("v")) for x in abstract.cache.v)
+        if self.page:
+            cache = PagedKVCache(k=k, v=v, table=named(abstract.cache.table, TABLE_AXES))
+        else:
+            cache = HeadMajorKVCache(k=k, v=v)
         per_slot = {
             name: named(
                 getattr(abstract, name),
@@ -168,15 +201,20 @@ def check_memory(
     if not limit:
         return  # the CPU backend reports no limit
     shards = 1 if mesh is None else layout.shards(mesh, rules)
-    need = config.max_slots * layout.bytes_per_slot // shards
+    need = layout.bytes // shards
     param_bytes = model.num_params() * jnp.dtype(model.jnp_param_dtype).itemsize
     free = limit - stats.get("bytes_in_use", 0) - param_bytes // len(devices)
     if need > free:
+        size = (
+            f"{layout.pages} pages of {layout.page} positions"
+            if layout.page
+            else f"{config.max_slots} slots x max_length {config.max_length}"
+        )
         raise ValueError(
-            f"KV cache does not fit: {config.max_slots} slots x max_length "
-            f"{config.max_length} need {need / 2**30:.2f} GiB per device "
-            f"({layout.bytes_per_slot / 2**20:.1f} MiB per slot before sharding), but about "
-            f"{free / 2**30:.2f} GiB is free after the parameters. Lower max_slots or max_length."
+            f"KV cache does not fit: {size} need {need / 2**30:.2f} GiB per device "
+            f"({layout.bytes_per_token / 2**10:.1f} KiB per position before sharding), but about "
+            f"{free / 2**30:.2f} GiB is free after the parameters. Lower "
+            f"{'kv_pages' if layout.page else 'max_slots or max_length'}."
         )
 
 

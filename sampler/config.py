@@ -7,6 +7,11 @@ import dataclasses
 from rl.models.config import DTYPES
 from rl.types import Request
 
+# A paged cache's decode attention reads blocks of this many positions by default (rounded up to
+# whole pages): fewer, larger blocks cost less per step on XLA:CPU than one per 16-position page
+# (launch/bench_paged.py), and a block past a sequence's end is skipped.
+PAGED_ATTENTION_BLOCK = 64
+
 
 def rungs(top: int) -> tuple[int, ...]:
     """The powers of two below `top`, then `top`: the sizes a padded count takes (one compiled
@@ -30,7 +35,10 @@ class EngineConfig:
     seed: int = 0  # root of every request's random stream
     memory_budget_bytes: int = 0  # per device for params + KV cache; 0: the device's own limit
     attention_block: int = 0  # > 0: decode attention reads only the live blocks of this many
-    # positions (sampler/decode.py); 0: the whole cache, faster on XLA:CPU
+    # positions (sampler/decode.py); 0: the whole cache, faster on XLA:CPU (paged: 64, see below)
+    page_size: int = 16  # > 0: a paged KV cache of pages of this many positions (sampler/paged.py;
+    # attention reads a slot's live pages); 0: a dense max_length row per slot
+    kv_pages: int = 0  # pages in the pool; 0: as many as the dense cache's positions would fill
 
     def __post_init__(self):
         for name in (
@@ -54,12 +62,51 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.attention_block must be >= 0; received {self.attention_block}."
             )
+        if self.page_size < 0 or self.kv_pages < 0:
+            raise ValueError(
+                f"EngineConfig.page_size and kv_pages must be >= 0; received {self.page_size} "
+                f"and {self.kv_pages}."
+            )
+        if self.page_size and self.attention_block % self.page_size:
+            raise ValueError(
+                f"EngineConfig.attention_block={self.attention_block} with page_size="
+                f"{self.page_size}: a paged cache's attention reads whole pages; expected "
+                "attention_block 0 (one page) or a multiple of page_size."
+            )
+        if self.kv_pages and not self.page_size:
+            raise ValueError(
+                f"EngineConfig.kv_pages={self.kv_pages} needs page_size > 0 (a paged cache)."
+            )
+        if self.page_size and self.kv_pages and self.kv_pages < self.pages_per_sequence:
+            raise ValueError(
+                f"EngineConfig.kv_pages={self.kv_pages} cannot hold one sequence of max_length "
+                f"{self.max_length} ({self.pages_per_sequence} pages of {self.page_size}); "
+                "raise kv_pages or lower max_length."
+            )
         if not 0 <= self.seed < 2**31:
             raise ValueError(f"EngineConfig.seed must be in [0, 2**31); received {self.seed}.")
         if self.cache_dtype and self.cache_dtype not in DTYPES:
             raise ValueError(
                 f"EngineConfig.cache_dtype={self.cache_dtype!r}; expected one of {tuple(DTYPES)}."
             )
+
+    @property
+    def decode_block(self) -> int:
+        """Positions per block that decode attention reads (0: the whole cache at once); a paged
+        cache's default: PAGED_ATTENTION_BLOCK positions in whole pages."""
+        if self.attention_block or not self.page_size:
+            return self.attention_block
+        return -(-PAGED_ATTENTION_BLOCK // self.page_size) * self.page_size
+
+    @property
+    def pages_per_sequence(self) -> int:
+        """Pages a sequence of max_length positions spans (the block table's width)."""
+        return -(-self.max_length // self.page_size)
+
+    @property
+    def pool_pages(self) -> int:
+        """Pages in a paged cache's pool: kv_pages, or the dense cache's positions' worth."""
+        return self.kv_pages or self.max_slots * self.pages_per_sequence
 
     def buckets(self) -> tuple[int, ...]:
         out, b = [], self.min_prefill_bucket

@@ -5,10 +5,11 @@ with the PRNG key fold_in(slot's key, position + 1) (the slot's key is its reque
 sampler/prefill.py), and ends a sequence at a stop token or at its last position. Attention runs
 over the whole head-major cache as fused multiply-reduces (`attend_live` in
 rl/models/transformer.py: fixed shapes, so a row's floats never depend on its neighbours). With
-`attention_block` > 0 it reads only the first blocks of that many positions that the longest live
-sequence reaches (`live_blocks`: the count rounded up to a power of two, one compile each), block by
-block (`attend_blocks`); that pays for long caches where slices are free (GPU), but on XLA:CPU every
-block is a copy.
+`EngineConfig.decode_block` > 0 (`attention_block`, or a paged cache's default of 64) it reads
+only the first blocks of that many positions that the longest live sequence reaches
+(`live_blocks`: the count rounded up to a power of two, one compile each), block by block
+(`attend_blocks`, exact for any count); a dense cache's blocks are slices of it (copies on
+XLA:CPU, where reading the whole cache is faster at short caps), a paged cache's are its pages.
 """
 
 from __future__ import annotations

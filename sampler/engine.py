@@ -16,7 +16,9 @@ The Engine holds the jitted programs, their shardings and the checks at its boun
 mechanisms live in a module each: the decode state, its layout and memory (sampler/cache.py),
 prefill and insert with each slot's random stream (sampler/prefill.py), the decode step and its
 attention reads (sampler/decode.py), observations appended between turns (sampler/extend.py),
-export and import of running slots (sampler/slot_export.py).
+export and import of running slots (sampler/slot_export.py), and with a paged cache
+(`EngineConfig.page_size`) its pages: the books (sampler/paged.py) and the state kept to them,
+growth and preemption by swapping (sampler/engine_paging.py).
 A request's tokens depend on its seed, round, uid and sample index only, not on its slot or on the
 other requests in the batch.
 """
@@ -42,11 +44,13 @@ from sampler import cache, decode, extend, prefill, slot_export
 from sampler.cache import CacheLayout, DecodeState
 from sampler.config import EngineConfig
 from sampler.decode import StepResult
+from sampler.engine_paging import PagedSlots
+from sampler.paged import PagePool
 from sampler.prefill import Prefix
 from sampler.slot_export import SlotState
 
 
-class Engine:
+class Engine(PagedSlots):
     """The decode engine over a fixed number of slots; all device work is jitted."""
 
     def __init__(
@@ -78,7 +82,10 @@ class Engine:
             )
         self.layout = CacheLayout.of(config, cfg)
         cache.check_memory(self.layout, config, cfg, mesh, self.rules)
+        self.pool: PagePool | None = None  # a paged cache's pages (init_decode_state makes it)
         shardings = None if mesh is None else self.layout.shardings(mesh, self.rules)
+        paged = mesh is not None and config.page_size
+        self._table_sharding = shardings.cache.table if paged else None
         out = {} if mesh is None else dict(out_shardings=shardings)
         gen_out = {} if mesh is None else dict(out_shardings=(shardings, None))
         self._compiles = CompileCounter()
@@ -170,14 +177,14 @@ class Engine:
                         self._prefill_chunk.eval_shape(params, tokens),
                     )
                     self._insert_chunk.precompile(state, kv, *arrays)
-            rungs = decode.block_rungs(block=c.attention_block, cache_length=self.layout.length)
+            rungs = decode.block_rungs(block=c.decode_block, cache_length=self.layout.length)
             for blocks in rungs:
                 self._generate.precompile(params, state, blocks)
             self._free.precompile(state, host(jax.ShapeDtypeStruct((c.max_slots,), bool)))
             for bucket in c.buckets() if multi_turn else ():
                 self._extend.precompile(params, state, *map(host, extend.abstract(bucket)))
-            if migrate_rows:
-                rows, lengths = slot_export.rungs(self.layout, migrate_rows)
+            if migrate_rows or c.page_size:  # a paged cache swaps one slot at a time
+                rows, lengths = slot_export.rungs(self.layout, max(migrate_rows, 1))
                 for n in rows:
                     slots = host(jax.ShapeDtypeStruct((n,), np.int32))
                     for length in lengths:
@@ -241,13 +248,21 @@ class Engine:
             self._model(params),
             state,
             blocks=blocks,
-            block=c.attention_block,
+            block=c.decode_block,
             steps=c.steps_per_call,
         )
 
     # ------------------------------------------------------------------------- prefill, insert
 
     def init_decode_state(self) -> DecodeState:
+        """An empty decode state. A paged engine serves one decode state at a time: this also
+        empties its page pool."""
+        c = self.config
+        if c.page_size:
+            width = self.layout.length // c.page_size
+            self.pool = PagePool(
+                pages=c.pool_pages, page=c.page_size, slots=c.max_slots, width=width
+            )
         return self._call(self._init)
 
     def validate(self, request: Request) -> None:
@@ -306,6 +321,7 @@ class Engine:
         used = [x for _, s, _ in checked for x in s]
         if len(set(used)) != len(used):
             raise ValueError(f"prefill_insert: slots must be distinct over items; got {used}.")
+        state = self._start(state, [(s, len(r.prompt)) for r, s, _ in checked])
         return self._insert_chunks(params, state, checked, self.config.bucket)
 
     def _insert_chunks(
@@ -363,6 +379,8 @@ class Engine:
         slots = [slot for slot, *_ in running]
         if len(set(slots)) != len(slots):
             raise ValueError(f"reprefill: slots must be distinct; received {slots}.")
+        starts = [(s, len(r.prompt)) for r, s, _ in items]
+        state = self._start(state, starts, keep_order=True)
         return self._insert_chunks(params, state, items, self.config.reprefill_bucket)
 
     def _check_insert(
@@ -382,6 +400,7 @@ class Engine:
         max_new: int,
     ) -> DecodeState:
         """Inserts `prefix` for samples[i] into slots[i]; `max_new` tokens may follow it."""
+        state = self._start(state, [(tuple(slots), prefix.length)])
         return self._call(
             self._insert,
             (prefix.k, prefix.v),
@@ -395,8 +414,8 @@ class Engine:
 
     def live_blocks(self, state: DecodeState) -> int:
         """Attention blocks this generate call reads (0: the whole cache; sampler/decode.py).
-        With attention_block > 0 it reads three (B,) arrays to the host once per call."""
-        if not self.config.attention_block:
+        With attention blocks or pages it reads three (B,) arrays to the host once per call."""
+        if not self.config.decode_block:
             return 0  # the whole cache: no host read
         pos, active, last = jax.device_get((state.positions, state.active, state.last_position))
         return decode.live_blocks(
@@ -404,16 +423,35 @@ class Engine:
             active,
             last,
             steps=self.config.steps_per_call,
-            block=self.config.attention_block,
+            block=self.config.decode_block,
             cache_length=self.layout.length,
         )
 
     def generate(self, params: Any, state: DecodeState) -> tuple[DecodeState, StepResult]:
-        """Runs `steps_per_call` decode steps for every slot; inactive slots produce nothing."""
-        return self._call(self._generate, params, state, self.live_blocks(state))
+        """Runs `steps_per_call` decode steps for every slot; inactive slots produce nothing. A
+        paged engine first gives every running slot the pages this call writes, swapping the
+        youngest sequences out when the pool runs short and back in when they fit
+        (sampler/paged.py)."""
+        if self.pool is None:
+            blocks = self.live_blocks(state)
+        else:
+            state, blocks = self._page_for_steps(state)
+        return self._call(self._generate, params, state, blocks)
 
     def free(self, state: DecodeState, slots: list[int] | tuple[int, ...]) -> DecodeState:
-        """Deactivates slots (abort); they can be inserted into again at once."""
+        """Deactivates slots (abort); they can be inserted into again at once (a paged
+        engine's slots let go of their pages)."""
+        self.release(slots)
+        return self._deactivate(state, slots)
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Slots whose sequences ended on the device (finished: inactive, free in the caller's
+        books) let go of their KV pages; no device work (a dense engine: nothing to do)."""
+        if self.pool is not None:
+            for slot in slots:
+                self.pool.release(int(slot))
+
+    def _deactivate(self, state: DecodeState, slots: Sequence[int]) -> DecodeState:
         mask = np.zeros((self.config.max_slots,), bool)
         mask[np.asarray(slots, np.int64)] = True
         return self._call(self._free, state, mask)
@@ -429,6 +467,10 @@ class Engine:
         """
         c = self.config
         extend.check(items, c.max_slots, c.bucket)
+        if self.pool is not None:
+            positions = jax.device_get(state.positions)
+            grow = {slot: int(positions[slot]) + len(fed) for slot, fed, _ in items}
+            state = self._grow(state, grow)
         for length, chunk in extend.chunks(items, c.bucket):
             arrays = extend.pack(chunk, length, c.max_slots)
             state = self._call(self._extend, params, state, *arrays)
@@ -446,6 +488,8 @@ class Engine:
           slots: distinct running slots.
         """
         slots = list(slots)
+        if self.pool is not None and any(s in self.pool.swapped for s in slots):
+            state = self._swap_in(state, [s for s in slots if s in self.pool.swapped], slots)
         padded, length = slot_export.export_plan(state, slots, self.layout)
         out = self._call(self._export, state, padded, length)
         return dataclasses.replace(out, count=len(slots))
@@ -457,6 +501,14 @@ class Engine:
         `slots` here, row i into slots[i]; they continue decoding with exactly the tokens they
         would have produced there (a slot's random stream is its request's and sample's)."""
         padded = slot_export.import_plan(state, moved, list(slots), self.layout)
+        if self.pool is not None:
+            written = jax.device_get(moved.positions)[: moved.count] + 1
+            state = self._start(
+                state, [((s,), int(n)) for s, n in zip(slots, written, strict=True)]
+            )
+        return self._import_rows(state, moved, padded)
+
+    def _import_rows(self, state: DecodeState, moved: SlotState, padded: np.ndarray) -> DecodeState:
         target = (
             jax.devices()[0]
             if self.mesh is None

@@ -98,6 +98,7 @@ class Episodes:
                 sample.stale = False
             else:
                 table.run[w.slot] = None  # inactive on the engine since its turn ended
+                table.ended.append(w.slot)
                 finished.append((w.slot, run, i))
         self.waiting = left
         return resume, finished

@@ -82,16 +82,17 @@ def extend_rows(
     n, e = tokens_NxE.shape
     positions_N = jnp.take(state.positions, slots_N, mode="clip")
 
+    s = state.cache.max_length
+
     def one(chunk: tuple[jax.Array, ...]) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
         slots, tokens, start = chunk
-        take = lambda c: jnp.take(c, slots, axis=0, mode="clip")
+        k, v = state.cache.rows(slots, s)
         # (C, K, H, S) and (C, K, S, H) rows to (C, S + E, K, H): room for the E fed positions
         pad = ((0, 0), (0, e), (0, 0), (0, 0))
-        k = tuple(jnp.pad(take(c).transpose(0, 3, 1, 2), pad) for c in state.cache.k)
-        v = tuple(jnp.pad(take(c).transpose(0, 2, 1, 3), pad) for c in state.cache.v)
+        k = tuple(jnp.pad(x.transpose(0, 3, 1, 2), pad) for x in k)
+        v = tuple(jnp.pad(x.transpose(0, 2, 1, 3), pad) for x in v)
         positions = start[:, None] + jnp.arange(e)[None, :]
         _, cache = model.decode(tokens, positions, KVCache(k=k, v=v))
-        s = state.cache.max_length
         return (
             tuple(x[:, :s].transpose(0, 2, 3, 1) for x in cache.k),
             tuple(x[:, :s].transpose(0, 2, 1, 3) for x in cache.v),
@@ -100,12 +101,7 @@ def extend_rows(
     chunked = lambda x: x.reshape(n // CHUNK, CHUNK, *x.shape[1:])
     k, v = jax.lax.map(one, (chunked(slots_N), chunked(tokens_NxE), chunked(positions_N)))
     rows = lambda xs: tuple(x.reshape(n, *x.shape[2:]) for x in xs)
-    put = lambda c, x: c.at[slots_N].set(x.astype(c.dtype), mode="drop")
-    cache = dataclasses.replace(
-        state.cache,
-        k=tuple(map(put, state.cache.k, rows(k))),
-        v=tuple(map(put, state.cache.v, rows(v))),
-    )
+    cache = state.cache.put_rows(slots_N, rows(k), rows(v))
     fill = lambda arr, value: arr.at[slots_N].set(value, mode="drop")
     return dataclasses.replace(
         state,

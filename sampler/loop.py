@@ -34,6 +34,7 @@ blocks those calls.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -189,9 +190,13 @@ class SamplerLoop:
             return len(self._table.free_slots())
 
     def waiting(self) -> int:
-        """Requests waiting for admission."""
+        """Requests waiting for admission (one taken and held for KV pages included)."""
         with self._lock:
-            return len(self.admission)
+            return len(self.admission) + (self._table.held is not None)
+
+    def kv_usage(self) -> dict[str, int]:
+        """KV cache bytes held and live positions now (Engine.kv_usage); call between steps."""
+        return self.engine.kv_usage(self._state)
 
     def pending(self) -> int:
         """Requests waiting, running, or complete with rewards still running."""
@@ -224,6 +229,7 @@ class SamplerLoop:
         episodes = self._episodes
         if episodes is not None:
             self._next_turns(episodes, params, version)
+            self._release_ended()
         if self.on_boundary is not None:
             self.on_boundary()
         self._admit(params)
@@ -240,8 +246,16 @@ class SamplerLoop:
         if imports:
             with self._lock:
                 migration.decoded(self._table, imports)
-        self._complete(self._record(result, version))
+        finished = self._record(result, version)
+        self._release_ended()
+        self._complete(finished)
         return self.pending() > 0
+
+    def _release_ended(self) -> None:
+        """The engine takes back what sequences that ended on it held (a paged cache's pages)."""
+        with self._lock:
+            ended, self._table.ended = self._table.ended, []
+        self.engine.release(ended)
 
     def _complete(self, finished: list[tuple[Run, int]]) -> None:
         """Settles finished samples; their complete groups go to scoring (round cuts applied)."""
@@ -294,7 +308,12 @@ class SamplerLoop:
             resumed = migration.place(self._table, self._parked, self.clock())
             self.stats.resumed_sequences += len(resumed)
             admitted = admit.admit(
-                self._table, self.admission, group_atomic=self.group_atomic, stats=self.stats
+                self._table,
+                self.admission,
+                group_atomic=self.group_atomic,
+                stats=self.stats,
+                budget=self.engine.admission_budget(),
+                cost=self.engine.start_cost,
             )
         if resumed:
             self._state = self.engine.reprefill(params, self._state, resumed)
@@ -347,6 +366,7 @@ class SamplerLoop:
                 return []
             for s, run, i in finished:
                 slot_span(self.timeline, s, run, i, self.clock())
+                self._table.ended.append(s)
         return [(run, i) for _, run, i in finished]
 
     def _finish(self, finished: tuple[Run, int]) -> Complete | None:
@@ -394,9 +414,37 @@ class SamplerLoop:
         return self.pending() == 0
 
     def view(self) -> ReplicaView:
-        """This loop as a migration policy sees it (rl.elastic.migration)."""
+        """This loop as a migration policy sees it (rl.elastic.migration): with a paged engine,
+        its pool, the pages a move may fill (free, less what its swapped-out sequences and the
+        adoptions not yet imported will take) and each request's KV in pages (its live positions,
+        as import_slots takes them). A snapshot: the engine's pool changes on the loop's thread,
+        and a destination that turns out short swaps its youngest sequences out, losing nothing.
+        An adoption reserved and not yet taken in (Ray) is not counted."""
+        pool = self.engine.pool
         with self._lock:
-            return migration.view(self._table, queued=len(self.admission) > 0)
+            table = self._table
+            queued = len(self.admission) > 0 or table.held is not None
+            base = migration.view(table, queued=queued)
+            if pool is None:  # dense: the slots alone limit
+                return base
+            kv: dict[tuple[int, int], int] = {}
+            for _, run, i in table.running():
+                n = pool.pages_for(len(run.request.prompt) + len(run.samples[i].tokens))
+                kv[run.request.key] = kv.get(run.request.key, 0) + n
+            arriving = sum(
+                pool.pages_for(len(run.request.prompt) + len(run.samples[table.sample[s]].tokens))
+                for slots, _ in table.imports
+                for s in slots
+                if (run := table.run[s]) is not None
+            )
+        owed = sum(pool.pages_for(x.written + 1) for x in list(pool.swapped.values()))
+        return dataclasses.replace(
+            base,
+            running=tuple(dataclasses.replace(r, kv_pages=kv[r.key]) for r in base.running),
+            pages=pool.pages,
+            free_pages=min(pool.pages, max(0, pool.free - owed - arriving)),
+            page=pool.page,
+        )
 
     def running(self, key: tuple[int, int]) -> bool:
         """Request `key` is admitted here and its group not yet complete."""
@@ -472,7 +520,12 @@ class SamplerLoop:
             for s, run, i in running:
                 slot_span(self.timeline, s, run, i, now, evicted=True)
             self.stats.evicted_sequences += len(running)
-            self._table = SlotTable(self.engine.max_concurrent_decodes)
+            old, self._table = self._table, SlotTable(self.engine.max_concurrent_decodes)
+        # every slot here goes back empty: the running ones, those released since the last step
+        self.engine.release(old.ended)
+        if running or old.to_free:
+            self._state = self.engine.free(self._state, [s for s, _, _ in running] + old.to_free)
+        with self._lock:
             scoring, self._scoring = list(self._scoring), collections.deque()
             self.stats.groups_emitted += len(scoring)  # the caller emits them
         return queued, runs, scoring

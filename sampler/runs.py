@@ -98,9 +98,11 @@ class SlotTable:
         self.runs: dict[tuple[int, int], Run] = {}  # by request key, until emitted or aborted
         self.partial: collections.deque[Run] = collections.deque()  # runs with unstarted samples
         self.to_free: list[int] = []  # released slots, freed in the engine at the next step
+        self.ended: list[int] = []  # slots whose sequence ended on the engine (pages go back)
         self.reserved: set[int] = set()  # free slots promised to an adoption
         self.imports: list[tuple[list[int], SlotState]] = []  # adopted, imported at the next step
         self.unmovable: set[tuple[int, int]] = set()  # adopted runs not decoded here yet
+        self.held: tuple[Run, list[int]] | None = None  # taken, waiting for KV pages (admit.py)
 
     def free_slots(self) -> list[int]:
         """Slots that can take a sample now (a slot released since the last step is freed at the

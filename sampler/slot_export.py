@@ -13,12 +13,10 @@ device functions (`export_rows`, `import_rows`) move the rows.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import numpy as np
 
-from rl.models.transformer import HeadMajorKVCache
 from sampler.cache import PER_SLOT, CacheLayout, DecodeState
 
 # Migration exports a slot's KV rows up to a power-of-two count of this many positions.
@@ -100,7 +98,7 @@ def import_plan(
         raise ValueError(f"import_slots: expected {moved.count} distinct slots; received {slots}.")
     if not all(0 <= x < layout.slots for x in slots):
         raise ValueError(f"import_slots: slots must be in [0, {layout.slots}); received {slots}.")
-    length = moved.v[0].shape[layout.position_axis("v")]
+    length = moved.v[0].shape[2]  # (N, K, length, H)
     if length > layout.length or len(moved.k) != len(state.cache.k):
         raise ValueError(
             f"import_slots: {len(moved.k)} layers of {length} positions do not "
@@ -117,36 +115,14 @@ def import_plan(
 
 def export_rows(state: DecodeState, slots_N: jax.Array, length: int) -> SlotState:
     """The rows of slots_N, cache rows cut at `length` positions (`count` left 0: set it)."""
-
-    def rows(kind: str) -> Any:
-        axis = CacheLayout.position_axis(kind)
-        return lambda c: jax.lax.slice_in_dim(c[slots_N], 0, length, axis=axis)
-
-    return SlotState(
-        k=tuple(map(rows("k"), state.cache.k)),
-        v=tuple(map(rows("v"), state.cache.v)),
-        **{name: getattr(state, name)[slots_N] for name in PER_SLOT},
-    )
+    k, v = state.cache.rows(slots_N, length)
+    return SlotState(k=k, v=v, **{name: getattr(state, name)[slots_N] for name in PER_SLOT})
 
 
 def import_rows(state: DecodeState, moved: SlotState, slots_N: jax.Array) -> DecodeState:
     """`state` with row i of `moved` written into slots_N[i] (out of range: dropped)."""
-
-    def put(kind: str) -> Any:
-        axis = CacheLayout.position_axis(kind)
-
-        def one(cache: jax.Array, rows: jax.Array) -> jax.Array:
-            index = [slots_N] + [slice(None)] * (cache.ndim - 1)
-            index[axis] = slice(0, rows.shape[axis])
-            return cache.at[tuple(index)].set(rows.astype(cache.dtype), mode="drop")
-
-        return one
-
     return DecodeState(
-        cache=HeadMajorKVCache(
-            k=tuple(map(put("k"), state.cache.k, moved.k)),
-            v=tuple(map(put("v"), state.cache.v, moved.v)),
-        ),
+        cache=state.cache.put_rows(slots_N, moved.k, moved.v),
         **{
             name: getattr(state, name).at[slots_N].set(getattr(moved, name), mode="drop")
             for name in PER_SLOT

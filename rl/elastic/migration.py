@@ -2,7 +2,8 @@
 
 A pure, clock-free policy shared by the threaded replica sampler (rl.runtime.replicas) and the
 simulator (rl.sim.sampler). At a decode-step boundary the runtime describes every replica
-(`ReplicaView`: slots, free slots, queued work, the requests running there) and asks
+(`ReplicaView`: slots, free slots, its KV pages when paged, queued work, the requests running
+there) and asks
 `policy.moves(views)`; it gets `Move`s back and executes those whose source is the replica at its
 boundary (a replica only gives work away between its own decode steps).
 
@@ -12,15 +13,28 @@ and the group completes there. Moving whole groups keeps a group's bookkeeping (
 rewards in flight) on one replica; a group whose samples are not all started (per-sample
 admission) or that was just adopted and has not decoded yet is not movable (`RunningView.movable`).
 
+Paged KV (sampler/paged.py, rl/sim/paging.py): a paged replica runs many slots on a pool of
+pages, so its pages, not its slots, are what runs out. A move fits a destination only if its free
+slots take the request's sequences and its free pages (`ReplicaView.free_pages`: not held, not
+owed to its swapped-out sequences or to moves on their way) take their KV (`RunningView.kv_pages`,
+their live positions in pages) plus a margin: `grow_tokens` more positions for every sequence the
+destination would then run, its own and the moved ones (each capped by its request's tokens_left),
+so that a consolidated tail does not overflow the pool in its next `grow_tokens` decode steps and
+swap sequences to host (each swapped one stops decoding until pages free up). A dense replica
+(`pages` 0) has no page limit: its slots reserve their KV.
+
 Policies (`make_migration_policy`, names in MIGRATION_POLICIES):
   off     never moves anything.
-  tail    when a round's tail leaves few running sequences (at most `max_running_fraction` of all
-          slots, and no replica with queued work) spread over more replicas than needed to hold
-          them, it empties the least-loaded replicas into the most-loaded ones (first fit, largest
-          group first). A replica is emptied only if every movable request on it fits and none
-          is unmovable; requests with fewer than `min_tokens_left` tokens to go (when known) stay.
-  always  every movable request moves to the next replica (in index order, wrapping) with room,
-          at every opportunity: the exactness test's forcing mode.
+  tail    when a round's tail leaves little running (at most `max_running_fraction` of all slots
+          and, on paged replicas, of all KV pages in use; no replica with queued work) spread over
+          more replicas than needed to hold it, it empties the least-loaded replicas into the
+          most-loaded ones (first fit, largest group first) that have the slots and pages (with
+          the margin above). A replica is emptied only if every movable request on it fits and
+          none is unmovable; requests with fewer than `min_tokens_left` tokens to go (when known)
+          stay.
+  always  every movable request moves to the next replica (in index order, wrapping) with the
+          slots and pages for its KV (no margin), at every opportunity: the exactness test's
+          forcing mode.
 
 A consumer: consolidating a tail does not make it faster (each move adds the moved KV cache to
 the destination's decode steps, which read it every step), it frees replicas. That pays only if
@@ -56,17 +70,21 @@ class RunningView:
       tokens_left: the most tokens any of them may still produce (max_new_tokens - produced); an
         upper bound, None when unknown.
       movable: False for a request with unstarted samples or one not yet decoded after adoption.
+      kv_pages: the KV pages its running sequences would take on a destination (their live
+        positions in pages, at the pipeline's page size); 0 from a dense replica.
     """
 
     key: Key
     sequences: int
     tokens_left: int | None = None
     movable: bool = True
+    kv_pages: int = 0
 
     def __post_init__(self):
-        if self.sequences < 1:
+        if self.sequences < 1 or self.kv_pages < 0:
             raise ValueError(
-                f"RunningView {self.key}: sequences must be >= 1; received {self.sequences}."
+                f"RunningView {self.key}: expected sequences >= 1 and kv_pages >= 0; received "
+                f"sequences={self.sequences}, kv_pages={self.kv_pages}."
             )
 
 
@@ -79,12 +97,19 @@ class ReplicaView:
       free: slots a move may fill now (not running, not being freed or reserved).
       queued: whether requests wait for admission there.
       running: the requests running there.
+      pages: its KV pool in pages; 0: a dense cache (its slots alone limit it).
+      free_pages: pages a move may fill now: not held, nor owed to its swapped-out sequences or
+        to moves on their way here.
+      page: positions per page (0 when dense).
     """
 
     slots: int
     free: int
     queued: bool = False
     running: tuple[RunningView, ...] = ()
+    pages: int = 0
+    free_pages: int = 0
+    page: int = 0
 
     def __post_init__(self):
         used = sum(r.sequences for r in self.running)
@@ -93,10 +118,32 @@ class ReplicaView:
                 f"ReplicaView: expected slots >= 0 and 0 <= free <= slots - running sequences; "
                 f"received slots={self.slots}, free={self.free}, running sequences={used}."
             )
+        if not 0 <= self.free_pages <= self.pages or (self.pages > 0) != (self.page > 0):
+            raise ValueError(
+                "ReplicaView: expected 0 <= free_pages <= pages and page > 0 exactly when paged "
+                f"(pages > 0); received pages={self.pages}, free_pages={self.free_pages}, "
+                f"page={self.page}."
+            )
 
     @property
     def sequences(self) -> int:
         return sum(r.sequences for r in self.running)
+
+    @property
+    def paged(self) -> bool:
+        return self.pages > 0
+
+    def growth(self, run: RunningView, grow_tokens: int) -> int:
+        """Pages `run`'s sequences take here to grow `grow_tokens` more positions each (capped by
+        its tokens_left); 0 when dense."""
+        if not self.paged:
+            return 0
+        grow = grow_tokens if run.tokens_left is None else min(grow_tokens, run.tokens_left)
+        return run.sequences * -(-grow // self.page)
+
+    def need(self, run: RunningView, grow_tokens: int = 0) -> int:
+        """Free pages a move of `run` here needs: its KV and that growth; 0 when dense."""
+        return run.kv_pages + self.growth(run, grow_tokens) if self.paged else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +167,8 @@ class MigrationConfig:
     policy: str = "off"  # off | tail | always
     max_running_fraction: float = 0.25  # tail: running sequences <= this * all slots
     min_tokens_left: int = 0  # tail: a request closer than this to its end (if known) stays
+    grow_tokens: int = 512  # tail, paged KV: a destination keeps pages for this many more
+    # positions per sequence it runs (module docstring)
 
     def __post_init__(self):
         if self.policy not in MIGRATION_POLICIES:
@@ -135,6 +184,8 @@ class MigrationConfig:
             raise ValueError(
                 f"elastic.min_tokens_left must be >= 0; received {self.min_tokens_left}."
             )
+        if self.grow_tokens < 0:
+            raise ValueError(f"elastic.grow_tokens must be >= 0; received {self.grow_tokens}.")
 
 
 class Off:
@@ -149,6 +200,7 @@ class Always:
 
     def moves(self, replicas: Sequence[ReplicaView]) -> list[Move]:
         free = [r.free for r in replicas]
+        pages = [r.free_pages for r in replicas]
         out = []
         n = len(replicas)
         for i, rep in enumerate(replicas):
@@ -157,8 +209,10 @@ class Always:
                     continue
                 for step in range(1, n):
                     j = (i + step) % n
-                    if free[j] >= run.sequences:
+                    need = replicas[j].need(run)
+                    if free[j] >= run.sequences and pages[j] >= need:
                         free[j] -= run.sequences
+                        pages[j] -= need
                         out.append(Move(run.key, i, j))
                         break
         return out
@@ -172,15 +226,12 @@ class Tail:
 
     def moves(self, replicas: Sequence[ReplicaView]) -> list[Move]:
         busy = [i for i, r in enumerate(replicas) if r.running]
-        total = sum(r.sequences for r in replicas)
-        slots = sum(r.slots for r in replicas)
-        if (
-            len(busy) < 2
-            or any(r.queued for r in replicas)
-            or total > self.config.max_running_fraction * slots
-        ):
+        if len(busy) < 2 or any(r.queued for r in replicas) or not self._few(replicas):
             return []
+        grow = self.config.grow_tokens
         free = [r.free for r in replicas]
+        # a destination's free pages, less what its own sequences take to grow `grow` positions
+        pages = [r.free_pages - sum(r.growth(x, grow) for x in r.running) for r in replicas]
         # Keep the most-loaded replicas; empty the least-loaded first (fewest bytes move).
         order = sorted(busy, key=lambda i: (replicas[i].sequences, -i))
         out: list[Move] = []
@@ -191,27 +242,38 @@ class Tail:
             if src in received or any(not self._movable(r) for r in runs):
                 continue
             targets = [i for i in busy if i != src and i not in emptied]
-            trial, plan = list(free), []
+            trial, trial_pages, plan = list(free), list(pages), []
             for run in sorted(runs, key=lambda r: (-r.sequences, r.key)):
                 dst = next(
                     (
                         j
                         for j in sorted(targets, key=lambda j: (-replicas[j].sequences, j))
                         if trial[j] >= run.sequences
+                        and trial_pages[j] >= replicas[j].need(run, grow)
                     ),
                     None,
                 )
                 if dst is None:
                     break
                 trial[dst] -= run.sequences
+                trial_pages[dst] -= replicas[dst].need(run, grow)
                 plan.append(Move(run.key, src, dst))
             else:
-                free, emptied = trial, emptied | {src}
+                free, pages, emptied = trial, trial_pages, emptied | {src}
                 received |= {m.dst for m in plan}
                 out.extend(plan)
             if len(emptied) >= len(busy) - 1:
                 break
         return out
+
+    def _few(self, replicas: Sequence[ReplicaView]) -> bool:
+        """Little runs: at most max_running_fraction of all slots hold sequences and, on the
+        paged replicas, of all their pages are in use (free_pages: the rest)."""
+        cap = self.config.max_running_fraction
+        if sum(r.sequences for r in replicas) > cap * sum(r.slots for r in replicas):
+            return False
+        used = sum(r.pages - r.free_pages for r in replicas)
+        return used <= cap * sum(r.pages for r in replicas)
 
     def _movable(self, run: RunningView) -> bool:
         left = run.tokens_left
@@ -231,11 +293,13 @@ def make_migration_policy(config: MigrationConfig, *, consumer: bool = False) ->
 
 def check_moves(replicas: Sequence[ReplicaView], moves: Sequence[Move]) -> None:
     """Raises ValueError unless `moves` is executable on `replicas`: each names a movable request
-    running on its source, at most once, and the destinations' free slots hold what arrives."""
+    running on its source, at most once, and the destinations' free slots and free pages (paged)
+    hold what arrives (its KV; the growth margin is the policy's, not checked here)."""
     running = {
         (i, run.key): run for i, rep in enumerate(replicas) for run in rep.running if run.movable
     }
     free = [r.free for r in replicas]
+    pages = [r.free_pages for r in replicas]
     seen = set()
     for m in moves:
         run = running.get((m.src, m.key))
@@ -246,7 +310,9 @@ def check_moves(replicas: Sequence[ReplicaView], moves: Sequence[Move]) -> None:
             )
         seen.add(m.key)
         free[m.dst] -= run.sequences
-        if free[m.dst] < 0:
+        pages[m.dst] -= replicas[m.dst].need(run)
+        if free[m.dst] < 0 or pages[m.dst] < 0:
             raise ValueError(
-                f"Migration moves overfill replica {m.dst} ({replicas[m.dst].free} free slots)."
+                f"Migration moves overfill replica {m.dst} ({replicas[m.dst].free} free slots, "
+                f"{replicas[m.dst].free_pages} free KV pages)."
             )

@@ -25,13 +25,12 @@ import numpy as np
 from flax import nnx
 
 from rl.models.config import ModelConfig
+from rl.models.kv_cache import KVCacheLike
 from rl.models.lora import Adapted
 from rl.models.sharding import constrain
 
 _MASKED = -1e30  # finite, so a fully masked (padding) query row gives a uniform softmax, not NaN
 CACHE_AXES = ("batch", "cache_length", "kv_heads", "head_dim")
-HEAD_MAJOR_K_AXES = ("batch", "kv_heads", "head_dim", "cache_length")
-HEAD_MAJOR_V_AXES = ("batch", "kv_heads", "cache_length", "head_dim")
 
 
 @jax.tree_util.register_dataclass
@@ -46,48 +45,8 @@ class KVCache:
     def max_length(self) -> int:
         return self.k[0].shape[1]
 
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class HeadMajorKVCache:
-    """The decode engine's cache: keys (B, K, H, S) and values (B, K, S, H) per layer.
-
-    Decode attention contracts with (B, K) as leading batch dimensions and never transposes the
-    cache (the (B, S, K, H) layout of `KVCache` costs two whole-cache transposes per layer and step
-    on XLA:CPU); keys put positions last so that a step's scores are sums over head_dim rows,
-    vectorised along positions (`attend_live`).
-    """
-
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
-
-    @property
-    def max_length(self) -> int:
-        return self.v[0].shape[2]
-
-    def put(
-        self,
-        slots_N: jax.Array,
-        k_NxTxKxH: tuple[jax.Array, ...],
-        v_NxTxKxH: tuple[jax.Array, ...],
-        *,
-        mode: str | None = None,
-    ) -> HeadMajorKVCache:
-        """Writes prefilled keys/values (N, T, K, H) per layer at positions 0..T-1 of slots_N.
-
-        `mode` is the scatter's out-of-bounds mode ("drop": slots >= B are padding)."""
-        t = k_NxTxKxH[0].shape[1]
-        put = lambda c, x, perm, idx: c.at[idx].set(x.transpose(perm).astype(c.dtype), mode=mode)
-        return HeadMajorKVCache(
-            k=tuple(
-                put(c, x, (0, 2, 3, 1), (slots_N, slice(None), slice(None), slice(0, t)))
-                for c, x in zip(self.k, k_NxTxKxH, strict=True)
-            ),
-            v=tuple(
-                put(c, x, (0, 2, 1, 3), (slots_N, slice(None), slice(0, t)))
-                for c, x in zip(self.v, v_NxTxKxH, strict=True)
-            ),
-        )
+    def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
+        return self.k[i], self.v[i]
 
 
 def _param(
@@ -220,68 +179,38 @@ def attend_live(
 
 
 def attend_blocks(
-    q_BxNxH: jax.Array,
-    k_BxKxHxS: jax.Array,
-    v_BxKxSxH: jax.Array,
-    positions_B: jax.Array,
-    *,
-    blocks: int,
-    block: int,
+    q_BxNxH: jax.Array, k_BxMxKxHxC: jax.Array, v_BxMxKxCxH: jax.Array, positions_B: jax.Array
 ) -> jax.Array:
-    """One decode step's attention over the first `blocks * block` cache positions only.
+    """One decode step's attention over the first M blocks of C cache positions only.
 
-    Row b attends to positions <= positions_B[b]. Everything is computed block by block with
-    fixed-shape ops (a dot's rounding can depend on its shape), the maximum and the sums combined
-    in block order. A block beyond a row's position changes nothing (its maximum is the mask value,
-    its terms exact zeros), so a row's result does not depend on `blocks` (how far its neighbours
-    have got): tokens stay independent of the batch. On XLA:CPU each block is a copy of a slice
-    of the cache; `attend_live` reads the whole cache without copies.
+    Block j holds positions [j * C, (j + 1) * C) (a dense cache's slices or a paged cache's
+    pages: rl/models/kv_cache.py `blocks`). Row b attends to positions <= positions_B[b]. As in
+    `attend_live`, scores and the weighted sum are float32 multiply-reduces; the reductions over
+    positions run within a block (a fixed length) and the blocks' sums are added in block order,
+    while the maximum is exact in any order. A block beyond a row's position changes nothing (its
+    scores are the mask value, its terms exact zeros), so a row's result does not depend on M (how
+    far its neighbours have got): tokens stay independent of the batch.
     """
     b, n, h = q_BxNxH.shape
-    kv = k_BxKxHxS.shape[1]
-    live = blocks * block
-    if live > k_BxKxHxS.shape[3]:
-        raise ValueError(
-            f"attend_blocks: {blocks} blocks of {block} exceed the cache's {k_BxKxHxS.shape[3]} "
-            "positions."
-        )
-    q = q_BxNxH.reshape(b, kv, n // kv, h)
-    mask_BxS = jnp.arange(live)[None, :] <= positions_B[:, None]
-    scores, m = [], None
-    for j in range(blocks):
-        k_j = k_BxKxHxS[..., j * block : (j + 1) * block].astype(q.dtype)
-        s_j = jnp.einsum("bkgh,bkhs->bkgs", q, k_j, preferred_element_type=jnp.float32)
-        s_j = jnp.where(
-            mask_BxS[:, None, None, j * block : (j + 1) * block], s_j * h**-0.5, _MASKED
-        )
-        m_j = jnp.max(s_j, axis=-1)
-        m = m_j if m is None else jnp.maximum(m, m_j)
-        scores.append(s_j)
-    total, out = None, None
-    for j, s_j in enumerate(scores):
-        p_j = jnp.exp(s_j - m[..., None])
-        l_j = jnp.sum(p_j, axis=-1)
-        v_j = v_BxKxSxH[:, :, j * block : (j + 1) * block].astype(q.dtype)
-        o_j = jnp.einsum(
-            "bkgs,bksh->bkgh", p_j.astype(q.dtype), v_j, preferred_element_type=jnp.float32
-        )
-        total = l_j if total is None else total + l_j
-        out = o_j if out is None else out + o_j
-    return (out / total[..., None]).astype(q.dtype).reshape(b, n, h)
+    m, kv, c = k_BxMxKxHxC.shape[1], k_BxMxKxHxC.shape[2], k_BxMxKxHxC.shape[4]
+    q = q_BxNxH.reshape(b, 1, kv, n // kv, h, 1).astype(jnp.float32)
+    k = k_BxMxKxHxC[:, :, :, None].astype(jnp.float32)
+    s = jnp.sum(q * k, axis=4) * h**-0.5  # (B, M, K, G, C)
+    mask = jnp.arange(m * c).reshape(1, m, 1, 1, c) <= positions_B[:, None, None, None, None]
+    s = jnp.where(mask, s, _MASKED)
+    p = jnp.exp(s - jnp.max(s, axis=(1, 4), keepdims=True))
+    l_j = jnp.sum(p, axis=-1)  # (B, M, K, G)
+    v = v_BxMxKxCxH[:, :, :, None].astype(jnp.float32)
+    o_j = jnp.sum(p[..., None] * v, axis=4)  # (B, M, K, G, H)
+    total, out = l_j[:, 0], o_j[:, 0]
+    for j in range(1, m):
+        total, out = total + l_j[:, j], out + o_j[:, j]
+    return (out / total[..., None]).astype(q_BxNxH.dtype).reshape(b, n, h)
 
 
 def _write_cache(cache_BxSxKxH: jax.Array, new_BxTxKxH: jax.Array, start_B: jax.Array) -> jax.Array:
     update = lambda c, x, p: jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), p, axis=0)
     return jax.vmap(update)(cache_BxSxKxH, new_BxTxKxH, start_B)
-
-
-def _write_step(cache: jax.Array, new_BxKxH: jax.Array, pos_B: jax.Array, axis: int) -> jax.Array:
-    """Writes one position per row into a head-major cache array (position axis `axis` of a row;
-    a position past the end is clamped to the last, as dynamic_update_slice does)."""
-    update = lambda c, x, p: jax.lax.dynamic_update_slice_in_dim(
-        c, jnp.expand_dims(x, axis).astype(c.dtype), p, axis=axis
-    )
-    return jax.vmap(update)(cache, new_BxKxH, pos_B)
 
 
 @jax.tree_util.register_static
@@ -329,7 +258,7 @@ class Attention(Adapted):
         kv: tuple[jax.Array, jax.Array] | None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """`kv`: None (full sequence; returns its own keys/values), a (B, S, K, H) cache pair with
-        `mask` (B, T, S), or a head-major ((B, K, H, S), (B, K, S, H)) pair with `mask` a
+        `mask` (B, T, S), or a decode cache's layer (rl/models/kv_cache.py) with `mask` a
         `_DecodeStep`."""
         cfg = self.config
         q = constrain(self._project(x_BxTxD, "q"), ("batch", "length", "q_heads", "head_dim"))
@@ -341,13 +270,11 @@ class Attention(Adapted):
         q, k = apply_rope(q, positions_BxT, inv_freq), apply_rope(k, positions_BxT, inv_freq)
         if isinstance(mask, _DecodeStep):
             pos_B = positions_BxT[:, 0]
-            kv = (_write_step(kv[0], k[:, 0], pos_B, 2), _write_step(kv[1], v[:, 0], pos_B, 1))
+            kv = kv.write(k[:, 0], v[:, 0], pos_B)
             if mask.blocks:
-                out = attend_blocks(
-                    q[:, 0], kv[0], kv[1], pos_B, blocks=mask.blocks, block=mask.block
-                )
+                out = attend_blocks(q[:, 0], *kv.blocks(mask.blocks, mask.block), pos_B)
             else:
-                out = attend_live(q[:, 0], kv[0], kv[1], pos_B)
+                out = attend_live(q[:, 0], *kv.view(), pos_B)
             out = out[:, None]
         elif kv is None:
             out, kv = attend_full(q, k, v, mask), (k, v)
@@ -436,21 +363,21 @@ class Transformer(nnx.Module):
         tokens_BxT: jax.Array,
         positions_BxT: jax.Array,
         mask_BxTxS: jax.Array,
-        cache: KVCache | HeadMajorKVCache | None,
-    ) -> tuple[jax.Array, tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]]:
-        """Runs the blocks; returns final-normed hidden states and each layer's keys/values (the
-        updated cache, or the sequence's own (B, T, K, H) keys/values when `cache` is None)."""
+        cache: KVCache | KVCacheLike | None,
+    ) -> tuple[jax.Array, list[Any]]:
+        """Runs the blocks; returns final-normed hidden states and each layer's keys/values (its
+        updated cache layer, or the sequence's own (B, T, K, H) keys/values when `cache` is
+        None)."""
         cfg = self.config
         x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(cfg.jnp_dtype)
         x = constrain(x, ("batch", "length", "embed"))
         run = _run_block if cfg.remat == "none" else nnx.remat(_run_block, policy=_REMAT[cfg.remat])
-        new_k, new_v = [], []
+        layers = []
         for i, block in enumerate(self.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i])
+            kv = None if cache is None else cache.layer(i)
             x, kv = run(block, x, positions_BxT, mask_BxTxS, kv)
-            new_k.append(kv[0])
-            new_v.append(kv[1])
-        return self.final_norm(x), (tuple(new_k), tuple(new_v))
+            layers.append(kv)
+        return self.final_norm(x), layers
 
     def hidden(
         self, tokens_BxT: jax.Array, positions_BxT: jax.Array, segment_ids_BxT: jax.Array
@@ -489,7 +416,8 @@ class Transformer(nnx.Module):
         positions = jnp.broadcast_to(jnp.arange(t), tokens_BxT.shape)
         causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
         mask = jnp.broadcast_to(causal[None], (tokens_BxT.shape[0], t, t))
-        return self._stack(tokens_BxT, positions, mask, None)
+        h, layers = self._stack(tokens_BxT, positions, mask, None)
+        return h, (tuple(k for k, _ in layers), tuple(v for _, v in layers))
 
     def logits(self, h_BxTxD: jax.Array) -> jax.Array:
         """float32 logits of hidden states (materialises B*T*V: use token_logprobs for training)."""
@@ -554,18 +482,18 @@ class Transformer(nnx.Module):
         """
         s = cache.max_length
         mask = jnp.arange(s)[None, None, :] <= positions_BxT[:, :, None]
-        h, (k, v) = self._stack(tokens_BxT, positions_BxT, mask, cache)
-        return h, KVCache(k=k, v=v)
+        h, layers = self._stack(tokens_BxT, positions_BxT, mask, cache)
+        return h, KVCache(k=tuple(k for k, _ in layers), v=tuple(v for _, v in layers))
 
     def decode_step(
         self,
         tokens_B: jax.Array,
         positions_B: jax.Array,
-        cache: HeadMajorKVCache,
+        cache: KVCacheLike,
         *,
         blocks: int = 0,
         block: int = 0,
-    ) -> tuple[jax.Array, HeadMajorKVCache]:
+    ) -> tuple[jax.Array, KVCacheLike]:
         """One token per row at `positions_B`, attending to the whole cache (`blocks` 0) or only
         to its first `blocks * block` positions (every row's position must be below that; see
         `attend_blocks`).
@@ -574,8 +502,8 @@ class Transformer(nnx.Module):
           (final-normed hidden states (B, 1, d_model), updated cache).
         """
         step = _DecodeStep(blocks=blocks, block=block)
-        h, (k, v) = self._stack(tokens_B[:, None], positions_B[:, None], step, cache)
-        return h, HeadMajorKVCache(k=k, v=v)
+        h, layers = self._stack(tokens_B[:, None], positions_B[:, None], step, cache)
+        return h, cache.with_layers(layers)
 
 
 def chunked_logprobs(

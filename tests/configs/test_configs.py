@@ -94,7 +94,11 @@ def _typed_sections():
         ("engine", EngineConfig, {"seed"}),  # config.seed
         ("mesh", MeshConfig, set()),
         # migration's fields: rl.elastic.migration.MigrationConfig (rl.runtime.compose)
-        ("elastic", BorrowConfig, {"migration", "max_running_fraction", "min_tokens_left"}),
+        (
+            "elastic",
+            BorrowConfig,
+            {"migration", "max_running_fraction", "min_tokens_left", "grow_tokens"},
+        ),
         # temperature: config.sampling.temperature; max_length: config.engine.max_length; loss:
         # the losses' own configs (checked by the loss registry); distributed:
         # learner/distributed.py (0 / -1 there mean "from $JAX_*")

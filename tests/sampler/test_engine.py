@@ -1,5 +1,7 @@
 """The slot engine: exact against no-cache decoding and the learner, slot-independent, sharded."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,9 +133,12 @@ def test_stop_tokens_end_a_sequence_and_are_kept(model):
     assert list(c.tokens) == free_run[: first + 1] and c.finish_reason == "stop"
 
 
-def test_sharded_engine_equals_unsharded(model):
+@pytest.mark.parametrize("page", [0, 16])
+def test_sharded_engine_equals_unsharded(model, page):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "tp"))
-    cfg = EngineConfig(max_slots=8, max_length=48, max_prefill_length=16, steps_per_call=2)
+    cfg = EngineConfig(
+        max_slots=8, max_length=48, max_prefill_length=16, steps_per_call=2, page_size=page
+    )
     params = SamplingParams(temperature=1.0, max_new_tokens=10)
     requests = [
         Request(uid=i, prompt=p, group_size=2, params=params)
@@ -147,8 +152,12 @@ def test_sharded_engine_equals_unsharded(model):
         None, "tp", None
     )
     state = sharded.init_decode_state()
-    # head-major cache (slots, kv heads, positions, head dim)
-    assert state.cache.k[0].sharding.spec == jax.sharding.PartitionSpec("data", "tp", None, None)
+    spec = jax.sharding.PartitionSpec
+    if page:  # a page pool (pages, kv heads, head dim, page): heads split, pages replicated
+        assert state.cache.k[0].sharding.spec == spec(None, "tp", None, None)
+        assert state.cache.table.sharding.spec == spec("data", None)
+    else:  # head-major cache (slots, kv heads, head dim, positions)
+        assert state.cache.k[0].sharding.spec == spec("data", "tp", None, None)
     got, _ = _run(sharded, sparams, requests)
     for key, g in ref.items():
         for a, b in zip(g.completions, got[key].completions, strict=True):
@@ -190,15 +199,24 @@ def test_requests_that_cannot_run_are_rejected_at_submit(model):
 def test_cache_that_does_not_fit_is_rejected_with_sizes():
     model = create_model(get_preset("tiny"))
     cfg = EngineConfig(
-        max_slots=64, max_length=1024, max_prefill_length=64, memory_budget_bytes=2**20
+        max_slots=64,
+        max_length=1024,
+        max_prefill_length=64,
+        memory_budget_bytes=2**20,
+        page_size=0,
     )
     with pytest.raises(
-        ValueError, match=r"KV cache does not fit: 64 slots x max_length 1024 .* MiB per slot"
+        ValueError,
+        match=r"KV cache does not fit: 64 slots x max_length 1024 .* KiB per position .* "
+        "Lower max_slots or max_length",
     ):
         Engine(model, cfg)
+    paged = dataclasses.replace(cfg, page_size=16, kv_pages=4096)
+    with pytest.raises(ValueError, match=r"4096 pages of 16 positions .* Lower kv_pages"):
+        Engine(model, paged)
     assert (
         Engine(
-            model, cfg.__class__(max_slots=2, max_length=64, max_prefill_length=64)
+            model, cfg.__class__(max_slots=2, max_length=64, max_prefill_length=64, page_size=0)
         ).cache_bytes_per_slot
         == 2 * 2 * 64 * 2 * 16 * 4
     )

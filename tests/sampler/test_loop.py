@@ -346,3 +346,34 @@ def test_a_blocked_reward_stops_no_decode_step_and_emission_keeps_completion_ord
     assert [(g.request.uid, g.completions) for g in emitted] == [
         (g.request.uid, g.completions) for g in inline.groups
     ]
+
+
+def test_view_gives_a_paged_engines_pages_and_a_dense_one_none(model):
+    """loop.view() for the migration policy: a paged engine's pool, its free pages and each
+    running request's KV in pages (its live positions); a dense engine's view is slots only."""
+    cfg = dict(max_slots=4, max_length=48, max_prefill_length=16, steps_per_call=2)
+    for page in (0, 8):
+        engine = Engine(model, EngineConfig(**cfg, page_size=page, kv_pages=24 if page else 0))
+        loop = SamplerLoop(
+            engine,
+            engine.load_params(model),
+            admission=FCFS(),
+            reward_fn=lambda r, c: 0.0,
+            emit=lambda g: None,
+        )
+        loop.submit([_req(0, n_new=20, prompt_len=9), _req(1, n_new=20, prompt_len=3)])
+        loop.step()
+        loop.step()
+        view = loop.view()
+        assert view.sequences == 4 and {r.key for r in view.running} == {(0, 0), (0, 1)}
+        if not page:
+            assert (view.pages, view.free_pages, view.page) == (0, 0, 0)
+            assert all(r.kv_pages == 0 for r in view.running)
+            continue
+        pool = engine.pool
+        assert (view.pages, view.page) == (24, 8) and view.free_pages == pool.free
+        runs = {run.request.key: run for _, run, _ in loop._table.running()}
+        for r in view.running:
+            run = runs[r.key]
+            want = sum(pool.pages_for(len(run.request.prompt) + len(s.tokens)) for s in run.samples)
+            assert r.kv_pages == want > 0

@@ -106,9 +106,13 @@ def test_extend_continues_as_a_reprefill_of_the_whole_conversation(engine, model
         state, out = engine.generate(params, state)
         first += [int(t) for t in jax.device_get(out.tokens[:, 2])]
     kept = engine.extend(params, state, [(2, (first[-1], *OBS[:-1]), OBS[-1])])
-    again = engine.reprefill(params, engine.init_decode_state(), [(2, r, 0, (*first, *OBS))])
+    # one decode state at a time (a paged engine's pages are the engine's): kept, then again
+    again = lambda: engine.reprefill(
+        params, engine.init_decode_state(), [(2, r, 0, (*first, *OBS))]
+    )
     outs = []
     for s in (kept, again):
+        s = s if not callable(s) else s()
         toks, lps = [], []
         for _ in range(3):
             s, out = engine.generate(params, s)
@@ -118,6 +122,7 @@ def test_extend_continues_as_a_reprefill_of_the_whole_conversation(engine, model
         outs.append((toks, np.asarray(lps)))
     assert outs[0][0] == outs[1][0]
     np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-5, rtol=0)
+    state = engine.init_decode_state()
     with pytest.raises(ValueError, match="feeds no token"):
         engine.extend(params, state, [(2, (), 5)])
     with pytest.raises(ValueError, match="exceeds max_prefill_length"):

@@ -132,3 +132,93 @@ def test_moves_are_always_executable(name, spec):
         assert not srcs & {m.dst for m in moves}
         for s in srcs:
             assert {m.key for m in moves if m.src == s} == {r.key for r in replicas[s].running}
+
+
+def paged(slots, pages, free_pages, *runs, page=16, queued=False):
+    """A paged replica view; runs: (uid, sequences, kv_pages, tokens_left)."""
+    running = tuple(
+        RunningView(key=(0, uid), sequences=n, kv_pages=kv, tokens_left=left)
+        for uid, n, kv, left in runs
+    )
+    used = sum(r.sequences for r in running)
+    return ReplicaView(
+        slots=slots,
+        free=slots - used,
+        queued=queued,
+        running=running,
+        pages=pages,
+        free_pages=free_pages,
+        page=page,
+    )
+
+
+def test_tail_moves_only_where_free_pages_hold_the_kv_and_its_growth():
+    """Every replica has free slots; only replica 2 has the pages: the moved request's 30 pages,
+    plus grow_tokens = 32 positions (2 pages of 16) for each of its 2 sequences and of the
+    destination's own 3 (10 pages)."""
+    policy = make_migration_policy(
+        MigrationConfig(policy="tail", max_running_fraction=1.0, grow_tokens=32), consumer=True
+    )
+    replicas = [
+        paged(64, 100, 70, (0, 2, 30, 500)),
+        paged(64, 100, 39, (1, 3, 60, 500)),  # 39 < 30 + 2 * 2 + 3 * 2: no room to grow
+        paged(64, 100, 40, (2, 3, 60, 500)),  # 40 = 30 + 4 + 6
+    ]
+    moves = policy.moves(replicas)
+    check_moves(replicas, moves)
+    assert moves == [Move((0, 0), 0, 2)]
+    tight = [paged(64, 100, 35, (0, 2, 30, 500)), replicas[1], paged(64, 100, 39, (2, 3, 60, 500))]
+    assert policy.moves(tight) == []  # slots everywhere, pages nowhere: nothing moves
+
+
+def test_tail_growth_margin_is_capped_by_tokens_left():
+    """A request 3 tokens from its cap needs one page of growth per sequence, not grow_tokens."""
+    policy = make_migration_policy(
+        MigrationConfig(policy="tail", max_running_fraction=1.0, grow_tokens=1024), consumer=True
+    )
+    replicas = [paged(64, 100, 90, (0, 1, 10, 3)), paged(64, 100, 60, (1, 2, 30, 3))]
+    # 10 pages + 1 page of growth for the moved sequence, 2 for the destination's own: 13 <= 60
+    assert policy.moves(replicas) == [Move((0, 0), 0, 1)]
+    far = [paged(64, 100, 90, (0, 1, 10, 1024)), paged(64, 100, 60, (1, 2, 30, 1024))]
+    assert policy.moves(far) == []  # 10 + 3 * 64 pages of growth > 60
+
+
+def test_tail_trigger_counts_pages_on_paged_replicas():
+    """Few sequences (4 of 128 slots) but most pages in use: the pool, not the slots, limits."""
+    policy = make_migration_policy(
+        MigrationConfig(policy="tail", max_running_fraction=0.25, grow_tokens=0), consumer=True
+    )
+    full = [paged(64, 100, 30, (0, 1, 70, None)), paged(64, 100, 90, (1, 3, 10, None))]
+    assert policy.moves(full) == []  # 80 of 200 pages in use > 25%
+    light = [paged(64, 100, 80, (0, 1, 20, None)), paged(64, 100, 90, (1, 3, 10, None))]
+    assert policy.moves(light) == [Move((0, 0), 0, 1)]  # 30 of 200 pages; moves 20 into 90 free
+
+
+def test_dense_replicas_are_limited_by_slots_alone():
+    policy = make_migration_policy(
+        MigrationConfig(policy="tail", max_running_fraction=0.5), consumer=True
+    )
+    run = RunningView(key=(0, 0), sequences=2, kv_pages=999)  # pages mean nothing to dense
+    dense = ReplicaView(slots=8, free=6, running=(run,))
+    assert dense.need(run, 512) == 0 and not dense.paged
+    assert policy.moves([dense, view(8, (1, 3))]) == [Move((0, 0), 0, 1)]
+
+
+def test_always_and_check_moves_respect_free_pages():
+    always = make_migration_policy(MigrationConfig(policy="always"))
+    a = paged(8, 100, 50, (0, 1, 20, None))
+    short = paged(8, 100, 19, (1, 1, 20, None))  # 19 < 20: 0's KV does not fit here
+    assert always.moves([a, short]) == [Move((0, 1), 1, 0)]
+    with pytest.raises(ValueError, match="overfill replica 1 .* 19 free KV pages"):
+        check_moves([a, short], [Move((0, 0), 0, 1)])
+
+
+def test_bad_page_views_are_refused():
+    with pytest.raises(ValueError, match="free_pages <= pages"):
+        ReplicaView(slots=4, free=4, pages=10, free_pages=11, page=16)
+    with pytest.raises(ValueError, match="page > 0 exactly when paged"):
+        ReplicaView(slots=4, free=4, pages=10, free_pages=5)
+    with pytest.raises(ValueError, match="kv_pages >= 0"):
+        RunningView(key=(0, 0), sequences=1, kv_pages=-1)
+    with pytest.raises(ValueError, match="grow_tokens must be >= 0; received -1"):
+        MigrationConfig(grow_tokens=-1)

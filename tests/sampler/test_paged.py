@@ -1,0 +1,153 @@
+"""The paged KV cache: bitwise the dense engine's tokens and log-probs (any page size, shared group
+prompts, preemption forced by a tiny pool), and its books always balance."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rl.admission import FCFS
+from rl.types import Request, SamplingParams
+from sampler.engine import Engine, EngineConfig
+from sampler.loop import SamplerLoop
+from sampler.reference import greedy_nocache
+
+MAX_LENGTH = 64
+
+
+def _requests(lengths, new, *, group=1, temperature=1.0, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        Request(
+            uid=i,
+            prompt=tuple(int(t) for t in rng.integers(0, 256, size=n)),
+            group_size=group,
+            params=SamplingParams(temperature=temperature, max_new_tokens=m),
+        )
+        for i, (n, m) in enumerate(zip(lengths, new, strict=True))
+    ]
+
+
+def _engine(model, *, page=0, pages=0, block=0, slots=8):
+    config = EngineConfig(
+        max_slots=slots,
+        max_length=MAX_LENGTH,
+        max_prefill_length=32,
+        steps_per_call=3,
+        attention_block=block,
+        page_size=page,
+        kv_pages=pages,
+    )
+    return Engine(model, config)
+
+
+def _run(engine, model, requests, abort_after=None):
+    groups = []
+    loop = SamplerLoop(
+        engine,
+        engine.load_params(model),
+        admission=FCFS(),
+        reward_fn=lambda r, c: 0.0,
+        emit=groups.append,
+    )
+    loop.submit(requests)
+    steps = 0
+    while loop.step():
+        steps += 1
+        if abort_after is not None and steps == abort_after[0]:
+            loop.abort(abort_after[1])
+        if engine.pool is not None:
+            engine.pool.check()
+        assert steps < 2000
+    return {g.request.key: g.completions for g in groups}
+
+
+def _same(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        for x, y in zip(a[key], b[key], strict=True):
+            assert x.tokens == y.tokens, key
+            assert np.array_equal(np.asarray(x.logprobs), np.asarray(y.logprobs)), key
+
+
+LENGTHS, NEW = [3, 9, 17, 30, 1, 12, 25, 8], [30, 7, 20, 30, 15, 5, 34, 26]
+
+
+@pytest.mark.parametrize("page,block", [(4, 16), (16, 16), (8, 0)])
+def test_paged_is_bitwise_dense_with_shared_prompts_and_preemption(model, page, block):
+    requests = _requests(LENGTHS, NEW, group=2)
+    ample = _engine(model, page=page, block=block)
+    # the dense cache read in blocks of the same size (block 0: the paged default, 64)
+    dense = _run(_engine(model, block=ample.config.decode_block), model, requests)
+    _same(_run(ample, model, requests), dense)
+    assert ample.pool.preemptions == 0 and ample.pool.shared_pages > 0
+    # a pool of two sequences' pages: most of the time someone waits swapped out
+    tiny = _engine(model, page=page, block=block, pages=2 * MAX_LENGTH // page)
+    _same(_run(tiny, model, requests), dense)
+    assert tiny.pool.preemptions > 0
+    assert tiny.pool.free == tiny.pool.pages and not tiny.pool.order and not tiny.pool.swapped
+
+
+def test_paged_greedy_matches_nocache_recompute(model):
+    requests = _requests(LENGTHS, NEW, temperature=0.0, seed=1)
+    engine = _engine(model, page=8, pages=20, slots=4)
+    out = _run(engine, model, requests)
+    ref = greedy_nocache(model, [r.prompt for r in requests], NEW, max_length=MAX_LENGTH)
+    for i, r in enumerate(requests):
+        assert list(out[r.key][0].tokens) == ref[i], f"request {i}"
+
+
+def test_a_group_prompt_is_stored_once(model):
+    engine = _engine(model, page=8)
+    state = engine.init_decode_state()
+    (request,) = _requests([30], [8], group=8)
+    state = engine.prefill_insert(engine.load_params(model), state, [(request, range(8), None)])
+    pool = engine.pool
+    shared = (len(request.prompt) - 1) // 8  # pages wholly before the last prompt position
+    assert pool.used == shared + 8  # the shared pages once, then a page of its own per sample
+    assert (pool.table[:8, :shared] == pool.table[0, :shared]).all()
+    assert (pool.refs[pool.table[0, :shared]] == 8).all()
+    assert len(set(pool.table[:8, shared].tolist())) == 8
+    engine.free(state, range(8))
+    assert pool.free == pool.pages
+    pool.check()
+
+
+def test_paged_config_errors_name_the_setting(model):
+    with pytest.raises(ValueError, match="a multiple of page_size"):
+        EngineConfig(max_length=64, max_prefill_length=32, page_size=16, attention_block=24)
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        EngineConfig(max_length=64, max_prefill_length=32, page_size=16, kv_pages=3)
+    with pytest.raises(ValueError, match="needs page_size"):
+        EngineConfig(max_length=64, max_prefill_length=32, page_size=0, kv_pages=3)
+
+
+@pytest.fixture(scope="module")
+def tight(model):
+    """One engine for every example (its programs compile once): a pool of 10 pages of 8, one
+    max_length sequence and two pages more."""
+    return _engine(model, page=8, pages=MAX_LENGTH // 8 + 2)
+
+
+@pytest.mark.slow  # about 40 s: a dozen runs through a tight pool
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data(), group=st.integers(1, 3))
+def test_every_request_finishes_once_and_no_page_leaks(model, tight, data, group):
+    n = data.draw(st.integers(1, 6))
+    lengths = data.draw(st.lists(st.integers(1, 32), min_size=n, max_size=n))
+    new = data.draw(st.lists(st.integers(1, 32), min_size=n, max_size=n))
+    requests = _requests(lengths, new, group=group, seed=n)
+    aborted = data.draw(st.sets(st.sampled_from([r.key for r in requests]), max_size=2))
+    when = data.draw(st.integers(1, 6))
+    out = _run(tight, model, requests, abort_after=(when, aborted))
+    for r in requests:
+        if r.key in out:
+            assert len(out[r.key]) == group
+            assert all(len(c.tokens) <= r.params.max_new_tokens for c in out[r.key])
+        else:
+            assert r.key in aborted
+    pool = tight.pool
+    assert pool.free == pool.pages and not pool.order and not pool.swapped
+    assert not pool.refs.any()
