@@ -8,11 +8,13 @@ the GPU recipes), on one device (learner and sampler colocated), with the preset
   publish   learner -> sampler weights (learner.publish.DevicePutSync, cast to bf16): GB/s of the
             sampler's copy, median of --publish_repeats.
   decode    the engine (sampler/engine.py) with `slots` slots all decoding, timed over
-            `decode_calls` generate calls after a warm-up call: tokens/s and the achieved HBM
-            bandwidth, (weight bytes + KV bytes of the live positions) per decode step / step time,
-            as a fraction of the device's peak (PEAK_HBM_BYTES_S). The KV term counts only the
-            positions a step must read (slots x mean live length x bytes per token), so the
-            fraction is what the math needs, not what an engine reading its whole cache moves.
+            `decode_calls` generate calls after a warm-up call: tokens/s and the decode's fraction
+            of its memory roofline: a step must read the weights once and the KV of every live
+            position (slots x mean live length x KV bytes per token), so the roofline step time is
+            (weight bytes + live KV bytes) / the device's peak (PEAK_HBM_BYTES_S), and
+            hbm_fraction = roofline step / measured step (= achieved bytes/s / peak). The KV term
+            counts only the positions a step must read, as rl/sim/presets.py's decode_c does, so
+            the fraction is what the math needs, not what an engine reading its whole cache moves.
   learner   Learner.add_groups + update on `rows` sequences of `seq_len` tokens: tokens/s and
             MFU = model FLOPs / time / peak bf16 FLOP/s (PEAK_BF16_FLOPS), model FLOPs per token
             6 N (N: matmul parameters; an untied embedding lookup is not a matmul) + 6 L H d_h T
@@ -293,19 +295,24 @@ def _check(
     if not bool(np.asarray(result.valid).all()):
         raise RuntimeError("gpu_check: a slot stopped decoding during the timed calls.")
     steps = calls * k
-    kv_per_token = engine.cache_bytes_per_slot // max_length
+    kv_per_token = engine.cache_bytes_per_slot // engine.layout.length  # exact: all layers, K + V
     live = shapes.prompt_len + k + (steps + 1) / 2  # mean positions read per step and slot
-    bytes_per_step = weight_bytes + shapes.slots * live * kv_per_token
+    kv_bytes_per_step = shapes.slots * live * kv_per_token
+    bytes_per_step = weight_bytes + kv_bytes_per_step
     step_time = decode_s / steps
     peak_bw = peak(PEAK_HBM_BYTES_S, kind)
+    roofline_s = None if peak_bw is None else bytes_per_step / peak_bw
     out["decode"] = dict(
         slots=shapes.slots,
         steps=steps,
         step_s=step_time,
         tokens_per_s=shapes.slots * steps / decode_s,
-        bytes_per_step=bytes_per_step,
+        kv_bytes_per_token=kv_per_token,
+        kv_bytes_per_step=kv_bytes_per_step,
+        bytes_per_step=bytes_per_step,  # weights + live KV: what the roofline counts
         achieved_bytes_per_s=bytes_per_step / step_time,
-        hbm_fraction=None if peak_bw is None else bytes_per_step / step_time / peak_bw,
+        roofline_step_s=roofline_s,
+        hbm_fraction=None if roofline_s is None else roofline_s / step_time,
     )
     del state, result
 
@@ -391,7 +398,8 @@ def main(argv: list[str]) -> None:
             f"{rd['cgp_vs_sync']:>9.2f}"
         )
     print(
-        f"decode: {shapes.slots} slots, {shapes.decode_calls} x {shapes.steps_per_call} steps; "
+        f"decode: {shapes.slots} slots, {shapes.decode_calls} x {shapes.steps_per_call} steps, "
+        "HBM frac = (weights + live KV bytes) per step at peak HBM / the measured step; "
         f"learner: {shapes.rows} x {shapes.seq_len} tokens; round: {shapes.groups} groups x "
         f"{shapes.group_size}, <= {shapes.max_new_tokens} new tokens; total {total:.0f} s"
         + (" (over the 8-minute budget)" if total > 480 else "")

@@ -9,6 +9,7 @@ validation of the simulator against a real run.
         --sampler_gpus 8 --learner_gpus 24 --setups 256
     python -m launch.simulate --migration tail --modes sync,cgp+frontier+fifo,async+frontier+s1
     python -m launch.simulate --multiplex 2,3,4 --setups 64 --balance_wait 0.7
+    python -m launch.simulate --kv_layouts dense,paged --setups 64   # the H100 preset, 8k cap
     python -m launch.simulate --workload rollpacker --modes sync,sync+tail,cgp+frontier+fifo,\
         cgp+frontier+tail --setups 64,128 --balance_wait 0.7
 
@@ -18,7 +19,7 @@ batches in completion order as RolloutPipe), cgp+shuffled (requests reach the en
 order, as slime's asynchronous submission; frontier is immune to it), sync+tail and
 cgp+frontier+tail (RollPacker tail batching, eta --eta), and async (bounded staleness: a publish
 after every update, the sampler up to s versions ahead): async+frontier+s1 at U = 2, whose window
-of (s + 1) x U = 4 groups (32 sequences) cannot fill the sampler's slots (4 x 145 on the H100
+of (s + 1) x U = 4 groups (32 sequences) cannot fill the sampler's slots (4 x 256 on the H100
 preset), so it runs a fraction of the engine and looks several times slower than sync; then
 async+frontier+s1+fill and s4+fill, where each row's U is the smallest divisor of R whose window
 keeps every slot busy on the workload's long tail, (s + 1) x U x G >= slots x cap / mean response
@@ -65,6 +66,12 @@ to each, and the bound no multiplexing beats (the slowest pipeline alone on the 
 learner's total work without a gap); with --balance_wait > 0 the learner is scaled first so that
 sync waits that share of its round (0: the preset's learner).
 
+--kv_layouts dense,paged compares the sampler's KV layouts at the same HBM (rl/sim/kv_layouts.py):
+the preset sized with max_length (prompt_max + the cap) reserved per slot vs a paged pool
+(rl/sim/paging.py), each mode of --kv_modes on each, per setup: sequences in flight (mean, peak),
+preemptions, swap seconds, round time, groups/s and tokens/s, and each layout's groups/s over the
+first's.
+
 --plan_budgets runs rl/device_split.py on each budget: the planner's split beside every split's simulated
 time per round.
 
@@ -107,6 +114,7 @@ from rl.sim.compare import (
     sim_config,
     validate,
 )
+from rl.sim.kv_layouts import compare_kv_layouts, format_kv_table
 from rl.sim.multiplex import MultiplexResult, compare_multiplexing
 from rl.sim.presets import gpu_preset
 from rl.sim.simulator import SimResult
@@ -199,6 +207,12 @@ _MULTIPLEX = flags.DEFINE_list(
 )
 _MUX_MODES = flags.DEFINE_list(
     "multiplex_modes", ["sync", "cgp+frontier+fifo"], "Modes of the multiplexing block."
+)
+_KV_LAYOUTS = flags.DEFINE_list(
+    "kv_layouts", [], "KV layouts to compare at the same HBM (dense,paged); empty: skip."
+)
+_KV_MODES = flags.DEFINE_list(
+    "kv_modes", ["sync", "async+frontier+s4+fill"], "Modes of the KV layout comparison."
 )
 _GANTT_DIR = flags.DEFINE_string(
     "gantt_dir", "", "Write simulated Gantt PNGs here (setup R=32; --multiplex: every run)."
@@ -567,6 +581,33 @@ def multiplexing(model: StageModel, slots: int, out: dict[str, Any]) -> None:
                 )
 
 
+def kv_layouts(out: dict[str, Any]) -> None:
+    workload = workload_config()
+    replicas = _SAMPLER_GPUS.value // _SAMPLER_TP.value
+    out["kv_layouts"] = {}
+    for r in map(int, _SETUPS.value):
+        fields = setup_fields(r, replicas, 0, tail=False)
+        del fields["slots"]
+        rows = compare_kv_layouts(
+            _KV_LAYOUTS.value,
+            _KV_MODES.value,
+            workload,
+            rounds=_ROUNDS.value,
+            model=_PRESET.value,
+            gpu=_GPU.value,
+            sampler_tp=_SAMPLER_TP.value,
+            learner_gpus=_LEARNER_GPUS.value,
+            **fields,
+        )
+        out["kv_layouts"][f"R{r}"] = rows
+        print(
+            f"KV layouts at the same HBM: {_PRESET.value} on {replicas} x {_GPU.value} (tp "
+            f"{_SAMPLER_TP.value}), cap {max_new_tokens()}, R={r}, G={_GROUP_SIZE.value}, "
+            f"{_ROUNDS.value} rounds:"
+        )
+        print(format_kv_table(rows))
+
+
 def paper_headlines(model: StageModel, slots: int, out: dict[str, Any]) -> None:
     borrow = gpu_preset(
         _PRESET.value, _GPU.value, learner_gpus=papers.PaperSetup.borrow_learner_gpus
@@ -603,8 +644,10 @@ def main(argv: list[str]) -> None:
         paper_headlines(model, slots, out)
     elif _VALIDATE.value:
         validation(model, out)
-    elif (not _BORROWING.value and not _MULTIPLEX.value) or flags.FLAGS["modes"].present:
-        comparison(model, slots, out)  # --borrowing or --multiplex alone: only that block
+    elif (not _BORROWING.value and not _MULTIPLEX.value and not _KV_LAYOUTS.value) or flags.FLAGS[
+        "modes"
+    ].present:
+        comparison(model, slots, out)  # --borrowing, --multiplex or --kv_layouts: only that block
     if _MIGRATION.value != "off":
         migration_block(model, slots, out)
     if _CHECKPOINTS.value:
@@ -615,6 +658,8 @@ def main(argv: list[str]) -> None:
         borrowing(model, slots, out)
     if _MULTIPLEX.value and not _PAPERS.value:
         multiplexing(model, slots, out)
+    if _KV_LAYOUTS.value:
+        kv_layouts(out)
     if _JSON.value:
         with open(_JSON.value, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=2, default=str)

@@ -9,6 +9,12 @@
     migrate       m0 + m1 * kv_bytes_per_token * tokens      one request's running sequences
                   (their KV: prompt + tokens so far each) replica -> replica (JigsawRL)
     reward        r0 per completion
+    swap          w1 * kv_bytes_per_token * page_size * pages   a preempted sequence's KV pages,
+                  device -> host, and back when it resumes (a paged cache, rl/sim/paging.py)
+
+A paged replica's KV pool is `kv_pages` pages of `page_size` positions (a size, like
+kv_bytes_per_token, that the sampler's time depends on: it caps the sequences in flight); 0 means
+no pool, slots alone limit the replica (a dense cache reserves max_length per slot, or a profile).
 
 `contention` models sides that share hardware (2 CPU cores): while the sampler and the learner are
 both busy, each runs `1 + contention` times slower. Coefficients come from `launch.profile` (fitted
@@ -50,6 +56,9 @@ class StageModel:
     migrate_fixed: float = 0.0  # per migrated request (export, import, bookkeeping)
     migrate_per_byte: float = 0.0  # 1 / the replica -> replica bandwidth (s/byte)
     kv_bytes_per_token: int = 0  # KV cache bytes of one token of one sequence
+    kv_pages: int = 0  # a paged replica's KV pool, in pages; 0: not paged (slots alone limit)
+    page_size: int = 16  # positions per KV page (vLLM's default block size)
+    swap_per_byte: float = 0.0  # 1 / the device <-> host bandwidth (s/byte): preemption swaps
     reward_s: float = 0.0  # per completion
     contention: float = 0.0  # slowdown of each side while both are busy (shared cores)
     source: str = ""  # where the numbers come from (a profile path, a preset name)
@@ -60,10 +69,10 @@ class StageModel:
             if isinstance(v, float | int) and not isinstance(v, bool):
                 if not math.isfinite(v) or v < 0:
                     raise ValueError(f"StageModel.{f.name} must be finite and >= 0; received {v}.")
-        if self.steps_per_call < 1 or self.min_length_bucket < 1:
+        if self.steps_per_call < 1 or self.min_length_bucket < 1 or self.page_size < 1:
             raise ValueError(
-                "StageModel.steps_per_call and min_length_bucket must be >= 1; received "
-                f"{self.steps_per_call}, {self.min_length_bucket}."
+                "StageModel.steps_per_call, min_length_bucket and page_size must be >= 1; "
+                f"received {self.steps_per_call}, {self.min_length_bucket}, {self.page_size}."
             )
         if self.decode_a + self.decode_b + self.call_overhead <= 0:
             raise ValueError("StageModel: a decode call must take time; all of a, b, h are 0.")
@@ -139,6 +148,10 @@ class StageModel:
     def migrate_s(self, kv_tokens: int) -> float:
         """Moving one request whose running sequences hold `kv_tokens` KV tokens in all."""
         return self.migrate_fixed + self.migrate_per_byte * self.kv_bytes_per_token * kv_tokens
+
+    def swap_s(self, pages: int) -> float:
+        """Copying `pages` KV pages between the device and the host (one direction)."""
+        return self.swap_per_byte * self.kv_bytes_per_token * self.page_size * pages
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

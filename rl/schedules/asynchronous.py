@@ -70,7 +70,7 @@ def fill_groups_per_update(
     `tail_factor` = longest / mean response length sequences, so the window must hold
     slots x tail_factor sequences: with tail_factor 1 it merely covers the slots. A smaller U
     leaves slots idle whatever the sampler's speed: with U = 2, s = 1 and G = 8 at most 32
-    sequences run on, say, 4 replicas x 145 slots.
+    sequences run on, say, 4 replicas x 256 slots.
     """
     if tail_factor < 1.0:
         raise ValueError(

@@ -3,12 +3,14 @@
 At a replica's call boundary the SimSampler asks the migration policy (rl.elastic.migration, the
 object the runtime runs) and executes the moves out of that replica here: the request's running
 sequences leave their slots, slots are reserved on the destination, and after
-StageModel.migrate_s(their KV tokens) they continue there from the token they reached.
+StageModel.migrate_s(their KV tokens) they continue there from the token they reached. With paged
+KV the policy sees each replica's pool and free pages (rl/sim/paging.py `free`: less what its
+swapped-out and arriving sequences will take) and each request's pages; nothing new is charged.
 """
 
 from __future__ import annotations
 
-import heapq
+import dataclasses
 from typing import Any
 
 from rl.elastic.migration import ReplicaView, RunningView
@@ -26,9 +28,11 @@ class SimMigration:
             return ReplicaView(slots=0, free=0)
         k = self.sampler.model.steps_per_call
         runs: dict[tuple[int, int], list[Seq]] = {}
+        swapped = {seq.request.key for seq, _ in rep.swapped.values()}  # stay: KV on this host
         for seq in rep.seqs:
             if seq is not None:
                 runs.setdefault(seq.request.key, []).append(seq)
+        paging = self.sampler.paging
         return ReplicaView(
             slots=self.sampler.slots,
             free=len(rep.free_slots()),
@@ -38,10 +42,14 @@ class SimMigration:
                     key=key,
                     sequences=len(seqs),
                     tokens_left=max(s.length - k * (rep.calls - s.admit_call) for s in seqs),
-                    movable=key not in rep.fresh,
+                    movable=key not in rep.fresh and key not in swapped,
+                    kv_pages=paging.kv_pages(seqs, rep.calls),
                 )
                 for key, seqs in runs.items()
             ),
+            pages=paging.pool,
+            free_pages=paging.free(rep),
+            page=paging.page,
         )
 
     def migrate(self, rep: Replica, now: float) -> None:
@@ -104,11 +112,9 @@ class SimMigration:
             for old, slot, made in moved:
                 admit = rep.calls - made // k
                 finish = admit + -(-old.length // k)
-                seq = type(old)(old.request, old.sample, slot, old.length, admit, finish, now, made)
+                seq = dataclasses.replace(
+                    old, slot=slot, admit_call=admit, finish_call=finish, start=now, base=made
+                )
                 p.seqs[p.seqs.index(old)] = seq
-                rep.seqs[slot] = seq
-                heapq.heappush(rep.heap, (seq.finish_call, id(seq), slot))
-                rep.active += 1
-                rep.prompt_sum += len(seq.request.prompt)
-                rep.admit_sum += admit
+                rep.add(seq)
             rep.fresh.add(p.request.key)

@@ -66,7 +66,7 @@ class PaperSetup:
     model: StageModel  # the sampler replicas' and the learner's stage-time model
     borrow_model: StageModel  # the same on BiDiRL's split (its learner on borrow_learner_gpus)
     replicas: int = 4
-    slots: int = 145  # per replica
+    slots: int = 256  # per replica: the H100 preset's (paged KV; the model's pool bounds it)
     borrow_sampler_gpus: int = 8  # BiDiRL's 32 GPUs, rollout-light (the sampler borrows)
     borrow_learner_gpus: int = 24
     rounds: int = 10

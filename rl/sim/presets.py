@@ -14,7 +14,15 @@ replaced by a `launch.profile` fit on the real hardware. Formulas (N params, P =
     publish       N P bytes at sync_bw + a fixed pause/resume cost
     migrate       a request's KV (kv_bytes_per_token per token) over NVLink (replicas on one node)
                   + a fixed cost
-    slots         min(max_slots, KV memory left after weights / (kv_bytes_per_token kv_reserve))
+    KV memory     free = HBM (1 - mem_reserve) - weights, per replica; two layouts (`kv_layout`):
+      "paged"     slots = max_slots; a pool of free / (kv_bytes_per_token page_size) pages that
+                  sequences take as they grow, a group's prompt pages once (rl/sim/paging.py);
+                  a preempted sequence's pages go to the host and back at host_bw
+      "dense"     slots = min(max_slots, free / (kv_bytes_per_token max_length)): every slot
+                  reserves max_length = the workload's prompt + response cap
+The decode step's KV term (c) is the same in both: attention reads the live positions only (paged
+kernels read a sequence's pages, dense GPU engines stop at its length), so the layouts differ in
+how many sequences run at once, not in what one step reads.
 """
 
 from __future__ import annotations
@@ -65,10 +73,15 @@ class Assumptions:
     migrate_fixed_s: float = 0.01  # per migrated request: export, import, re-schedule (a few
     # kernel launches and host bookkeeping; no recompute, the KV moves)
     mem_reserve: float = 0.1  # fraction of HBM kept for activations, workspace, fragmentation
-    kv_reserve_tokens: int = 4096  # KV tokens a slot holds on average (paged attention admits
-    # by use, not by the cap; about half of an 8k cap)
+    page_size: int = 16  # KV positions per page (vLLM's default block size)
+    host_bw: float = 25e9  # bytes/s device <-> host for swapped KV pages: PCIe Gen5 x16 is
+    # 64 GB/s a direction on paper; pinned-memory copies of scattered pages reach ~25 GB/s
     max_slots: int = 256  # engine batch limit (vLLM max_num_seqs default)
     micro_batch_rows: int = 8  # learner sequences per micro-batch (one group of G = 8)
+
+
+KV_LAYOUTS = ("paged", "dense")
+MAX_LENGTH = 8592  # the default workload's longest sequence: a 400-token prompt + the 8k cap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +89,7 @@ class Preset:
     model: StageModel  # one sampler replica of `sampler_tp` GPUs, a learner of `learner_gpus`
     slots: int  # per sampler replica
     notes: dict[str, float]  # derived quantities, for the record
+    kv_layout: str = "paged"
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -99,6 +113,8 @@ def gpu_preset(
     sampler_tp: int = 1,
     learner_gpus: int = 4,
     assumptions: Assumptions = Assumptions(),
+    kv_layout: str = "paged",
+    max_length: int = MAX_LENGTH,
 ) -> Preset:
     """The StageModel of `model` (an rl.models preset) on `gpu` (a GPUS key).
 
@@ -108,11 +124,15 @@ def gpu_preset(
       sampler_tp: GPUs per sampler replica (tensor parallel).
       learner_gpus: GPUs of the learner (FSDP/data parallel).
       assumptions: the non-datasheet numbers.
+      kv_layout: "paged" (a pool of pages, slots = max_slots) or "dense" (max_length per slot).
+      max_length: prompt + response cap of the workload: what a dense slot reserves.
     """
     if model not in PRESETS:
         raise ValueError(f"Unknown model {model!r}; expected one of {sorted(PRESETS)}.")
     if gpu not in GPUS:
         raise ValueError(f"Unknown gpu {gpu!r}; expected one of {sorted(GPUS)}.")
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"Unknown kv_layout {kv_layout!r}; expected one of {KV_LAYOUTS}.")
     if sampler_tp < 1 or learner_gpus < 1:
         raise ValueError(
             f"sampler_tp and learner_gpus must be >= 1; received {sampler_tp}, {learner_gpus}."
@@ -127,7 +147,15 @@ def gpu_preset(
         raise ValueError(
             f"{model} ({weights / 1e9:.1f} GB bf16) does not fit {sampler_tp} x {gpu}."
         )
-    slots = int(min(a.max_slots, free // (kv * a.kv_reserve_tokens)))
+    kv_pages = int(free // (kv * a.page_size))
+    slots = (
+        a.max_slots if kv_layout == "paged" else int(min(a.max_slots, free // (kv * max_length)))
+    )
+    if slots < 1 or -(-max_length // a.page_size) > kv_pages:
+        raise ValueError(
+            f"{model} on {sampler_tp} x {gpu} has {free / 1e9:.1f} GB for KV, less than one "
+            f"sequence of max_length {max_length} ({max_length * kv / 1e9:.2f} GB)."
+        )
     # optimizer: fp32 master + m + v + grad, read and written, sharded over the learner's GPUs
     optimizer_s = 2 * 16 * n / (learner_gpus * g.hbm_bw)
     reduce_s = 2 * n * 2 * (learner_gpus - 1) / learner_gpus / g.nvlink_bw
@@ -151,14 +179,19 @@ def gpu_preset(
         migrate_fixed=a.migrate_fixed_s,
         migrate_per_byte=1.0 / g.nvlink_bw,
         kv_bytes_per_token=int(kv),
-        source=f"preset {model} on {g.name}: sampler tp={sampler_tp}, learner {learner_gpus} GPUs",
+        kv_pages=kv_pages if kv_layout == "paged" else 0,
+        page_size=a.page_size,
+        swap_per_byte=1.0 / (sampler_tp * a.host_bw),
+        source=f"preset {model} on {g.name}: sampler tp={sampler_tp}, learner {learner_gpus} GPUs, "
+        f"{kv_layout} KV",
     )
     notes = dict(
         params=float(n),
         weight_bytes=float(weights),
         kv_bytes_per_token=float(kv),
         kv_free_bytes=float(free),
+        kv_pool_tokens=float(kv_pages * a.page_size),
         optimizer_s=optimizer_s,
         reduce_s=reduce_s,
     )
-    return Preset(model=stage, slots=slots, notes=notes)
+    return Preset(model=stage, slots=slots, notes=notes, kv_layout=kv_layout)

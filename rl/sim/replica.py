@@ -1,9 +1,11 @@
 """The simulated sampler's state: a replica's slots and the sequences in them (rl/sim/sampler.py
-runs them on the virtual clock; rl/sim/migration.py moves them between replicas)."""
+runs them on the virtual clock; rl/sim/migration.py moves them between replicas; rl/sim/paging.py
+keeps their KV pages)."""
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 
 from rl.admission import AdmissionPolicy
 from rl.types import Completion, Request
@@ -20,7 +22,8 @@ class Seq:
     admit_call: int  # the replica's call count when it started
     finish_call: int  # ... when it ends
     start: float
-    base: int = 0  # tokens it had made on other replicas (migrated)
+    base: int = 0  # tokens it had made on other replicas (migrated) or before a swap
+    order: int = 0  # when its request was first admitted (paging: the youngest is preempted first)
 
 
 @dataclasses.dataclass
@@ -34,11 +37,16 @@ class Chunk:
     factor: float  # contention slowdown
 
 
+def pages(tokens: int, page: int) -> int:
+    """Pages of `page` positions that `tokens` positions span (0 when not paged)."""
+    return -(-tokens // page) if page else 0
+
+
 class Replica:
     """One engine replica: its slots, decode-call count and the bookkeeping of what runs."""
 
-    def __init__(self, index: int, slots: int, admission: AdmissionPolicy):
-        self.index, self.admission = index, admission
+    def __init__(self, index: int, slots: int, admission: AdmissionPolicy, page: int = 0):
+        self.index, self.admission, self.page = index, admission, page
         self.seqs: list[Seq | None] = [None] * slots
         self.calls = 0
         self.heap: list[tuple[int, int, int]] = []  # (finish_call, id(seq), slot)
@@ -52,6 +60,11 @@ class Replica:
         self.busy_since = 0.0
         self.busy_s = 0.0  # total time busy (replica-seconds)
         self.parked = False  # serving another pipeline (rl/sim/multiplex.py): no slots here
+        # paged KV (rl/sim/paging.py; page > 0): running samples per group, the prompt pages of
+        # the groups that have one here, and the preempted sequences with the tokens they made
+        self.groups: dict[tuple[int, int], int] = {}
+        self.prompt_pages = 0
+        self.swapped: dict[int, tuple[Seq, int]] = {}  # id(seq) -> (seq, made)
 
     def free_slots(self) -> list[int]:
         if self.parked:
@@ -61,16 +74,35 @@ class Replica:
     @property
     def vacant(self) -> bool:
         """Nothing runs, arrives or is planned here: the replica may serve another pipeline."""
-        return not (self.busy or self.active or self.incoming or self.reserved or self.chunk)
+        return not (
+            self.busy or self.active or self.incoming or self.reserved or self.chunk or self.swapped
+        )
 
     def context(self, k: int) -> float:
         return self.prompt_sum + k * (self.active * self.calls - self.admit_sum)
+
+    def add(self, seq: Seq) -> None:
+        """Puts `seq` in its slot; it runs from its admit_call."""
+        self.seqs[seq.slot] = seq
+        heapq.heappush(self.heap, (seq.finish_call, id(seq), seq.slot))
+        self.active += 1
+        self.prompt_sum += len(seq.request.prompt)
+        self.admit_sum += seq.admit_call
+        key = seq.request.key
+        self.groups[key] = self.groups.get(key, 0) + 1
+        if self.groups[key] == 1:
+            self.prompt_pages += pages(len(seq.request.prompt), self.page)
 
     def remove(self, seq: Seq) -> None:
         self.seqs[seq.slot] = None
         self.active -= 1
         self.prompt_sum -= len(seq.request.prompt)
         self.admit_sum -= seq.admit_call
+        key = seq.request.key
+        self.groups[key] -= 1
+        if not self.groups[key]:
+            del self.groups[key]
+            self.prompt_pages -= pages(len(seq.request.prompt), self.page)
 
 
 @dataclasses.dataclass

@@ -22,6 +22,11 @@ continue there from the token they reached (the destination's jump is cut so it 
 its next call boundary; an idle destination starts then). A "migrate" span on sampler/migrate
 records each (args round, uid, sequences, bytes, src, dst), as in the runtime.
 
+Paged KV (rl/sim/paging.py): with StageModel.kv_pages > 0 a replica's pool of KV pages, not only
+its slots, bounds what runs: groups are admitted when their pages fit, the youngest sequences are
+swapped out when the pool runs out mid-decode and resumed, oldest first, when pages free up; a
+jump also ends at the first call that would overflow the pool.
+
 Routing: "shared" (one admission policy; a replica pulls from it whenever it has free slots at a
 call boundary, an idle one at once) or "round_robin" (a policy per replica; submissions dealt in
 turn; at a call boundary a replica with free slots and an empty queue takes requests waiting on
@@ -40,6 +45,7 @@ from rl.elastic.migration import MigrationPolicy
 from rl.elastic.stage import StageModel
 from rl.round_planner import RoundCut, RoundCuts
 from rl.sim.migration import SimMigration
+from rl.sim.paging import SimPaging
 from rl.sim.replica import Chunk, Pending, Replica, Seq
 from rl.sim.workload import Workload
 from rl.timeline import Timeline
@@ -60,6 +66,11 @@ class SamplerCounters:
     aborted_tokens: int = 0  # tokens decoded by sequences later aborted (wasted work)
     migrations: int = 0  # requests moved between replicas
     migrated_sequences: int = 0
+    preemptions: int = 0  # sequences swapped out for KV pages (rl/sim/paging.py)
+    swap_s: float = 0.0  # replica-seconds spent swapping KV pages out and back in
+    swap_pages: int = 0  # KV pages swapped, both ways
+    seq_s: float = 0.0  # sequence-seconds decoding (running sequences x call time, summed)
+    peak_running: int = 0  # the most sequences running on one replica at once
 
 
 class SimSampler:
@@ -106,8 +117,10 @@ class SimSampler:
             )
         self.model, self.workload, self.routing = model, workload, routing
         self.slots = slots
+        self.paging = SimPaging(self)
         self.replicas = [
-            Replica(i, slots, admission[0 if routing == "shared" else i]) for i in range(replicas)
+            Replica(i, slots, admission[0 if routing == "shared" else i], self.paging.page)
+            for i in range(replicas)
         ]
         self.schedule, self._emit, self._on_busy, self._on_idle = schedule, emit, on_busy, on_idle
         self.timeline = timeline
@@ -119,6 +132,7 @@ class SimSampler:
         self.pending: dict[tuple[int, int], Pending] = {}  # waiting or running requests
         self._cuts = RoundCuts()  # which complete groups of a cut round are emitted
         self._deal = 0
+        self._order = 0  # admissions so far: a sequence's age (paging preempts the youngest)
         self.peak_replicas = replicas  # the most replicas at once (borrowed ones included)
 
     @property
@@ -149,6 +163,7 @@ class SimSampler:
                 )
             if r.key in self.pending:
                 raise ValueError(f"Request (round, uid)={r.key} is already waiting or running.")
+            self.paging.check(r)
         if self.routing == "shared":
             self.replicas[0].admission.submit(requests)
             homes = [0] * len(requests)
@@ -180,8 +195,9 @@ class SimSampler:
         return out
 
     def _release(self, rep: Replica, p: Pending) -> int:
-        """Frees the slots `p` still holds; returns the tokens its unfinished samples made."""
-        made = 0
+        """Frees the slots `p` still holds and forgets its swapped samples; returns the tokens its
+        unfinished samples made."""
+        made = sum(m for _, m in self.paging.drop(rep, p.request.key))
         for seq in p.seqs:
             if rep.seqs[seq.slot] is seq:
                 made += min(seq.length, self.model.steps_per_call * (rep.calls - seq.admit_call))
@@ -220,10 +236,10 @@ class SimSampler:
             for rep in idle:
                 self.step(rep, now)
             return
-        t = {rep.index: now for rep in idle}
+        t = {rep.index: self.paging.boundary(rep, now) for rep in idle}  # swaps (paged KV)
         while idle:
-            rep = max(idle, key=lambda r: (len(r.free_slots()), -r.index))
-            request = rep.admission.next(len(rep.free_slots()))
+            rep = max(idle, key=lambda r: (self.paging.room(r), -r.index))
+            request = rep.admission.next(self.paging.room(rep))
             if request is None:
                 break
             t[rep.index] = self._admit(rep, request, t[rep.index])
@@ -237,8 +253,8 @@ class SimSampler:
         self._steal(rep)
         if self.migration is not None and len(self.replicas) > 1:
             self.migrator.migrate(rep, now)
-        t = now
-        while (request := rep.admission.next(len(rep.free_slots()))) is not None:
+        t = self.paging.boundary(rep, now)
+        while (request := rep.admission.next(self.paging.room(rep))) is not None:
             t = self._admit(rep, request, t)
         self._go(rep, t)
 
@@ -271,16 +287,13 @@ class SimSampler:
         self.counters.prefills += 1
         k = self.model.steps_per_call
         samples = [i for i in range(len(p.lengths)) if i not in p.done]
+        self._order += 1
         for i, slot in zip(samples, rep.free_slots(), strict=False):
             n, made = p.lengths[i], p.resume.get(i, 0)
             admit = rep.calls - made // k
-            seq = Seq(request, i, slot, n, admit, admit + -(-n // k), t, made)
-            rep.seqs[slot] = seq
+            seq = Seq(request, i, slot, n, admit, admit + -(-n // k), t, made, self._order)
             p.seqs.append(seq)
-            heapq.heappush(rep.heap, (seq.finish_call, id(seq), slot))
-            rep.active += 1
-            rep.prompt_sum += len(request.prompt)
-            rep.admit_sum += admit
+            rep.add(seq)
         p.resume = {}
         return t
 
@@ -292,7 +305,9 @@ class SimSampler:
             return
         if not rep.busy:
             self._set_busy(rep, True, now)
-        calls = self._next_finish(rep) - rep.calls
+        now = self.paging.fit(rep, now)  # a re-prefilled request may not fit (rl/sim/paging.py)
+        calls = self.paging.overflow_call(rep, self._next_finish(rep)) - rep.calls
+        self.counters.peak_running = max(self.counters.peak_running, rep.active)
         rep.chunk = Chunk(
             now, calls, rep.active, rep.context(self.model.steps_per_call), self.factor
         )
@@ -334,6 +349,7 @@ class SimSampler:
     def _end(self, rep: Replica, epoch: int, now: float) -> None:
         if epoch != rep.epoch or rep.chunk is None:
             return
+        self.counters.seq_s += rep.chunk.slots * self._elapsed(rep.chunk, rep.chunk.calls)
         rep.calls += rep.chunk.calls
         rep.chunk = None
         rep.fresh.clear()
@@ -368,7 +384,9 @@ class SimSampler:
             if len(p.done) == r.kept and r.key in self.pending:
                 del self.pending[r.key]
                 if r.kept < r.group_size:  # over-provisioned: cut the samples still running
-                    self.counters.samples_cut += sum(rep.seqs[q.slot] is q for q in p.seqs)
+                    self.counters.samples_cut += sum(
+                        rep.seqs[q.slot] is q or id(q) in rep.swapped for q in p.seqs
+                    )
                     self.counters.aborted_tokens += self._release(rep, p)
                 completions = tuple(p.done[i] for i in sorted(p.done))
                 groups.append(Group(request=r, completions=completions))
@@ -432,11 +450,11 @@ class SimSampler:
                 if i in p.done:
                     continue
                 s = running.get(i)
-                made = (
-                    p.resume.get(i, 0)
-                    if s is None
-                    else k * (self.replicas[p.replica].calls - s.admit_call)
-                )
+                swapped = self.replicas[p.replica].swapped.get(id(s))
+                if s is None or swapped is not None:
+                    made = p.resume.get(i, 0) if s is None else swapped[1]
+                else:
+                    made = k * (self.replicas[p.replica].calls - s.admit_call)
                 left = max(n - made, 0)
                 seqs, tokens, longest = seqs + 1, tokens + left, max(longest, left)
                 context += len(p.request.prompt) + made
@@ -448,7 +466,9 @@ class SimSampler:
             raise ValueError(f"add_replicas needs routing 'shared'; received {self.routing!r}.")
         admission = self.replicas[0].admission
         n = len(self.replicas)
-        self.replicas += [Replica(n + i, self.slots, admission) for i in range(count)]
+        self.replicas += [
+            Replica(n + i, self.slots, admission, self.paging.page) for i in range(count)
+        ]
         self.peak_replicas = max(self.peak_replicas, len(self.replicas))
         self._admit_idle(now)
 
@@ -478,6 +498,11 @@ class SimSampler:
                 rep.remove(seq)
                 self.slot_span(rep, seq, now, made, evicted=True)
                 again[p.request.key] = p
+            for seq, made in list(rep.swapped.values()):  # on host: re-prefilled elsewhere
+                p = self.pending[seq.request.key]
+                p.resume[seq.sample] = made
+                again[p.request.key] = p
+            rep.swapped.clear()
             for _, p, moved in rep.incoming:  # on their way here: they resume elsewhere
                 for old, _, made in moved:
                     p.resume[old.sample] = made

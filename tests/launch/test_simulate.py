@@ -153,3 +153,22 @@ def test_simulate_papers_writes_the_headline_contract(tmp_path):
         assert set(row) == {"paper", "ours", "metric", "setting"}
     assert all(isinstance(row["ours"], float) for row in rows.values())
     assert "pipelinerl_async" in stdout
+
+
+def test_kv_layouts_compares_dense_and_paged_at_the_same_hbm(tmp_path):
+    result, stdout = simulate(
+        tmp_path,
+        "--kv_layouts=dense,paged",
+        "--kv_modes=sync",
+        "--setups=8",
+        "--rounds=2",
+        "--max_new_tokens=4096",
+        "--median_tokens=300",
+        "--sampler_gpus=1",
+    )
+    rows = result["kv_layouts"]["R8"]["sync"]
+    assert list(rows) == ["dense", "paged"] and "setups" not in result
+    assert rows["dense"]["kv_pages"] == 0 and rows["paged"]["kv_pages"] > 0
+    assert rows["dense"]["slots"] < rows["paged"]["slots"] == 256
+    assert rows["dense"]["vs_dense"] == 1.0 and rows["paged"]["vs_dense"] > 0
+    assert "KV layouts at the same HBM" in stdout and "vs dense" in stdout
