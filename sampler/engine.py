@@ -267,7 +267,16 @@ class Engine(PagedSlots):
 
     def validate(self, request: Request) -> None:
         """Raises a clear error if `request` can never run on this engine."""
-        self.config.check_request(request, self.model_config.vocab_size)
+        c = self.config
+        c.check_request(request, self.model_config.vocab_size)
+        if c.page_size:
+            pages = PagePool.group_cost(len(request.prompt), request.group_size, c.page_size)
+            if pages > c.pool_pages:
+                raise ValueError(
+                    f"Request uid={request.uid}: its {request.group_size} samples of a "
+                    f"{len(request.prompt)}-token prompt start on {pages} KV pages; the pool has "
+                    f"{c.pool_pages}. Raise EngineConfig.kv_pages."
+                )
 
     def prefill(self, params: Any, tokens: tuple[int, ...] | list[int]) -> Prefix:
         """Computes the KV of one prompt, padded to its length bucket (one compile per bucket)."""

@@ -121,8 +121,8 @@ class PagedSlots:
     def _swap_out(self, state: DecodeState, slot: int, written: int) -> DecodeState:
         """Preempts `slot`: its state to the host, its pages released (sampler/paged.py)."""
         pool = self.pool
-        host = jax.devices("cpu")[0]
-        saved = jax.device_put(self.export_slots(self._synced(state), [slot]), host)
+        state = self._synced(state)  # the table the export reads, kept in the state that goes on
+        saved = jax.device_put(self.export_slots(state, [slot]), jax.devices("cpu")[0])
         order = pool.order[slot]
         pool.release(slot)
         pool.swapped[slot] = Swapped(order=order, state=saved, written=written)

@@ -72,8 +72,13 @@ class PagePool:
 
     def start_cost(self, length: int, samples: int) -> int:
         """Pages `samples` samples of one prompt of `length` tokens take when started together."""
-        shared = (length - 1) // self.page
-        return shared + samples * (self.pages_for(length) - shared)
+        return self.group_cost(length, samples, self.page)
+
+    @staticmethod
+    def group_cost(length: int, samples: int, page: int) -> int:
+        """`start_cost` for pages of `page` positions."""
+        shared = (length - 1) // page
+        return shared + samples * (-(-length // page) - shared)
 
     def need(self, slot: int, positions: int) -> int:
         """Pages `slot` lacks to hold positions 0..positions-1."""

@@ -1,6 +1,8 @@
 """The paged KV cache: bitwise the dense engine's tokens and log-probs (any page size, shared group
 prompts, preemption forced by a tiny pool), and its books always balance."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -111,6 +113,22 @@ def test_a_group_prompt_is_stored_once(model):
     engine.free(state, range(8))
     assert pool.free == pool.pages
     pool.check()
+
+
+def test_a_group_the_pool_cannot_start_is_refused_at_submit(model):
+    engine = _engine(model, page=8, pages=MAX_LENGTH // 8)  # one sequence's pages: 8
+    loop = SamplerLoop(
+        engine,
+        engine.load_params(model),
+        admission=FCFS(),
+        reward_fn=lambda r, c: 0.0,
+        emit=lambda g: None,
+    )
+    (fits,) = _requests([30], [4], group=4)  # 3 shared pages + 4 of their own: 7
+    loop.submit([fits])
+    too_many = dataclasses.replace(fits, uid=1, group_size=6)  # 3 + 6 = 9
+    with pytest.raises(ValueError, match="start on 9 KV pages; the pool has 8"):
+        loop.submit([too_many])
 
 
 def test_paged_config_errors_name_the_setting(model):
