@@ -96,7 +96,8 @@ class EngineConfig:
         cache's default: PAGED_ATTENTION_BLOCK positions in whole pages."""
         if self.attention_block or not self.page_size:
             return self.attention_block
-        return -(-PAGED_ATTENTION_BLOCK // self.page_size) * self.page_size
+        block = -(-PAGED_ATTENTION_BLOCK // self.page_size) * self.page_size
+        return min(block, self.pages_per_sequence * self.page_size)
 
     @property
     def pages_per_sequence(self) -> int:
