@@ -44,13 +44,13 @@ from sampler import cache, decode, extend, prefill, slot_export
 from sampler.cache import CacheLayout, DecodeState
 from sampler.config import EngineConfig
 from sampler.decode import StepResult
-from sampler.engine_paging import PagedSlots
+from sampler.engine_paging import Pager
 from sampler.paged import PagePool
 from sampler.prefill import Prefix
 from sampler.slot_export import SlotState
 
 
-class Engine(PagedSlots):
+class Engine:
     """The decode engine over a fixed number of slots; all device work is jitted."""
 
     def __init__(
@@ -82,7 +82,7 @@ class Engine(PagedSlots):
             )
         self.layout = CacheLayout.of(config, cfg)
         cache.check_memory(self.layout, config, cfg, mesh, self.rules)
-        self.pool: PagePool | None = None  # a paged cache's pages (init_decode_state makes it)
+        self._pager: Pager | None = None  # a paged cache's (init_decode_state makes it)
         shardings = None if mesh is None else self.layout.shardings(mesh, self.rules)
         paged = mesh is not None and config.page_size
         self._table_sharding = shardings.cache.table if paged else None
@@ -124,6 +124,11 @@ class Engine(PagedSlots):
     @property
     def cache_bytes_per_slot(self) -> int:
         return self.layout.bytes_per_slot
+
+    @property
+    def pool(self) -> PagePool | None:
+        """A paged cache's books (sampler/paged.py); None: a dense cache."""
+        return None if self._pager is None else self._pager.pool
 
     @property
     def compiles(self) -> CompileCounter:
@@ -260,8 +265,15 @@ class Engine(PagedSlots):
         c = self.config
         if c.page_size:
             width = self.layout.length // c.page_size
-            self.pool = PagePool(
-                pages=c.pool_pages, page=c.page_size, slots=c.max_slots, width=width
+            pool = PagePool(pages=c.pool_pages, page=c.page_size, slots=c.max_slots, width=width)
+            self._pager = Pager(
+                pool,
+                config=c,
+                layout=self.layout,
+                table_sharding=self._table_sharding,
+                export=self.export_slots,
+                deactivate=self._deactivate,
+                import_rows=self._import_rows,
             )
         return self._call(self._init)
 
@@ -441,10 +453,10 @@ class Engine(PagedSlots):
         paged engine first gives every running slot the pages this call writes, swapping the
         youngest sequences out when the pool runs short and back in when they fit
         (sampler/paged.py)."""
-        if self.pool is None:
+        if self._pager is None:
             blocks = self.live_blocks(state)
         else:
-            state, blocks = self._page_for_steps(state)
+            state, blocks = self._pager.before_generate(state)
         return self._call(self._generate, params, state, blocks)
 
     def free(self, state: DecodeState, slots: list[int] | tuple[int, ...]) -> DecodeState:
@@ -479,7 +491,7 @@ class Engine(PagedSlots):
         if self.pool is not None:
             positions = jax.device_get(state.positions)
             grow = {slot: int(positions[slot]) + len(fed) for slot, fed, _ in items}
-            state = self._grow(state, grow)
+            state = self._pager.grow(state, grow)
         for length, chunk in extend.chunks(items, c.bucket):
             arrays = extend.pack(chunk, length, c.max_slots)
             state = self._call(self._extend, params, state, *arrays)
@@ -498,7 +510,8 @@ class Engine(PagedSlots):
         """
         slots = list(slots)
         if self.pool is not None and any(s in self.pool.swapped for s in slots):
-            state = self._swap_in(state, [s for s in slots if s in self.pool.swapped], slots)
+            swapped = [s for s in slots if s in self.pool.swapped]
+            state = self._pager.swap_in(state, swapped, slots)
         padded, length = slot_export.export_plan(state, slots, self.layout)
         out = self._call(self._export, state, padded, length)
         return dataclasses.replace(out, count=len(slots))
@@ -526,3 +539,36 @@ class Engine(PagedSlots):
         # `count` is static in SlotState: the program must not depend on it (import_plan used it).
         moved = jax.device_put(dataclasses.replace(moved, count=0), target)
         return self._call(self._import, state, moved, padded)
+
+    # ------------------------------------------------------------------------------- paged cache
+
+    def admission_budget(self) -> int | None:
+        """KV pages new sequences may take now (sampler/paged.py); None: a dense cache, no limit
+        beyond its slots."""
+        return None if self.pool is None else self.pool.admission_budget()
+
+    def start_cost(self, request: Request, samples: int) -> int:
+        """KV pages `samples` samples of `request` take when started together (0: dense)."""
+        return 0 if self.pool is None else self.pool.start_cost(len(request.prompt), samples)
+
+    def kv_usage(self, state: DecodeState) -> dict[str, int]:
+        """KV bytes held (dense: the whole cache, reserved; paged: the pages in use) and the
+        positions running sequences have written (`live_tokens`)."""
+        active, pos = jax.device_get((state.active, state.positions))
+        live = int(np.sum(np.where(active, pos + 1, 0)))
+        held = self.layout.bytes
+        if self.pool is not None:
+            held = self.pool.used * self.pool.page * self.layout.bytes_per_token
+        return dict(bytes=held, live_tokens=live)
+
+    def _start(
+        self,
+        state: DecodeState,
+        starts: Sequence[tuple[Sequence[int], int]],
+        *,
+        keep_order: bool = False,
+    ) -> DecodeState:
+        """A paged engine's pages for sequences starting in slots (Pager.start); dense: as is."""
+        if self._pager is None:
+            return state
+        return self._pager.start(state, starts, keep_order=keep_order)

@@ -1,68 +1,67 @@
-"""The Engine's paged-cache side (a mixin of sampler/engine.py's Engine): pages for every insert,
-growth before each generate call, preemption by swapping, and what admission and migration read.
+"""A paged engine's pager: pages for every insert, growth before each generate call, preemption by
+swapping.
 
-The books are sampler/paged.py's `PagePool` (`Engine.pool`, None for a dense cache); this moves
-the device state to match them: the block table copied to the device when it changed, the youngest
-running sequences swapped out (`export_slots` to the host, pages released) when the pool runs
-short, and swapped back in (`import_slots`' device half) oldest first once they fit. Everything
-here runs on the thread that owns the decode state.
+The books are sampler/paged.py's `PagePool` (`Engine.pool`); the Pager keeps the decode state to
+them: the block table copied to the device when it changed, the youngest running sequences swapped
+out (the engine's `export_slots` to the host, then their slots deactivated and pages released) when
+the pool runs short, and swapped back in (the engine's import of rows) oldest first once they fit.
+The engine (sampler/engine.py) makes one per decode state and hands it the three operations it
+needs. Everything here runs on the thread that owns the decode state.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from rl.types import Request
 from sampler import decode, slot_export
 from sampler.cache import CacheLayout, DecodeState
 from sampler.config import EngineConfig
 from sampler.paged import PagePool, Swapped
 
 
-class PagedSlots:
-    """The Engine's methods for a paged cache (see the module docstring)."""
+class Pager:
+    """Keeps a paged engine's decode state to its PagePool (see the module docstring).
 
-    config: EngineConfig
-    layout: CacheLayout
-    pool: PagePool | None
-    _table_sharding: Any
+    Args:
+      pool: the books.
+      config, layout: the engine's.
+      table_sharding: where the block table lives on the engine's mesh (None: no mesh).
+      export: the engine's `export_slots(state, slots) -> SlotState`.
+      deactivate: `(state, slots) -> state` with the slots inactive, pages untouched.
+      import_rows: `(state, moved, padded slots) -> state`, pages already given.
+    """
 
-    def admission_budget(self) -> int | None:
-        """KV pages new sequences may take now (sampler/paged.py); None: a dense cache, no limit
-        beyond its slots."""
-        return None if self.pool is None else self.pool.admission_budget()
+    def __init__(
+        self,
+        pool: PagePool,
+        *,
+        config: EngineConfig,
+        layout: CacheLayout,
+        table_sharding: Any,
+        export: Callable[[DecodeState, Sequence[int]], Any],
+        deactivate: Callable[[DecodeState, Sequence[int]], DecodeState],
+        import_rows: Callable[[DecodeState, Any, np.ndarray], DecodeState],
+    ):
+        self.pool, self.config, self.layout = pool, config, layout
+        self.table_sharding = table_sharding
+        self.export, self.deactivate, self.import_rows = export, deactivate, import_rows
 
-    def start_cost(self, request: Request, samples: int) -> int:
-        """KV pages `samples` samples of `request` take when started together (0: dense)."""
-        return 0 if self.pool is None else self.pool.start_cost(len(request.prompt), samples)
-
-    def kv_usage(self, state: DecodeState) -> dict[str, int]:
-        """KV bytes held (dense: the whole cache, reserved; paged: the pages in use) and the
-        positions running sequences have written (`live_tokens`)."""
-        active, pos = jax.device_get((state.active, state.positions))
-        live = int(np.sum(np.where(active, pos + 1, 0)))
-        held = self.layout.bytes
-        if self.pool is not None:
-            held = self.pool.used * self.pool.page * self.layout.bytes_per_token
-        return dict(bytes=held, live_tokens=live)
-
-    def _synced(self, state: DecodeState) -> DecodeState:
+    def synced(self, state: DecodeState) -> DecodeState:
         """`state` with the pool's block table, if it changed since the device last got it."""
         if not self.pool.dirty:
             return state
         self.pool.dirty = False
         table = self.pool.table.copy()
-        table = (
-            table if self._table_sharding is None else jax.device_put(table, self._table_sharding)
-        )
+        if self.table_sharding is not None:
+            table = jax.device_put(table, self.table_sharding)
         return dataclasses.replace(state, cache=dataclasses.replace(state.cache, table=table))
 
-    def _start(
+    def start(
         self,
         state: DecodeState,
         starts: Sequence[tuple[Sequence[int], int]],
@@ -73,8 +72,6 @@ class PagedSlots:
         pages), making room by swapping out the youngest running sequences; a slot's old pages
         are let go first. `keep_order`: a sequence re-prefilled in place keeps its age."""
         pool = self.pool
-        if pool is None:
-            return state
         orders = {}
         for slots, _ in starts:
             for s in slots:
@@ -86,9 +83,9 @@ class PagedSlots:
         for slots, n in starts:
             order = orders[slots[0]] if len(slots) == 1 else None
             pool.start(list(slots), n, order=order)
-        return self._synced(state)
+        return self.synced(state)
 
-    def _grow(self, state: DecodeState, want: dict[int, int]) -> DecodeState:
+    def grow(self, state: DecodeState, want: dict[int, int]) -> DecodeState:
         """Slots hold the pages of positions 0..want[slot]-1, swapping out the youngest other
         running sequences to make room."""
         pool = self.pool
@@ -96,7 +93,7 @@ class PagedSlots:
         state = self._make_room(state, need, set(want))
         for s, n in want.items():
             pool.grow(s, n)
-        return self._synced(state)
+        return self.synced(state)
 
     def _make_room(self, state: DecodeState, need: int, protect: set[int]) -> DecodeState:
         """Swaps out the youngest running sequences not in `protect` until `need` pages are
@@ -121,15 +118,15 @@ class PagedSlots:
     def _swap_out(self, state: DecodeState, slot: int, written: int) -> DecodeState:
         """Preempts `slot`: its state to the host, its pages released (sampler/paged.py)."""
         pool = self.pool
-        state = self._synced(state)  # the table the export reads, kept in the state that goes on
-        saved = jax.device_put(self.export_slots(state, [slot]), jax.devices("cpu")[0])
+        state = self.synced(state)  # the table the export reads, kept in the state that goes on
+        saved = jax.device_put(self.export(state, [slot]), jax.devices("cpu")[0])
         order = pool.order[slot]
         pool.release(slot)
         pool.swapped[slot] = Swapped(order=order, state=saved, written=written)
         pool.preemptions += 1
-        return self._deactivate(state, [slot])
+        return self.deactivate(state, [slot])
 
-    def _swap_in(
+    def swap_in(
         self, state: DecodeState, slots: Sequence[int], protect: Sequence[int]
     ) -> DecodeState:
         """Brings swapped-out `slots` back, exactly as they left."""
@@ -140,10 +137,10 @@ class PagedSlots:
             state = self._make_room(state, need, set(protect))
             pool.start([slot], saved.written, order=saved.order)
             padded = slot_export.import_plan(state, saved.state, [slot], self.layout)
-            state = self._import_rows(self._synced(state), saved.state, padded)
+            state = self.import_rows(self.synced(state), saved.state, padded)
         return state
 
-    def _page_for_steps(self, state: DecodeState) -> tuple[DecodeState, int]:
+    def before_generate(self, state: DecodeState) -> tuple[DecodeState, int]:
         """Before a generate call: swapped-out sequences back while they fit (oldest first), then
         every running slot given the pages of the positions the call writes. Returns the state
         and the attention blocks the call reads (`live_blocks`)."""
@@ -152,7 +149,7 @@ class PagedSlots:
         pos, active, last = read(state)
         back = pool.resumable(sum(bool(active[s]) for s in pool.order))
         if back:
-            state = self._swap_in(state, back, back)
+            state = self.swap_in(state, back, back)
             pos, active, last = read(state)
         want = {s: int(min(pos[s] + c.steps_per_call, last[s])) for s in pool.order if active[s]}
         need = sum(pool.need(s, n) for s, n in want.items())
@@ -172,4 +169,4 @@ class PagedSlots:
             block=c.decode_block,
             cache_length=self.layout.length,
         )
-        return self._synced(state), blocks
+        return self.synced(state), blocks

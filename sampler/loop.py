@@ -34,7 +34,6 @@ blocks those calls.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -414,37 +413,11 @@ class SamplerLoop:
         return self.pending() == 0
 
     def view(self) -> ReplicaView:
-        """This loop as a migration policy sees it (rl.elastic.migration): with a paged engine,
-        its pool, the pages a move may fill (free, less what its swapped-out sequences and the
-        adoptions not yet imported will take) and each request's KV in pages (its live positions,
-        as import_slots takes them). A snapshot: the engine's pool changes on the loop's thread,
-        and a destination that turns out short swaps its youngest sequences out, losing nothing.
-        An adoption reserved and not yet taken in (Ray) is not counted."""
-        pool = self.engine.pool
+        """This loop as a migration policy sees it (rl.elastic.migration; sampler/migration.py
+        `view`: with a paged engine, in pages too)."""
         with self._lock:
-            table = self._table
-            queued = len(self.admission) > 0 or table.held is not None
-            base = migration.view(table, queued=queued)
-            if pool is None:  # dense: the slots alone limit
-                return base
-            kv: dict[tuple[int, int], int] = {}
-            for _, run, i in table.running():
-                n = pool.pages_for(len(run.request.prompt) + len(run.samples[i].tokens))
-                kv[run.request.key] = kv.get(run.request.key, 0) + n
-            arriving = sum(
-                pool.pages_for(len(run.request.prompt) + len(run.samples[table.sample[s]].tokens))
-                for slots, _ in table.imports
-                for s in slots
-                if (run := table.run[s]) is not None
-            )
-        owed = sum(pool.pages_for(x.written + 1) for x in list(pool.swapped.values()))
-        return dataclasses.replace(
-            base,
-            running=tuple(dataclasses.replace(r, kv_pages=kv[r.key]) for r in base.running),
-            pages=pool.pages,
-            free_pages=min(pool.pages, max(0, pool.free - owed - arriving)),
-            page=pool.page,
-        )
+            queued = len(self.admission) > 0 or self._table.held is not None
+            return migration.view(self._table, queued=queued, pool=self.engine.pool)
 
     def running(self, key: tuple[int, int]) -> bool:
         """Request `key` is admitted here and its group not yet complete."""

@@ -21,6 +21,7 @@ import dataclasses
 from rl.admission import AdmissionPolicy
 from rl.elastic.migration import ReplicaView, RunningView
 from rl.types import Request
+from sampler.paged import PagePool
 from sampler.runs import Run, SlotTable
 from sampler.slot_export import SlotState
 
@@ -53,28 +54,49 @@ def movable(table: SlotTable, run: Run) -> bool:
     )
 
 
-def view(table: SlotTable, *, queued: bool) -> ReplicaView:
-    """The loop as a migration policy sees it: its running requests, free slots, queue."""
+def view(table: SlotTable, *, queued: bool, pool: PagePool | None = None) -> ReplicaView:
+    """The loop as a migration policy sees it: its running requests, free slots, queue; with a
+    paged engine's `pool`, the pages a move may fill (free, less what its swapped-out sequences
+    and the adoptions not yet imported will take) and each request's KV in pages (its live
+    positions, as import_slots takes them). The pool is the engine's, changed on the loop's
+    thread: a snapshot, and a destination that turns out short swaps its youngest sequences out,
+    losing nothing. An adoption reserved and not yet taken in (Ray) is not counted."""
     count: dict[int, int] = {}
     runs: dict[int, Run] = {}
     left: dict[int, int] = {}
+    pages: dict[int, int] = {}
+    live = lambda run, i: len(run.request.prompt) + len(run.samples[i].tokens)
     for _, run, i in table.running():
         count[id(run)] = count.get(id(run), 0) + 1
         runs[id(run)] = run
         rest = run.request.params.max_new_tokens - len(run.samples[i].tokens)
         left[id(run)] = max(left.get(id(run), 0), rest)
+        if pool is not None:
+            pages[id(run)] = pages.get(id(run), 0) + pool.pages_for(live(run, i))
     running = tuple(
         RunningView(
             key=run.request.key,
             sequences=count[i],
             tokens_left=left[i],
             movable=movable(table, run),
+            kv_pages=pages.get(i, 0),
         )
         for i, run in runs.items()
     )
-    return ReplicaView(
+    out = ReplicaView(
         slots=len(table.run), free=len(table.free_slots()), queued=queued, running=running
     )
+    if pool is None:  # dense: the slots alone limit
+        return out
+    arriving = sum(
+        pool.pages_for(live(run, table.sample[s]))
+        for slots, _ in table.imports
+        for s in slots
+        if (run := table.run[s]) is not None
+    )
+    owed = sum(pool.pages_for(x.written + 1) for x in list(pool.swapped.values()))
+    free = min(pool.pages, max(0, pool.free - owed - arriving))
+    return dataclasses.replace(out, pages=pool.pages, free_pages=free, page=pool.page)
 
 
 def reserve(table: SlotTable, n: int) -> list[int] | None:
