@@ -19,20 +19,21 @@ All of it on one CPU device with the tiny model: the ratios, not the seconds, ar
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from rl.admission import FCFS
 from rl.models import create_model, get_preset
-from rl.types import Group, Request, SamplingParams
+from rl.types import Request, SamplingParams
 from sampler.engine import Engine, EngineConfig
 from sampler.loop import SamplerLoop
 
 PAGE = 16
 PROMPT_MAX = 32
 SHORT_CAP = 136  # the speed rows' response cap: a 168-position context
+RunLoop = Callable[..., dict[str, Any]]  # launch.bench_sampler.run_loop
 
 
 def _requests(rng: np.random.Generator, n: int, group: int, lengths: np.ndarray) -> list[Request]:
@@ -113,27 +114,19 @@ def capacity(model: Any, seed: int, *, dense_slots: int = 4, cap: int = 4096) ->
     )
 
 
-def _decode_seconds(engine: Engine, model: Any, requests: list[Request], watch: Any) -> float:
+def _decode_seconds(
+    engine: Engine, model: Any, requests: list[Request], watch: Any, run_loop: RunLoop
+) -> float:
+    """One timed run of `requests` (bench_sampler's `run_loop`) after a warm-up run."""
     params = engine.load_params(model)
-
-    def run() -> float:
-        groups: list[Group] = []
-        loop = SamplerLoop(
-            engine, params, admission=FCFS(), reward_fn=lambda r, c: 0.0, emit=groups.append
-        )
-        start = time.perf_counter()
-        loop.submit(requests)
-        loop.run_until_idle()
-        if len(groups) != len(requests):
-            raise RuntimeError(f"{len(groups)} groups for {len(requests)} requests.")
-        return time.perf_counter() - start
-
-    run()  # warm-up: compiles
+    run_loop(engine, params, requests, static=False)  # warm-up: compiles
     with watch.timed():
-        return run()
+        return run_loop(engine, params, requests, static=False)["seconds"]
 
 
-def speed(model: Any, seed: int, caps: list[int], repeats: int, watch: Any) -> list[dict]:
+def speed(
+    model: Any, seed: int, caps: list[int], repeats: int, watch: Any, run_loop: RunLoop
+) -> list[dict]:
     """Decode tokens/s, dense (whole-cache attention) vs paged, 32 slots, 64-token responses, at
     each response cap; the runs alternate, medians over `repeats`."""
     rows = []
@@ -147,7 +140,7 @@ def speed(model: Any, seed: int, caps: list[int], repeats: int, watch: Any) -> l
         seconds = {name: [] for name in engines}
         for _ in range(repeats):
             for name, engine in engines.items():
-                seconds[name].append(_decode_seconds(engine, model, requests, watch))
+                seconds[name].append(_decode_seconds(engine, model, requests, watch, run_loop))
         tokens = 32 * 64
         tps = {name: tokens / float(np.median(s)) for name, s in seconds.items()}
         rows.append(
@@ -178,10 +171,12 @@ def prompt_copies(model: Any, group: int = 8) -> float:
     return distinct / shared
 
 
-def measure(seed: int, repeats: int, watch: Any) -> dict[str, Any]:
+def measure(seed: int, repeats: int, watch: Any, run_loop: RunLoop) -> dict[str, Any]:
+    """The JSON's "paged" entry; `run_loop` is launch.bench_sampler's (it checks every response
+    has its drawn length)."""
     model = create_model(get_preset("tiny", init_std=0.3, max_position_embeddings=8192), seed=seed)
     cap = capacity(model, seed)
-    rows = speed(model, seed, [SHORT_CAP, 1024, 4096], repeats, watch)
+    rows = speed(model, seed, [SHORT_CAP, 1024, 4096], repeats, watch, run_loop)
     return dict(
         in_flight_vs_dense=cap["in_flight_vs_dense"],
         tokens_per_s_vs_dense=rows[0]["paged_vs_dense"],

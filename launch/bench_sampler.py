@@ -302,7 +302,7 @@ def main(argv: list[str]) -> None:
     with WATCH:
         out = decode_main() if "decode" in _MODES.value else {}
         if "paged" in _MODES.value:
-            out["paged"] = bench_paged.measure(_SEED.value, _REPEATS.value, WATCH)
+            out["paged"] = bench_paged.measure(_SEED.value, _REPEATS.value, WATCH, run_loop)
             bench_paged.report(out["paged"])
         if "loop" in _MODES.value:
             loop_main(out)

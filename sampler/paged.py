@@ -52,7 +52,6 @@ class PagePool:
         self.swapped: dict[int, Swapped] = {}
         self._started = 0
         self.dirty = True  # the table changed since the device last got it
-        self.peak = 0  # most pages in use at once
         self.preemptions = 0
         self.shared_pages = 0  # pages a group's samples hold together (over every start)
 
@@ -125,7 +124,7 @@ class PagePool:
             if order is None:
                 self._started += 1
             self.order[slot] = self._started if order is None else order
-        self._touch()
+        self.dirty = True
 
     def grow(self, slot: int, positions: int) -> None:
         """`slot` holds the pages of positions 0..positions-1 (the caller made room)."""
@@ -136,7 +135,7 @@ class PagePool:
             self.table[slot, self.held[slot]] = self._take()
             self.held[slot] += 1
         if n:
-            self._touch()
+            self.dirty = True
 
     def release(self, slot: int) -> None:
         """`slot` lets go of its pages (a page is free once no slot holds it); its sequence
@@ -151,10 +150,6 @@ class PagePool:
             self.dirty = True
         self.order.pop(slot, None)
         self.swapped.pop(slot, None)
-
-    def _touch(self) -> None:
-        self.dirty = True
-        self.peak = max(self.peak, self.used)
 
     # -------------------------------------------------------------------------------- decisions
 

@@ -240,7 +240,7 @@ def insert_rows(
     is its own program, compiled once per bucket, and this one is a scatter."""
     k, v = kv
     rows = lambda kv: tuple(x[rows_N] for x in kv)
-    cache = state.cache.put(slots_N, rows(k), rows(v), mode="drop")
+    cache = state.cache.put(slots_N, rows(k), rows(v))
     seed, rnd, uid, sample, max_new, length, last_token = (ids_Nx7[:, i] for i in range(7))
     keys_N = jax.vmap(
         lambda s, r, u, i: jax.random.fold_in(

@@ -108,15 +108,12 @@ class HeadMajorKVCache:
         slots_N: jax.Array,
         k_NxTxKxH: tuple[jax.Array, ...],
         v_NxTxKxH: tuple[jax.Array, ...],
-        *,
-        mode: str | None = None,
     ) -> HeadMajorKVCache:
-        """Writes prefilled keys/values (N, T, K, H) per layer at positions 0..T-1 of slots_N.
-
-        `mode` is the scatter's out-of-bounds mode ("drop": slots >= B are padding)."""
+        """Writes prefilled keys/values (N, T, K, H) per layer at positions 0..T-1 of slots_N
+        (slots >= B are padding: dropped)."""
         k = tuple(x.transpose(0, 2, 3, 1) for x in k_NxTxKxH)
         v = tuple(x.transpose(0, 2, 1, 3) for x in v_NxTxKxH)
-        return self.put_rows(slots_N, k, v, mode=mode)
+        return self.put_rows(slots_N, k, v)
 
     def rows(
         self, slots_N: jax.Array, length: int
@@ -134,18 +131,16 @@ class HeadMajorKVCache:
         slots_N: jax.Array,
         k_NxKxHxL: tuple[jax.Array, ...],
         v_NxKxLxH: tuple[jax.Array, ...],
-        *,
-        mode: str | None = "drop",
     ) -> HeadMajorKVCache:
         """Writes head-major rows at positions 0..L-1 of slots_N (out of range: dropped)."""
         t = v_NxKxLxH[0].shape[2]
         return HeadMajorKVCache(
             k=tuple(
-                c.at[slots_N, :, :, :t].set(_cast(x, c), mode=mode)
+                c.at[slots_N, :, :, :t].set(_cast(x, c), mode="drop")
                 for c, x in zip(self.k, k_NxKxHxL, strict=True)
             ),
             v=tuple(
-                c.at[slots_N, :, :t].set(_cast(x, c), mode=mode)
+                c.at[slots_N, :, :t].set(_cast(x, c), mode="drop")
                 for c, x in zip(self.v, v_NxKxLxH, strict=True)
             ),
         )
@@ -275,13 +270,9 @@ class PagedKVCache:
         slots_N: jax.Array,
         k_NxTxKxH: tuple[jax.Array, ...],
         v_NxTxKxH: tuple[jax.Array, ...],
-        *,
-        mode: str | None = None,
     ) -> PagedKVCache:
         """Writes prefilled keys/values (N, T, K, H) per layer at positions 0..T-1 of slots_N,
-        into the pages their table rows name (positions in no page, and slots >= B: dropped;
-        `mode` is accepted for the dense cache's signature)."""
-        del mode
+        into the pages their table rows name (positions in no page, and slots >= B: dropped)."""
         return self._scatter(slots_N, k_NxTxKxH[0].shape[1], k_NxTxKxH, v_NxTxKxH)
 
     def rows(
@@ -298,11 +289,8 @@ class PagedKVCache:
         slots_N: jax.Array,
         k_NxKxHxL: tuple[jax.Array, ...],
         v_NxKxLxH: tuple[jax.Array, ...],
-        *,
-        mode: str | None = "drop",
     ) -> PagedKVCache:
         """Writes head-major rows at positions 0..L-1 of slots_N, into their pages."""
-        del mode
         k = tuple(x.transpose(0, 3, 1, 2) for x in k_NxKxHxL)
         v = tuple(x.transpose(0, 2, 1, 3) for x in v_NxKxLxH)
         return self._scatter(slots_N, v_NxKxLxH[0].shape[2], k, v)
