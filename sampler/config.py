@@ -105,6 +105,12 @@ class EngineConfig:
         return -(-self.max_length // self.page_size)
 
     @property
+    def swaps(self) -> bool:
+        """Whether a paged pool can run short: fewer pages than every slot at max_length (only
+        then does the engine swap sequences out, sampler/paged.py)."""
+        return bool(self.page_size) and self.pool_pages < self.max_slots * self.pages_per_sequence
+
+    @property
     def pool_pages(self) -> int:
         """Pages in a paged cache's pool: kv_pages, or the dense cache's positions' worth."""
         return self.kv_pages or self.max_slots * self.pages_per_sequence

@@ -155,7 +155,8 @@ class Engine:
         bucket and its insert for every bucket x slot rung (`recompute`: also re-prefill's
         max_length bucket), generate for every count of live attention blocks, free, and
         (`migrate_rows` > 0: a migration moves up to that many slots at once) export and import
-        of every row count x length; `multi_turn`: extend for every prompt bucket.
+        of every row count x length (a paged pool that can run short, `EngineConfig.swaps`: of one
+        row, to swap); `multi_turn`: extend for every prompt bucket.
 
         The JetStream-shaped `prefill` and `bulk_insert` are not compiled: a run does not call
         them.
@@ -188,7 +189,7 @@ class Engine:
             self._free.precompile(state, host(jax.ShapeDtypeStruct((c.max_slots,), bool)))
             for bucket in c.buckets() if multi_turn else ():
                 self._extend.precompile(params, state, *map(host, extend.abstract(bucket)))
-            if migrate_rows or c.page_size:  # a paged cache swaps one slot at a time
+            if migrate_rows or c.swaps:  # a pool that can run short swaps one slot at a time
                 rows, lengths = slot_export.rungs(self.layout, max(migrate_rows, 1))
                 for n in rows:
                     slots = host(jax.ShapeDtypeStruct((n,), np.int32))

@@ -67,3 +67,42 @@ def test_engine_compiles_nothing_after_start_over_varied_admissions(model):
         late = engine.compiles.after_start()
         assert all(v == 0 for v in late.values()), late
         assert sum(engine.compile_counts().values()) == programs
+
+
+def test_a_short_page_pool_swaps_on_programs_compiled_at_start(model):
+    """A pool below every slot's max_length (`EngineConfig.swaps`) precompiles one-row export and
+    import for its swaps, and preempting compiles nothing more; a pool that holds every slot at
+    max_length cannot run short and compiles no swap program."""
+    full = EngineConfig(max_slots=4, max_length=40, max_prefill_length=16, page_size=8)
+    assert not full.swaps
+    cfg = EngineConfig(max_slots=4, max_length=40, max_prefill_length=16, page_size=8, kv_pages=10)
+    assert cfg.swaps
+    counts = {}
+    for name, config in (("full", full), ("short", cfg)):
+        engine = Engine(model, config)
+        params = engine.load_params(model)
+        engine.precompile(published_shapes(params))
+        engine.compiles.start()
+        counts[name] = engine.compile_counts()
+    swap = {"export": 2, "import": 2}  # one row x the two length rungs of 40 positions
+    extra = {k: v - counts["full"][k] for k, v in counts["short"].items()}
+    assert {k: v for k, v in extra.items() if v} == swap
+    rng = np.random.default_rng(1)
+    requests = [
+        Request(
+            uid=i,
+            prompt=tuple(int(t) for t in rng.integers(0, 256, 12)),
+            group_size=2,
+            params=SamplingParams(max_new_tokens=24),
+        )
+        for i in range(3)
+    ]
+    loop = SamplerLoop(
+        engine, params, admission=FCFS(), reward_fn=lambda r, c: 0.0, emit=lambda g: None
+    )
+    loop.submit(requests)
+    while loop.step():
+        pass
+    assert engine.pool.preemptions > 0
+    late = engine.compiles.after_start()
+    assert all(v == 0 for v in late.values()), late

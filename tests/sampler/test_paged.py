@@ -75,7 +75,9 @@ def _same(a, b):
 LENGTHS, NEW = [3, 9, 17, 30, 1, 12, 25, 8], [30, 7, 20, 30, 15, 5, 34, 26]
 
 
-@pytest.mark.parametrize("page,block", [(4, 16), (16, 16), (8, 0)])
+@pytest.mark.parametrize(
+    "page,block", [pytest.param(4, 16, marks=pytest.mark.slow), (16, 16), (8, 0)]
+)
 def test_paged_is_bitwise_dense_with_shared_prompts_and_preemption(model, page, block):
     requests = _requests(LENGTHS, NEW, group=2)
     ample = _engine(model, page=page, block=block)
