@@ -12,18 +12,17 @@ checkpoint, a NaN, stuck reward calls, or any error of a Ray worker, named: "sam
 its traceback is in run.log, and `--verbose` prints it (and the library logging) on the console.
 """
 
-import importlib.util
+import functools
 import os
-import signal
 import sys
-import threading
 import traceback
 
 from absl import app, flags
 from ml_collections import config_flags
 
 import configs
-from rl.config_check import ConfigError, check_config, closest_field
+from launch.cli import one_line, parse_flags, stop_on_sigterm
+from rl.config_check import ConfigError, check_config
 from rl.logs import log_file, quiet_console, to_file_only
 from rl.models.summary import summarize
 from rl.run import train
@@ -46,67 +45,6 @@ _VERBOSE = flags.DEFINE_bool(
 _STOPS = (ValueError, OSError, FloatingPointError, RuntimeError)
 
 
-def _one_line(text: str) -> str:
-    """A multi-line library message (ml_collections embeds tracebacks) as its first and last line."""
-    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
-    if len(lines) <= 1:
-        return lines[0] if lines else ""
-    return f"{lines[0].rstrip(':')}: {lines[-1]}"
-
-
-def _config_file(argv: list[str]) -> object:
-    """The config the --config flag names (default configs/default.py), without its overrides."""
-    spec = os.path.join(os.path.dirname(configs.__file__), "default.py")
-    for i, arg in enumerate(argv):
-        if arg.startswith("--config="):
-            spec = arg.split("=", 1)[1]
-        elif arg == "--config" and i + 1 < len(argv):
-            spec = argv[i + 1]
-    path, _, config_arg = spec.partition(":")
-    module_spec = importlib.util.spec_from_file_location("_launch_config", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.get_config(config_arg or None)
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing; a bad flag or config field is one line (a typo names the closest)."""
-    try:
-        return flags.FLAGS(argv)
-    except (AttributeError, KeyError) as e:  # ml_collections: an override of a missing field
-        message = f"{type(e).__name__}: {e}"
-        try:
-            config = _config_file(argv)
-            for arg in argv[1:]:
-                if arg.startswith("--config.") and (
-                    found := closest_field(config, arg[len("--config.") :].split("=", 1)[0])
-                ):
-                    message = f"{arg}: {found}"
-                    break
-        except Exception as inner:  # the config file itself is broken: say that instead
-            message = f"{type(inner).__name__}: {inner}"
-    except (flags.Error, ValueError, TypeError, OSError) as e:
-        message = str(e)
-    sys.exit(f"launch.train: {_one_line(message)}")
-
-
-def _stop_on_sigterm() -> threading.Event:
-    """An Event set by SIGTERM (a preempted pod): the run saves at its next safe point and exits 0.
-
-    A second SIGTERM stops at once (exit 143); the run resumes from its last checkpoint.
-    """
-    stop = threading.Event()
-
-    def handler(signum: int, frame: object) -> None:
-        if stop.is_set():
-            sys.exit(128 + signum)
-        stop.set()
-        print("launch.train: SIGTERM: stopping at the next safe point", file=sys.stderr)
-
-    signal.signal(signal.SIGTERM, handler)
-    return stop
-
-
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -115,7 +53,7 @@ def main(argv: list[str]) -> None:
         config = _CONFIG.value
         config.get("workdir")  # a config file that failed to load raises on first use
     except Exception as e:  # the config file is missing or raised (e.g. an unknown :arg)
-        sys.exit(f"launch.train: {type(e).__name__}: {_one_line(str(e))}")
+        sys.exit(f"launch.train: {type(e).__name__}: {one_line(str(e))}")
     if not _CHECK.value:
         try:
             check_config(config)  # every field, before anything is built or written
@@ -136,7 +74,7 @@ def main(argv: list[str]) -> None:
             print(f"greedy decode: {s['greedy_continuation']!r}")
             print(f"done in {s['seconds']:.1f} s")
             return
-        summary = train(config, stop=_stop_on_sigterm())
+        summary = train(config, stop=stop_on_sigterm("launch.train"))
     except Exception as e:  # bad input, a guarded failure, or a Ray worker's error: one line
         failure = worker_failure(e)  # "sampler replica 0 (ReplicaCore.__init__) failed: ..."
         if failure is None and not isinstance(e, _STOPS):
@@ -214,7 +152,7 @@ def main(argv: list[str]) -> None:
 
 def cli() -> None:
     """Runs main() under absl with one-line flag errors (python -m launch.train)."""
-    app.run(main, flags_parser=_parse_flags)
+    app.run(main, flags_parser=functools.partial(parse_flags, "launch.train"))
 
 
 if __name__ == "__main__":

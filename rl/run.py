@@ -28,6 +28,7 @@ from rl.metrics_writer import MetricsWriter
 from rl.round_planner import prompt_from_json, prompt_to_json
 from rl.runtime.compose import Setup
 from rl.runtime.factory import check_runtime_config, make_runtime
+from rl.runtime.pool import Member
 from rl.tasks.data import load_task
 from rl.tracking import RUN_ID_FILE, open_tracker, tracking_config_from
 
@@ -127,7 +128,11 @@ def _sft(config: Any, sft: Any, learner: Any, heldout_accuracy: Any, writer: Met
 
 
 def train(
-    config: Any, *, stdout: bool = True, stop: threading.Event | None = None
+    config: Any,
+    *,
+    stdout: bool = True,
+    stop: threading.Event | None = None,
+    pool: Member | None = None,
 ) -> dict[str, Any]:
     """Runs `config.rounds` rounds of the configured pipeline; writes metrics and the timeline.
 
@@ -137,7 +142,8 @@ def train(
     there. The final evaluation and the pictures are skipped.
 
     The components come from the composition root (rl.runtime.compose) for config.runtime:
-    `threads` (one process) or `ray` (a learner worker and sampler replica actors).
+    `threads` (one process) or `ray` (a learner worker and sampler replica actors). `pool`: the
+    run is one pipeline of several sharing sampler replicas (rl.runtime.pool, launch.sweep).
 
     Returns:
       A summary: per-round metrics of the rounds run here, the first round run (> 0 after a resume),
@@ -156,7 +162,7 @@ def train(
     # returns or raises: each is closed by `run`, newest first.
     with contextlib.ExitStack() as run:
         runtime = make_runtime(
-            config, setup, total_updates=config.rounds * driver_cfg.updates_per_round
+            config, setup, total_updates=config.rounds * driver_cfg.updates_per_round, pool=pool
         )
         run.callback(runtime.close)
         return _train(config, start, setup, data, driver_cfg, runtime, resume, stdout, run, stop)

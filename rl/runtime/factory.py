@@ -10,6 +10,7 @@ from typing import Any
 
 from rl.driver import Driver
 from rl.runtime.compose import Setup
+from rl.runtime.pool import Member
 from rl.runtime.ray_config import check_ray_config
 from rl.runtime.threads import ThreadsRuntime
 from rl.tasks.data import load_task
@@ -26,13 +27,25 @@ def check_runtime_config(config: Any) -> None:
         check_ray_config(config)
 
 
-def make_runtime(config: Any, setup: Setup, *, total_updates: int) -> Any:
-    """The runtime config.runtime names: ThreadsRuntime or rl.runtime.ray_runtime.RayRuntime."""
+def make_runtime(
+    config: Any, setup: Setup, *, total_updates: int, pool: Member | None = None
+) -> Any:
+    """The runtime config.runtime names: ThreadsRuntime or rl.runtime.ray_runtime.RayRuntime.
+
+    Args:
+      pool: this pipeline's place in a pool of replicas several pipelines share
+        (rl.runtime.pool; launch.sweep), threads only; None: the run has its devices alone.
+    """
     if config.get("runtime", "threads") == "ray":
+        if pool is not None:
+            raise ValueError(
+                "config.runtime='ray' in a multiplexed sweep: pipelines share a pool of replicas "
+                "in the threads runtime only; expected config.runtime='threads'."
+            )
         from rl.runtime.ray_runtime import RayRuntime  # Ray is imported only to use it
 
         return RayRuntime(config, setup, total_updates=total_updates)
-    return ThreadsRuntime(config, setup, total_updates=total_updates)
+    return ThreadsRuntime(config, setup, total_updates=total_updates, pool=pool)
 
 
 def build_driver(config: Any, *, rounds: int) -> tuple[Any, Driver]:

@@ -29,8 +29,9 @@ rewards, as it always did (it emits exactly the groups the shared cut then keeps
 
 Elastic replicas: `add_replica(engine)` starts another replica (it gets the latest weights) and
 `remove_replica(i)` stops one, its undelivered requests re-sampled on the others (per-request
-randomness makes them identical; a group delivered twice is dropped). Both are safe between the
-replicas' decode steps, from any thread.
+randomness makes them identical; a group delivered twice is dropped); `release_idle(i)` stops one
+only if it holds nothing (a multiplexed pool's move, rl/runtime/pool.py). All are safe between the
+replicas' decode steps, from any thread; after `close` no replica is added.
 
 Lanes: replica i's slot s is lane sampler/slot{offset_i + s} (an offset per engine: a lent
 engine added again writes on the same lanes) and its slot
@@ -90,6 +91,7 @@ class ReplicaSampler:
       version: the weights' version before the first set_params.
       routing: "round_robin" or "least_loaded".
       migration: the migration policy (default: none).
+      spare: engines that may join later (`add_replica`), whose slot lanes are reserved now.
     """
 
     def __init__(
@@ -107,6 +109,7 @@ class ReplicaSampler:
         timeline: Any = None,
         clock: Callable[[], float] = time.monotonic,
         environment: EnvRunner | None = None,
+        spare: Iterable[Engine] = (),
     ):
         engines = list(engines)
         if not engines:
@@ -127,17 +130,26 @@ class ReplicaSampler:
         self._offsets: dict[int, int] = {}
         self._next_offset = 0
         self._lanes: dict[int, int] = {}  # id(engine) -> its first slot lane
-        self._started = False
+        self._started = self._closed = False
         for i, engine in enumerate(engines):
             self._build(i, engine)
+        for engine in spare:
+            self._lane(engine)
 
     # ------------------------------------------------------------------------------ replicas
 
-    def _build(self, i: int, engine: Engine) -> SamplerLoop:
-        offset = self._lanes.get(id(engine))  # an engine lent again draws on its own lanes
+    def _lane(self, engine: Engine) -> int:
+        """`engine`'s first slot lane (an engine added again draws on its own lanes)."""
+        offset = self._lanes.get(id(engine))
         if offset is None:
             offset = self._lanes[id(engine)] = self._next_offset
             self._next_offset += engine.max_concurrent_decodes
+        return offset
+
+    def _build(self, i: int, engine: Engine, *, route: bool = False) -> SamplerLoop:
+        """Replica i's loop on `engine`; `route`: i is new to the routing, which starts routing
+        to it only now that its loop is in place."""
+        offset = self._lane(engine)
         published = self._params
         params, version = published
         loop = SamplerLoop(
@@ -155,6 +167,10 @@ class ReplicaSampler:
             environment=self.environment,
         )
         with self._lock:
+            if route and self.routing.add() != i:
+                raise RuntimeError(
+                    f"Replica {i} added out of turn (add_replica holds the topology)."
+                )
             self.loops[i], self._offsets[i] = loop, offset
             latest = self._params
         if latest is not published:  # weights published while the loop was built
@@ -168,9 +184,10 @@ class ReplicaSampler:
         worth, the most loaded replica's first (requests are routed at submission, so a replica
         joining mid-rollout would otherwise wait for later submissions or stealing)."""
         with self._topology:
-            with self._lock:
-                i = self.routing.add()
-            loop = self._build(i, engine)
+            if self._closed:
+                raise RuntimeError("ReplicaSampler.add_replica: the sampler is closed.")
+            i = self.routing.next_index  # (one add at a time: the topology lock)
+            loop = self._build(i, engine, route=True)
             if take_queued:
                 with self._lock:
                     room, taken = loop.num_slots, []
@@ -231,6 +248,21 @@ class ReplicaSampler:
                 self._route(self.routing.remove(i))
         loop.close()  # outside the locks: its thread may be emitting a group
 
+    def release_idle(self, i: int) -> bool:
+        """Stops replica i if nothing waits, runs or is scored on it and it is not the last;
+        returns whether it did. Checked and removed under the routing lock, so no request is
+        routed to it in between (no sample is lost or sampled again)."""
+        with self._topology:
+            with self._lock:
+                loop = self.loops.get(i)
+                if loop is None or len(self.loops) == 1 or self.routing.load[i] or not loop.idle:
+                    return False  # (a group emitted but not yet delivered is still routed to i)
+                del self.loops[i]
+                self._removed.append(loop)
+                self.routing.remove(i)
+        loop.close()  # outside the locks: its thread may be at its step boundary
+        return True
+
     def pending(self) -> int:
         """Requests waiting, running, or complete with rewards running, over the replicas."""
         return sum(loop.pending() for loop in self._live())
@@ -238,6 +270,10 @@ class ReplicaSampler:
     def waiting(self) -> int:
         """Requests waiting for admission, over the replicas."""
         return sum(loop.waiting() for loop in self._live())
+
+    def free_slots(self) -> int:
+        """Slots free for admission now, over the replicas."""
+        return sum(loop.free_slots() for loop in self._live())
 
     def busy_slots(self) -> int:
         return sum(loop.busy_slots() for loop in self._live())
@@ -306,7 +342,13 @@ class ReplicaSampler:
         for loop in self._live():
             loop.request_stop()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
+        with self._topology:
+            self._closed = True
         errors = []
         for loop in self._live():
             try:

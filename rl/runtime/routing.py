@@ -46,6 +46,11 @@ class Routing:
         self.routed: collections.Counter[int] = collections.Counter()  # requests per replica
         self._rr = itertools.count()
 
+    @property
+    def next_index(self) -> int:
+        """The index `add` gives next."""
+        return self._next
+
     def add(self) -> int:
         """A new replica; returns its index (indices are never reused)."""
         i, self._next = self._next, self._next + 1

@@ -51,6 +51,7 @@ from rl.runtime.compose import (
     updates_per_round,
 )
 from rl.runtime.mesh_plan import plan_mesh
+from rl.runtime.pool import Member
 from rl.runtime.replicas import ReplicaSampler
 from rl.sections import from_section
 from rl.timeline import Timeline
@@ -73,6 +74,7 @@ def threaded_driver(
     routing: str = "round_robin",
     migration: MigrationPolicy | None = None,
     environment: EnvRunner | None = None,
+    spare: Sequence[Engine] = (),
     **driver_kwargs: Any,
 ) -> Driver:
     """A Driver over sampler replica threads (one per engine) and an in-process GroupQueue.
@@ -84,6 +86,7 @@ def threaded_driver(
       routing: request -> replica, "round_robin" or "least_loaded" (rl.runtime.routing).
       migration: a long-tail migration policy (rl.elastic.migration); default none.
       environment: multi-turn episodes in this environment (rl.envs); default single-turn.
+      spare: engines that may join the sampler later (a multiplexed pool's, rl.runtime.pool).
       driver_kwargs: passed on to the Driver (version, rounds, barrier_every).
     """
     timeline = Timeline() if timeline is None else timeline
@@ -102,6 +105,7 @@ def threaded_driver(
         timeline=timeline,
         clock=clock,
         environment=environment,
+        spare=spare,
     )
     return driver_cls(
         cfg,
@@ -135,8 +139,10 @@ class ThreadsRuntime:
       environment: the multi-turn environment's runner (config.env), or None.
     """
 
-    def __init__(self, config: Any, setup: Setup, *, total_updates: int):
-        self.config, self.setup = config, setup
+    def __init__(
+        self, config: Any, setup: Setup, *, total_updates: int, pool: Member | None = None
+    ):
+        self.config, self.setup, self.pool = config, setup, pool
         mesh_cfg, self.mesh_plan = from_section(MeshConfig, config.mesh, name="mesh"), None
         if (
             mesh_cfg.split == "plan"
@@ -153,7 +159,12 @@ class ThreadsRuntime:
             build_engine(config, setup, mesh, model)
             for mesh in replica_meshes(sampler_mesh, mesh_cfg.sampler_replicas)
         ]
-        self.engine = self.engines[0]
+        self.engine = self.engines[0 if pool is None else pool.home]
+        if pool is not None and len(self.engines) != pool.replicas:
+            raise ValueError(
+                f"Pipeline {pool.name!r} has mesh.sampler_replicas={len(self.engines)}; its pool "
+                f"has {pool.replicas}."
+            )
         # Colocated with the same sharding and dtype, publishing shares the learner's arrays.
         self.weight_sync = DevicePutSync(
             self.learner.params,
@@ -199,9 +210,14 @@ class ThreadsRuntime:
             kwargs.setdefault("borrower", self.borrow)
         if self.lend is not None:
             kwargs.setdefault("lender", self.lend)
-        return threaded_driver(
+        engines, held = self.engines, range(len(self.engines))
+        if self.pool is not None:  # it starts on the replicas the pool gives it
+            held = self.pool.claim()
+            engines = [self.engines[r] for r in held]
+        driver = threaded_driver(
             cfg,
-            engine=self.engines,
+            engine=engines,
+            spare=[e for r, e in enumerate(self.engines) if r not in held],
             learner=self.learner,
             routing=self.config.mesh.sampler_routing,
             migration=self.migration,
@@ -210,6 +226,11 @@ class ThreadsRuntime:
             environment=self.environment,
             **kwargs,
         )
+        if self.pool is not None:
+            self.pool.attach(driver.sampler, self.engines, held)
+            # slot occupancy is over every replica it may hold
+            driver.num_slots = sum(e.max_concurrent_decodes for e in self.engines)
+        return driver
 
     def sft(self, records: Any) -> SftTrainer:
         """The SFT warm start of the learner on `records` (rl.run drives its steps)."""
@@ -255,6 +276,8 @@ class ThreadsRuntime:
         return LocalCheckpoints(directory, self.learner)
 
     def close(self) -> None:
+        if self.pool is not None:
+            self.pool.leave()
         self.reward.close()
         self.eval_reward.close()
         if self.environment is not None:

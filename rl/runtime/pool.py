@@ -1,0 +1,279 @@
+"""Several pipelines' sampler replicas on one pool of devices, moved between them as they run: the
+threaded runtime's pipeline multiplexing (JigsawRL). The decisions are rl/elastic/multiplex.py's
+`MultiplexPolicy`, the one the simulator's multiplexing (rl/sim/multiplex.py) carries out.
+
+    pool = ReplicaPool(["seed=0", "seed=1"], replicas=4)
+    rl.run.train(config0, pool=pool.member(0))   # each pipeline in a thread of its own
+    ...
+    pool.close()
+
+launch.sweep is the command that does this. Every pipeline builds its runtime as if it ran alone
+(its own model, learner, optimizer state, data stream, driver, schedule and workdir) on the same
+devices: the learner mesh and `mesh.sampler_replicas` replica meshes, with an Engine of its own on
+every replica mesh. A replica mesh serves one pipeline at a time:
+
+  * Replica p is pipeline p's home and serves only it (so each pipeline always has a replica).
+    The others start split evenly (replica r with pipeline r mod N) and move.
+  * A replica moves when it is idle on its pipeline (nothing waiting, running or being scored
+    there: `ReplicaSampler.release_idle`, checked under the pipeline's routing lock, so no request
+    is cut short) and the policy's `replica_for` sends it to a pipeline whose waiting sequences
+    its own free slots cannot take. The pipeline it joins loads its weights onto it
+    (`add_replica`: the switch) and hands it queued requests at once. A replica whose pipeline
+    has not started its rollouts yet (its SFT warm start, its first evaluation) or has ended is
+    vacant: it goes wherever the policy sends it, and a pipeline that starts claims its home and
+    the vacant replicas first assigned to it.
+  * Within a pipeline, long-tail migration (`elastic.migration`) consolidates a tail onto fewer
+    replicas; the replicas it empties are the ones that move.
+
+Exactness: a request's tokens do not depend on the replica that samples it (per-request
+randomness, batch-independent attention) and a pipeline's learner sees the groups of its own
+schedule, so each pipeline's tokens and parameters are bitwise those of its solo run; only the
+timing changes (tests/rl/runtime/test_pool.py).
+
+What this runtime does not arbitrate: the learners share the learner mesh and run their programs
+as their drivers issue them (XLA time-shares the devices); the policy's `learner_for` is modelled
+by the simulator only. The views carry no learner work (`learner_s`), so the look-ahead rule never
+holds a replica back here: a replica goes where sequences wait.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from absl import logging
+
+from rl.elastic.multiplex import MultiplexConfig, MultiplexPolicy, PipelineView
+from rl.runtime.replicas import ReplicaSampler
+
+TICK_S = 0.005  # how often the pool looks for a replica to move
+
+
+@dataclasses.dataclass
+class MemberStats:
+    """One pipeline's use of the pool.
+
+    Attributes:
+      replica_s: replica-seconds it held (its home included) while its sampler ran (from its
+        first round's start to its driver's end).
+      moves_in: replicas it received from another pipeline or vacant.
+      moves_out: replicas it gave up.
+    """
+
+    replica_s: float = 0.0
+    moves_in: int = 0
+    moves_out: int = 0
+
+
+class Member:
+    """One pipeline's handle on the pool (what its ThreadsRuntime is given)."""
+
+    def __init__(self, pool: ReplicaPool, index: int):
+        self.pool, self.index = pool, index
+
+    @property
+    def name(self) -> str:
+        return self.pool.names[self.index]
+
+    @property
+    def home(self) -> int:
+        """The replica mesh only this pipeline uses (its evaluation engine's)."""
+        return self.index
+
+    @property
+    def replicas(self) -> int:
+        """Replica meshes in the pool: the pipeline builds an engine on each."""
+        return self.pool.replicas
+
+    def claim(self) -> list[int]:
+        """The replica meshes this pipeline's sampler starts on: its home and the vacant ones
+        first assigned to it. They are its own from now; `attach` tells the pool its sampler."""
+        return self.pool._claim(self.index)
+
+    def attach(self, sampler: ReplicaSampler, engines: Sequence[Any], claimed: Sequence[int]):
+        """The pipeline's sampler runs on `claimed` (its replicas 0..k-1, in that order);
+        `engines` is its Engine on each replica mesh of the pool, by mesh index."""
+        self.pool._attach(self.index, sampler, list(engines), list(claimed))
+
+    def leave(self) -> None:
+        """The pipeline ended (or failed): its replicas are vacant."""
+        self.pool._leave(self.index)
+
+
+@dataclasses.dataclass
+class _Attached:
+    sampler: ReplicaSampler
+    engines: list[Any]
+    local: dict[int, int]  # mesh -> the sampler's replica index
+    rollout_since: float = math.inf
+
+
+class ReplicaPool:
+    """`replicas` sampler replica meshes shared by the pipelines `names` (module docstring).
+
+    Args:
+      names: the pipelines, in order (pipeline p's home is replica mesh p).
+      replicas: replica meshes in the pool (config.mesh.sampler_replicas); >= len(names).
+      policy: decides where an idle replica goes (rl/elastic/multiplex.py); default the
+        look-ahead policy, which acts here as the greedy one on replicas (no learner views).
+      clock: time, for the policy's ages and the stats.
+    """
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        *,
+        replicas: int,
+        policy: MultiplexPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.names = list(names)
+        if len(set(self.names)) != len(self.names) or not self.names:
+            raise ValueError(f"ReplicaPool needs distinct pipeline names; received {self.names}.")
+        if replicas < len(self.names):
+            raise ValueError(
+                f"{len(self.names)} pipelines need at least as many sampler replicas (one home "
+                f"each); the pool has {replicas} (mesh.sampler_replicas)."
+            )
+        self.replicas = replicas
+        self.policy = policy or MultiplexPolicy(MultiplexConfig(), switch_s=0.0)
+        self.clock = clock
+        self.holder: list[int | None] = [None] * replicas  # pipeline each mesh serves now
+        self.stats = [MemberStats() for _ in self.names]
+        self._attached: dict[int, _Attached] = {}
+        self._claimed: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._last = clock()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="replica-pool", daemon=True)
+        self._thread.start()
+
+    def member(self, index: int) -> Member:
+        return Member(self, index)
+
+    # ------------------------------------------------------------------------------ members
+
+    def _claim(self, p: int) -> list[int]:
+        with self._lock:
+            if p in self._claimed:
+                raise RuntimeError(f"Pipeline {self.names[p]!r} already started its sampler.")
+            self._claimed.add(p)
+            n = len(self.names)
+            mine = [
+                r
+                for r in range(self.replicas)
+                if r == p or (r >= n and r % n == p and self.holder[r] is None)
+            ]
+            for r in mine:
+                self.holder[r] = p
+            return mine
+
+    def _attach(self, p: int, sampler: ReplicaSampler, engines: list, claimed: list[int]):
+        if len(engines) != self.replicas:
+            raise ValueError(
+                f"Pipeline {self.names[p]!r} built {len(engines)} engines; the pool has "
+                f"{self.replicas} replica meshes."
+            )
+        with self._lock:
+            self._attached[p] = _Attached(sampler, engines, {r: i for i, r in enumerate(claimed)})
+
+    def _leave(self, p: int) -> None:
+        with self._lock:
+            self._account()
+            self._attached.pop(p, None)
+            for r, h in enumerate(self.holder):
+                if h == p:
+                    self.holder[r] = None
+
+    def close(self) -> None:
+        """Stops moving replicas (the pipelines' runtimes close their own samplers)."""
+        self._stop.set()
+        self._thread.join()
+
+    # ---------------------------------------------------------------------------- decisions
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(TICK_S):
+                with self._lock:
+                    self._account()
+                    self._tick()
+        except BaseException as e:  # the pipelines go on with the replicas they hold
+            self.error = e
+            logging.exception("The replica pool stopped moving replicas.")
+
+    def _account(self) -> None:
+        now = self.clock()
+        dt, self._last = now - self._last, now
+        for h in self.holder:
+            if h is not None and h in self._attached:
+                self.stats[h].replica_s += dt
+
+    def _view(self, p: int) -> PipelineView:
+        a = self._attached.get(p)
+        if a is None or a.sampler.closed:
+            return PipelineView(replicas=0, free_slots=0, queued=0, between_rounds=True)
+        pending = a.sampler.pending()
+        if not pending:
+            a.rollout_since = math.inf
+        elif math.isinf(a.rollout_since):
+            a.rollout_since = self.clock()
+        return PipelineView(
+            replicas=len(a.local),
+            free_slots=a.sampler.free_slots(),
+            queued=a.sampler.waiting(),
+            between_rounds=not pending,
+            rollout_since=a.rollout_since,
+        )
+
+    def _tick(self) -> None:
+        n = len(self.names)
+        views = [self._view(p) for p in range(n)]
+        vacant = PipelineView(replicas=0, free_slots=0, queued=0, between_rounds=True)
+        for r in range(n, self.replicas):  # homes never move
+            h = self.holder[r]
+            if h is None:
+                dst = self.policy.replica_for([*views, vacant], n)
+                if dst not in self._attached:  # (None: it stays vacant)
+                    continue
+            elif h in self._attached:
+                a = self._attached[h]
+                i = a.local[r]
+                if len(a.local) < 2 or i not in a.sampler.idle_replicas():
+                    continue
+                dst = self.policy.replica_for(views, h)
+                if dst not in self._attached or not a.sampler.release_idle(i):
+                    continue  # it stays (or it is busy again since the look)
+                del a.local[r]
+                self.holder[r] = None
+                self.stats[h].moves_out += 1
+                views[h] = self._view(h)
+            else:
+                continue  # claimed by a pipeline whose sampler is not attached yet
+            self._give(r, dst)
+            views[dst] = self._view(dst)
+
+    def _give(self, r: int, p: int) -> None:
+        a = self._attached[p]
+        try:
+            i = a.sampler.add_replica(a.engines[r], take_queued=True)
+        except RuntimeError:  # its sampler closed meanwhile: the replica stays vacant
+            return
+        a.local[r] = i
+        self.holder[r] = p
+        self.stats[p].moves_in += 1
+
+    # ------------------------------------------------------------------------------- report
+
+    def shares(self, wall_s: float) -> list[float]:
+        """Each pipeline's share of the pool's replica-seconds over `wall_s`."""
+        with self._lock:
+            self._account()
+            return [
+                s.replica_s / (self.replicas * wall_s) if wall_s > 0 else 0.0 for s in self.stats
+            ]
