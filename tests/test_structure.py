@@ -56,8 +56,8 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("sampler.", "learner.", "rl.sim", "rl.device_split"),
     # a run carried out: the driver, the runtimes, evaluation
     ("rl.driver", "rl.runtime", "rl.evaluate"),
-    # a whole run from a config
-    ("rl.run", "rl.export_run", "rl.config_check"),
+    # a whole run from a config (or a sweep of them)
+    ("rl.run", "rl.export_run", "rl.config_check", "rl.sweep"),
     # entry points
     ("launch.",),
 )
