@@ -12,6 +12,10 @@ sampler replicas), so the parameters are copied on the learner's devices first.
 A leaf that is the same array object as in the previous publish (a LoRA run's base: only its
 adapters change, rl/models/lora.py) is not moved again: the sampler keeps its copy, and a publish
 moves only the leaves that changed (`Published.bytes`).
+Several threads place one publish on their own devices at once (the replicas of a ReplicaSampler,
+a replica joining mid-round, rl/runtime/pool.py), and jaxlib lists an array's per-device buffers
+lazily without a lock: two threads listing them first get one array of twice its shards
+(`safe_zip` fails in the resharding). A publish lists them before it hands the arrays over.
 A learner of several processes (learner/distributed.py) has no sampler devices in its job: every
 process calls `learner.distributed.gather_to_host(params)` (a collective) and process 0 hands the
 numpy arrays to such a transport.
@@ -105,7 +109,7 @@ class DevicePutSync:
         start = time.perf_counter()
         learner = self.share_with
         if learner is not None and _same(params, learner.params) and self._colocated(params):
-            out = learner.share_params()
+            out = _settled(learner.share_params())
             self.shared += 1
             self._sent = []  # keeps no earlier copy alive
             return Published(params=out, version=version, seconds=time.perf_counter() - start)
@@ -129,7 +133,7 @@ class DevicePutSync:
             out[i] = y
         self._sent = [(weakref.ref(x), y) for x, y in zip(leaves, out, strict=True)]
         return Published(
-            params=jax.tree.unflatten(treedef, out),
+            params=_settled(jax.tree.unflatten(treedef, out)),
             version=version,
             seconds=time.perf_counter() - start,
             bytes=sum(y.nbytes for y in new),
@@ -142,6 +146,15 @@ def _same(a: Any, b: Any) -> bool:
     leaves_a, tree_a = jax.tree.flatten(a)
     leaves_b, tree_b = jax.tree.flatten(b)
     return tree_a == tree_b and all(x is y for x, y in zip(leaves_a, leaves_b, strict=True))
+
+
+def _settled(params: Any) -> Any:
+    """`params`, each array's per-device buffers listed once here (the module docstring: threads
+    placing them at once would race to list them)."""
+    for x in jax.tree.leaves(params):
+        if isinstance(x, jax.Array):
+            x.addressable_shards  # noqa: B018 (cached by the array)
+    return params
 
 
 def published_shapes(params_like: Any, dtype: str = "") -> Any:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-import math
 import os
 import threading
 import time
@@ -211,7 +210,6 @@ def result_rows(results: Sequence[PipelineResult]) -> list[tuple[str, ...]]:
             status = "finished earlier"
         else:
             status = "done"
-        share = f"{r.share:.0%}" if math.isfinite(r.share) else "-"
         moves = f"+{r.stats.moves_in}/-{r.stats.moves_out}"
         rows.append(
             (
@@ -220,7 +218,7 @@ def result_rows(results: Sequence[PipelineResult]) -> list[tuple[str, ...]]:
                 pct(s, "heldout_acc_before"),
                 pct(s, "heldout_acc_after"),
                 f"{r.wall_s:.1f}",
-                share,
+                f"{r.share:.0%}",
                 moves,
             )
         )

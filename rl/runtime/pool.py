@@ -92,16 +92,16 @@ class Member:
     def claim(self) -> list[int]:
         """The replica meshes this pipeline's sampler starts on: its home and the vacant ones
         first assigned to it. They are its own from now; `attach` tells the pool its sampler."""
-        return self.pool._claim(self.index)
+        return self.pool.claim(self.index)
 
     def attach(self, sampler: ReplicaSampler, engines: Sequence[Any], claimed: Sequence[int]):
         """The pipeline's sampler runs on `claimed` (its replicas 0..k-1, in that order);
         `engines` is its Engine on each replica mesh of the pool, by mesh index."""
-        self.pool._attach(self.index, sampler, list(engines), list(claimed))
+        self.pool.attach(self.index, sampler, engines, claimed)
 
     def leave(self) -> None:
         """The pipeline ended (or failed): its replicas are vacant."""
-        self.pool._leave(self.index)
+        self.pool.leave(self.index)
 
 
 @dataclasses.dataclass
@@ -158,7 +158,8 @@ class ReplicaPool:
 
     # ------------------------------------------------------------------------------ members
 
-    def _claim(self, p: int) -> list[int]:
+    def claim(self, p: int) -> list[int]:
+        """Pipeline p's first replica meshes (Member.claim)."""
         with self._lock:
             if p in self._claimed:
                 raise RuntimeError(f"Pipeline {self.names[p]!r} already started its sampler.")
@@ -173,16 +174,22 @@ class ReplicaPool:
                 self.holder[r] = p
             return mine
 
-    def _attach(self, p: int, sampler: ReplicaSampler, engines: list, claimed: list[int]):
+    def attach(
+        self, p: int, sampler: ReplicaSampler, engines: Sequence[Any], claimed: Sequence[int]
+    ) -> None:
+        """Pipeline p's sampler runs on `claimed`; `engines`: its Engine on every mesh."""
         if len(engines) != self.replicas:
             raise ValueError(
                 f"Pipeline {self.names[p]!r} built {len(engines)} engines; the pool has "
                 f"{self.replicas} replica meshes."
             )
         with self._lock:
-            self._attached[p] = _Attached(sampler, engines, {r: i for i, r in enumerate(claimed)})
+            self._attached[p] = _Attached(
+                sampler, list(engines), {r: i for i, r in enumerate(claimed)}
+            )
 
-    def _leave(self, p: int) -> None:
+    def leave(self, p: int) -> None:
+        """Pipeline p ended or failed: its replicas are vacant."""
         with self._lock:
             self._account()
             self._attached.pop(p, None)
@@ -191,7 +198,7 @@ class ReplicaPool:
                     self.holder[r] = None
 
     def close(self) -> None:
-        """Stops moving replicas (the pipelines' runtimes close their own samplers)."""
+        """Stops moving replicas (the pipelines' runtimes close their own samplers). Idempotent."""
         self._stop.set()
         self._thread.join()
 

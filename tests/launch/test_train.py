@@ -7,6 +7,7 @@ import pytest
 
 from configs import smoke
 from rl.models.summary import summarize
+from tests.host_arrays import assert_bitwise_equal
 
 
 def test_summarize_smoke_config():
@@ -69,8 +70,6 @@ def test_default_run_trains_pipelined_rounds_and_writes_its_files(tmp_path):
     "tail", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["plain", "tail"]
 )
 def test_resumed_run_continues_the_exact_trajectory(tmp_path, monkeypatch, tail):
-    import jax
-    import numpy as np
 
     from rl.rewards import REWARDS, register_reward
     from rl.run import train
@@ -94,12 +93,7 @@ def test_resumed_run_continues_the_exact_trajectory(tmp_path, monkeypatch, tail)
     assert first["first_round"] == 0 and len(first["rounds"]) == 1
     second = train(config(tmp_path / "resumed", 2), stdout=False)
     assert second["first_round"] == 1 and len(second["rounds"]) == 1
-    for a, b in zip(
-        jax.tree.leaves(straight["state"]), jax.tree.leaves(second["state"]), strict=True
-    ):
-        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-            a, b = jax.random.key_data(a), jax.random.key_data(b)
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_bitwise_equal(second["state"], straight["state"])
     assert straight["rounds"][1]["reward_mean"] == second["rounds"][0]["reward_mean"]
     assert straight["rounds"][1]["grad_norm"] > 0  # the parameters did move
     kinds = [r["long_round"] for r in straight["rounds"]]
@@ -129,18 +123,6 @@ def straight_run(tmp_path_factory):
     REWARDS.pop("test_parity_resume", None)
 
 
-def _leaves(state):
-    import jax
-    import numpy as np
-
-    out = []
-    for x in jax.tree.leaves(state):
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x = jax.random.key_data(x)
-        out.append(np.asarray(x))
-    return out
-
-
 def _tb_steps(tb_dir, tag):
     import glob
     import struct
@@ -168,8 +150,6 @@ def test_kill_during_the_last_save_resumes_exactly_with_one_metrics_row_per_roun
     import json
     import shutil
 
-    import numpy as np
-
     from rl.run import train
 
     workdir = tmp_path / "killed"
@@ -191,10 +171,8 @@ def test_kill_during_the_last_save_resumes_exactly_with_one_metrics_row_per_roun
     resumed = train(straight_run["config"](workdir), stdout=False)
 
     assert resumed["first_round"] == 2 and len(resumed["rounds"]) == 1
-    for a, b in zip(
-        _leaves(straight_run["summary"]["state"]), _leaves(resumed["state"]), strict=True
-    ):
-        np.testing.assert_array_equal(a, b)  # the same parameters as the uninterrupted run
+    # the same parameters as the uninterrupted run
+    assert_bitwise_equal(resumed["state"], straight_run["summary"]["state"])
     rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["prefix"] == "train"] == [0, 1, 2]
     assert _tb_steps(workdir / "tb", "train/reward_mean") == [0, 1, 2]
@@ -212,8 +190,6 @@ def test_a_run_killed_with_no_intact_checkpoint_starts_over_on_a_plain_rerun(
     import json
     import shutil
 
-    import numpy as np
-
     from rl.run import train
 
     workdir = tmp_path / "killed"
@@ -229,10 +205,7 @@ def test_a_run_killed_with_no_intact_checkpoint_starts_over_on_a_plain_rerun(
     resumed = train(straight_run["config"](workdir), stdout=False)
 
     assert resumed["first_round"] == 0 and len(resumed["rounds"]) == 3
-    for a, b in zip(
-        _leaves(straight_run["summary"]["state"]), _leaves(resumed["state"]), strict=True
-    ):
-        np.testing.assert_array_equal(a, b)
+    assert_bitwise_equal(resumed["state"], straight_run["summary"]["state"])
     rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["prefix"] == "train"] == [0, 1, 2]
     assert _tb_steps(workdir / "tb", "train/reward_mean") == [0, 1, 2]

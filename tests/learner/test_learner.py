@@ -1,10 +1,14 @@
 """The learner: accumulation equals one batch, sharding changes nothing, old log-probs, guards."""
 
+import sys
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import SingleDeviceSharding
 
 from learner.batching import make_batch
 from learner.config import LearnerConfig, OptimizerConfig
@@ -16,6 +20,7 @@ from learner.step import accumulate, apply, train_step, zero_accum
 from rl.advantages import get_advantage_estimator
 from rl.models import create_model, get_preset
 from rl.types import Completion, Group, Request
+from tests.host_arrays import assert_bitwise_equal, host_arrays
 
 TOL = 1e-5  # float32
 
@@ -344,6 +349,43 @@ def test_a_publish_onto_more_devices_than_the_learners_survives_its_next_update(
     assert sync.shared == 0  # different devices: a copy, never the learner's arrays
 
 
+def test_threads_place_one_publish_on_their_replicas_at_once():
+    # A ReplicaSampler's replicas (and a replica joining mid-round) place a publish on their own
+    # devices from several threads; jaxlib lists an array's per-device buffers lazily, and two
+    # threads listing them first made one array of twice its shards (a multiplexed test failed
+    # in CI: "safe_zip() argument 1 has length 3 but argument 0 has length 6").
+    lm, sm = make_meshes(MeshConfig(learner_devices=1, sampler_devices=3, colocated=True))
+    learner = Learner(create_model(get_preset("tiny")), LearnerConfig(), mesh=lm)
+    sync = DevicePutSync(learner.params, sm)
+    errors = []
+
+    def place(published, device, start):
+        start.wait()
+        try:
+            for x in jax.tree.leaves(published):
+                jax.block_until_ready(jax.device_put(x, SingleDeviceSharding(device)))
+        except ValueError as e:
+            errors.append(e)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads take turns often: the race gets its chances
+    try:
+        for version in range(10):  # new arrays each time: the race is on their first listing
+            published = sync.publish(jax.tree.map(lambda x: x + 0, learner.params), version)
+            start = threading.Barrier(3)
+            threads = [
+                threading.Thread(target=place, args=(published.params, d, start))
+                for d in sm.devices.flat
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+
+
 def test_bad_input_gets_clear_errors():
     groups = make_groups(1)
     with pytest.raises(ValueError, match="empty group list"):
@@ -407,15 +449,7 @@ def test_update_that_overflows_the_parameters_is_not_applied_and_names_the_leaf(
         mesh=_single_mesh(),
     )
 
-    def host(state):
-        return [
-            np.asarray(
-                jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
-            )
-            for x in jax.tree.leaves(state)
-        ]
-
-    before = host(learner.state)
+    before = host_arrays(learner.state)
     learner.begin_round(updates=1)
     learner.add_groups(make_groups(1))
     with pytest.raises(
@@ -423,8 +457,7 @@ def test_update_that_overflows_the_parameters_is_not_applied_and_names_the_leaf(
     ):
         learner.update()
     assert learner.step == 0
-    for a, b in zip(before, host(learner.state), strict=True):  # params, opt state, step, rng
-        np.testing.assert_array_equal(a, b)
+    assert_bitwise_equal(learner.state, before)  # params, opt state, step, rng
 
 
 def _with_reasons(group, reasons):
