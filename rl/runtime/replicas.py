@@ -126,7 +126,9 @@ class ReplicaSampler:
         self._lock = threading.Lock()
         self._topology = threading.RLock()  # held by a migration, add_replica, remove_replica
         self.loops: dict[int, SamplerLoop] = {}  # live replicas by index
-        self._removed: list[SamplerLoop] = []  # their counters stay in `stats`
+        self._removed: list[SamplerLoop] = []  # stopping: their counters stay in `stats`
+        self._retired = SamplerStats()  # counters of the replicas stopped and dropped
+        self._retired_error: BaseException | None = None
         self._offsets: dict[int, int] = {}
         self._next_offset = 0
         self._lanes: dict[int, int] = {}  # id(engine) -> its first slot lane
@@ -233,6 +235,7 @@ class ReplicaSampler:
             self._route([lost.pop(r.key) for r in queued if r.key in lost] + list(lost.values()))
         for c in scoring:
             self._deliver(c.group())
+        self._drop(loop)
 
     def remove_replica(self, i: int) -> None:
         """Stops replica i; its undelivered requests are re-sampled on the other replicas."""
@@ -247,6 +250,7 @@ class ReplicaSampler:
                 # re-routed at once: a round cut filling meanwhile forgets and aborts them too
                 self._route(self.routing.remove(i))
         loop.close()  # outside the locks: its thread may be emitting a group
+        self._drop(loop)
 
     def release_idle(self, i: int) -> bool:
         """Stops replica i if nothing waits, runs or is scored on it and it is not the last;
@@ -261,7 +265,17 @@ class ReplicaSampler:
                 self._removed.append(loop)
                 self.routing.remove(i)
         loop.close()  # outside the locks: its thread may be at its step boundary
+        self._drop(loop)
         return True
+
+    def _drop(self, loop: SamplerLoop) -> None:
+        """A stopped replica's counters and error stay; the loop goes, and with it the device
+        memory it held (its KV cache and weights): replicas that come and go (lending,
+        multiplexing) would otherwise keep a cache and a copy of the weights each."""
+        with self._lock:
+            self._removed.remove(loop)
+            self._retired = SamplerStats.total([self._retired, loop.stats])
+            self._retired_error = self._retired_error or loop.error
 
     def pending(self) -> int:
         """Requests waiting, running, or complete with rewards running, over the replicas."""
@@ -303,15 +317,18 @@ class ReplicaSampler:
     @property
     def error(self) -> BaseException | None:
         with self._lock:
-            loops = [*self.loops.values(), *self._removed]
-        return next((loop.error for loop in loops if loop.error is not None), None)
+            loops, retired = [*self.loops.values(), *self._removed], self._retired_error
+        return next((loop.error for loop in loops if loop.error is not None), retired)
 
     @property
     def stats(self) -> SamplerStats:
 
         with self._lock:
-            loops = [*self.loops.values(), *self._removed]
-        return self._cuts.settle(SamplerStats.total(loop.stats for loop in loops))
+            stats = [
+                self._retired,
+                *(loop.stats for loop in (*self.loops.values(), *self._removed)),
+            ]
+        return self._cuts.settle(SamplerStats.total(stats))
 
     def start(self) -> None:
         with self._topology:

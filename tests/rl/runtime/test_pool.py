@@ -1,18 +1,33 @@
 """Pipelines sharing a pool of sampler replicas (rl/runtime/pool.py): each pipeline of a
-multiplexed run trains bitwise what it trains alone, however its replicas move; a failing pipeline
+multiplexed run trains bitwise what it trains alone, however its replicas move; under random
+lengths and random scheduler decisions every request of every pipeline finishes once, with its own
+pipeline's weights, and no slot, replica or stopped replica's memory is kept; a failing pipeline
 stops alone, the others finish, and every replica is vacant at the end."""
 
+import gc
+import random
 import threading
+import time
+import weakref
 
 import jax
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh
 
 from configs import smoke
+from rl.admission import FCFS
 from rl.elastic.multiplex import MultiplexConfig, MultiplexPolicy
+from rl.models import create_model, get_preset
 from rl.rewards import REWARDS, register_reward
 from rl.run import train
 from rl.runtime.pool import ReplicaPool
+from rl.runtime.replicas import ReplicaSampler
+from rl.types import Request, SamplingParams
+from sampler.engine import Engine, EngineConfig
+from tests.host_arrays import assert_bitwise_equal
 
 REPLICAS = 3
 
@@ -50,15 +65,6 @@ class Restless(MultiplexPolicy):
         return min(live, key=lambda i: (i - owner) % len(views), default=None)
 
 
-def leaves(state):
-    out = []
-    for x in jax.tree.leaves(state):
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x = jax.random.key_data(x)
-        out.append(np.asarray(x))
-    return out
-
-
 def multiplexed(configs, policy=None):
     """The configs' runs at once, one thread each, on one pool; (summaries or errors, pool)."""
     pool = ReplicaPool([str(i) for i in range(len(configs))], replicas=REPLICAS, policy=policy)
@@ -91,8 +97,7 @@ def test_each_multiplexed_pipeline_trains_bitwise_its_solo_run(tmp_path, mode):
     assert all(h is None for h in pool.holder)  # every replica vacant once the runs ended
     for seed, mux in zip(seeds, runs, strict=True):
         solo = train(config(tmp_path / f"solo{seed}", seed, mode), stdout=False)
-        for a, b in zip(leaves(solo["state"]), leaves(mux["state"]), strict=True):
-            np.testing.assert_array_equal(a, b)
+        assert_bitwise_equal(mux["state"], solo["state"])
         assert [r["reward_mean"] for r in solo["rounds"]] == [
             r["reward_mean"] for r in mux["rounds"]
         ]
@@ -106,3 +111,127 @@ def test_a_failing_pipeline_stops_alone_and_the_others_finish(tmp_path):
     assert isinstance(runs[1], FloatingPointError), runs[1]
     assert not isinstance(runs[0], BaseException) and len(runs[0]["rounds"]) == 3
     assert pool.error is None and all(h is None for h in pool.holder)
+
+
+class Random(MultiplexPolicy):
+    """Sends an idle replica to a random sampling pipeline, or keeps it (None), demand or not."""
+
+    def __init__(self, seed):
+        super().__init__(MultiplexConfig(), switch_s=0.0)
+        self.rng = random.Random(seed)  # (only the pool's thread draws)
+
+    def replica_for(self, views, owner):
+        live = [i for i in range(len(views)) if i != owner and views[i].replicas]
+        return self.rng.choice([*live, None])
+
+
+@pytest.fixture(scope="module")
+def models():
+    """Two pipelines' policies: the same shapes, different weights."""
+    return [create_model(get_preset("tiny", init_std=0.3), seed=s) for s in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def engines(models):
+    """An Engine on each of the pool's replica devices (0, 1, 2), shared by the pipelines (one
+    shape of programs: the same compiled ones serve both)."""
+    cfg = EngineConfig(max_slots=4, max_length=48, max_prefill_length=16, steps_per_call=2)
+    return [
+        Engine(models[0], cfg, mesh=Mesh(np.array([d]).reshape(1, 1), ("data", "tp")))
+        for d in jax.devices()[:REPLICAS]
+    ]
+
+
+def workload(specs, pipeline):
+    rng = np.random.default_rng(pipeline)
+    return [
+        Request(
+            uid=uid,
+            prompt=tuple(int(t) for t in rng.integers(0, 256, size=int(rng.integers(1, 9)))),
+            group_size=g,
+            params=SamplingParams(temperature=1.0, max_new_tokens=n),
+        )
+        for uid, (g, n) in enumerate(specs)
+    ]
+
+
+def tokens(groups):
+    return {g.request.key: [(c.sample, c.tokens) for c in g.completions] for g in groups}
+
+
+VERSIONS = (3, 7)  # each pipeline's weights' version
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    specs=st.lists(
+        st.lists(st.tuples(st.integers(1, 3), st.integers(1, 30)), min_size=1, max_size=8),
+        min_size=2,
+        max_size=2,
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_random_moves_finish_every_request_once_in_its_own_weights_and_keep_nothing(
+    models, engines, specs, seed
+):
+    reqs = [workload(specs[p], p) for p in (0, 1)]
+    solo = []
+    for p in (0, 1):  # each pipeline alone on one replica
+        groups = []
+        alone = ReplicaSampler(
+            [engines[0]], make_admission=FCFS, reward_fn=lambda r, c: 0.0, emit=groups.append
+        )
+        alone.set_params(engines[0].load_params(models[p]), VERSIONS[p])
+        alone.submit(reqs[p])
+        alone.run_until_idle(max_steps=2000)
+        alone.close()
+        solo.append(tokens(groups))
+
+    pool = ReplicaPool(["a", "b"], replicas=REPLICAS, policy=Random(seed))
+    groups, samplers, seen = ([], []), [], []
+    for p in (0, 1):
+        claimed = pool.claim(p)
+        sampler = ReplicaSampler(
+            [engines[r] for r in claimed],
+            spare=[e for r, e in enumerate(engines) if r not in claimed],
+            make_admission=FCFS,
+            reward_fn=lambda r, c: 0.0,
+            emit=groups[p].append,
+        )
+        sampler.set_params(engines[0].load_params(models[p]), VERSIONS[p])
+        pool.attach(p, sampler, engines, claimed)
+        samplers.append(sampler)
+    try:
+        for p, sampler in enumerate(samplers):
+            sampler.start()
+            sampler.submit(reqs[p])
+        deadline = time.monotonic() + 120
+        while any(len(groups[p]) < len(reqs[p]) for p in (0, 1)):
+            assert time.monotonic() < deadline, [len(g) for g in groups]
+            for sampler in samplers:
+                assert sampler.error is None
+                seen += [weakref.ref(loop) for loop in list(sampler.loops.values())]
+            time.sleep(0.002)
+        pool.close()  # no more moves: what follows looks at a still pool
+        for p, sampler in enumerate(samplers):
+            assert tokens(groups[p]) == solo[p]  # once each, the tokens of its own weights alone
+            assert len(groups[p]) == len(reqs[p])
+            assert {v for g in groups[p] for c in g.completions for v in c.versions} == {
+                VERSIONS[p]
+            }
+            held = {r for r in range(REPLICAS) if pool.holder[r] == p}
+            live = sampler.loops.values()
+            assert {engines.index(loop.engine) for loop in live} == held  # no replica lost
+            for loop in live:  # no slot leaked or left reserved
+                view = loop.view()
+                assert view.free == view.slots and not view.running
+        assert pool.error is None
+        gc.collect()  # a replica that moved away keeps no KV cache or weights behind
+        live = {id(loop) for sampler in samplers for loop in sampler.loops.values()}
+        assert all(ref() is None or id(ref()) in live for ref in seen)
+    finally:
+        pool.close()  # (idempotent)
+        for p, sampler in enumerate(samplers):
+            sampler.close()
+            pool.leave(p)
+    assert all(h is None for h in pool.holder)
