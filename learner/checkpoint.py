@@ -20,6 +20,12 @@ and the file, moves the step to `<directory>/damaged/` and falls back to the new
 `CheckpointDamagedError` with that line instead. When every step is damaged it raises
 `NoIntactCheckpointError` (a run then starts over: rl/run.py).
 
+Orbax keys the operations in flight on one process-wide counter, so two managers saving at once
+in one process (pipelines multiplexed in threads: rl/runtime/pool.py) read each other's signals
+and write into each other's temporary directories. Orbax's work is therefore one Checkpointer's
+at a time per process (`_ORBAX`): a save holds it from its start until orbax has written the step
+(the background part included), a restore while it reads.
+
 A multi-process learner (learner/distributed.py) makes the same calls in every process, on one
 directory they all see: orbax writes each process's shards and process 0 the metadata; process 0
 alone writes the checksums (the others wait for them at a barrier) and, in `restore`, verifies the
@@ -33,6 +39,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 from typing import Any
 
 import jax
@@ -49,6 +56,7 @@ BARRIER_TIMEOUT_S = 600  # a multi-process save: how long processes wait for pro
 # A multi-process restore: what process 0 found instead of a step.
 _NO_STEP, _DAMAGED, _NONE_INTACT = -1, -2, -3
 DAMAGED = "damaged"  # damaged steps are moved to <directory>/damaged/<step>
+_ORBAX = threading.Lock()  # orbax at work for one Checkpointer of this process (module docstring)
 
 
 class CheckpointDamagedError(ValueError):
@@ -119,7 +127,10 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save
         )
-        self._mngr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        with _ORBAX:
+            self._mngr = ocp.CheckpointManager(
+                self.directory, options=options, item_handlers=handlers
+            )
         self._async = async_save
         # One worker finishes each save: waits for orbax, then writes the step's checksums. Every
         # other method waits for it first, so one thread at a time uses the manager.
@@ -171,7 +182,14 @@ class Checkpointer:
         )
         self._finish_pending()
         latest = self._mngr.latest_step()
-        if not self._mngr.save(int(step), args=args):
+        _ORBAX.acquire()  # released by `_finish` once orbax has written the step
+        try:
+            saved = self._mngr.save(int(step), args=args)
+        except BaseException:
+            _ORBAX.release()
+            raise
+        if not saved:
+            _ORBAX.release()
             raise ValueError(
                 f"Checkpoint step {step} was not saved: steps must increase, and "
                 f"{self.directory} already holds step {latest}."
@@ -187,7 +205,10 @@ class Checkpointer:
         With several processes the others wait at a barrier until process 0 has written them, so
         that no process sees a finished save without its checksums (a damaged step).
         """
-        self._mngr.wait_until_finished()
+        try:
+            self._mngr.wait_until_finished()
+        finally:
+            _ORBAX.release()  # taken by `save`
         if jax.process_count() == 1:
             write_checksums(self._step_dir(step))
             return
@@ -348,7 +369,8 @@ class Checkpointer:
         data = jax.tree.map(
             lambda x: jax.eval_shape(jax.random.key_data, x) if _is_key(x) else x, abstract_state
         )
-        saved = self._mngr.item_metadata(step)["state"]
+        with _ORBAX:
+            saved = self._mngr.item_metadata(step)["state"]
         self._check_shapes(_shapes(getattr(saved, "tree", saved)), _shapes(data), step)
         target = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), data, shardings
@@ -358,7 +380,8 @@ class Checkpointer:
             prng=ocp.args.JsonRestore(),
             meta=ocp.args.JsonRestore(),
         )
-        out = self._mngr.restore(step, args=args)
+        with _ORBAX:
+            out = self._mngr.restore(step, args=args)
         result = treedef.flatten_up_to(out["state"])
         for i, ((path, want), s) in enumerate(zip(leaves, shard_leaves, strict=True)):
             impl = out["prng"].get(_path_str(path))

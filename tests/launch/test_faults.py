@@ -1,4 +1,5 @@
-"""Faults from outside: `launch.train` killed with SIGKILL at random instants, or sent SIGTERM.
+"""Faults from outside: `launch.train` (and `launch.sweep`) killed with SIGKILL at random instants,
+or sent SIGTERM.
 
 Each case runs the launcher in a subprocess, as a user would: once uninterrupted, then killed at
 instants drawn from a seeded generator and rerun with the same command until it finishes. The
@@ -50,8 +51,13 @@ MODES = {
 }
 
 
-def _start(workdir, flags) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "launch.train", *COMMON, *flags, f"--config.workdir={workdir}"]
+# launch.sweep: two pipelines (seeds) multiplexed on two sampler replicas, each its own workdir
+SWEEP = ["--sweep.values=seed=0,1", "--config.mesh.sampler_replicas=2"]
+PIPELINES = ["seed=0", "seed=1"]
+
+
+def _start(workdir, flags, program: str = "launch.train") -> subprocess.Popen:
+    cmd = [sys.executable, "-m", program, *COMMON, *flags, f"--config.workdir={workdir}"]
     return subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -77,26 +83,33 @@ def _train_rows(workdir) -> list[dict]:
 
 
 def _straight(workdir, flags) -> tuple[list[np.ndarray], float]:
-    t = time.monotonic()
-    _finish(_start(workdir, flags))
-    seconds = time.monotonic() - t
+    seconds = _timed(workdir, flags)
     assert any(r["grad_norm"] > 0 for r in _train_rows(workdir))  # the parameters moved
     return _params(workdir), seconds
 
 
-def _killed_and_rerun(workdir, flags, seconds: float, seed: int, kills: int = 2) -> int:
+def _timed(workdir, flags, program: str = "launch.train") -> float:
+    """Seconds an uninterrupted run takes."""
+    t = time.monotonic()
+    _finish(_start(workdir, flags, program))
+    return time.monotonic() - t
+
+
+def _killed_and_rerun(
+    workdir, flags, seconds: float, seed: int, kills: int = 2, program: str = "launch.train"
+) -> int:
     """Runs with SIGKILL at `kills` random instants within the uninterrupted run's `seconds`,
     then reruns until the run finishes. Returns how many kills hit a running process."""
     rng, hit = random.Random(seed), 0
     for _ in range(kills):
-        proc = _start(workdir, flags)
+        proc = _start(workdir, flags, program)
         try:
             proc.wait(timeout=rng.uniform(0.05, 0.8) * seconds)
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGKILL)
             hit += 1
         proc.communicate()
-    _finish(_start(workdir, flags))
+    _finish(_start(workdir, flags, program))
     return hit
 
 
@@ -143,6 +156,19 @@ def test_kill_at_random_instants_under_ray(ray_cluster, tmp_path):
     for seed in SEEDS:
         hits += _killed_and_rerun(tmp_path / f"killed{seed}", flags, seconds, seed)
         _assert_resumed_exactly(tmp_path / f"killed{seed}", straight)
+    assert hits >= 1
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_continues_every_pipeline_on_a_plain_rerun(tmp_path):
+    """Killed anywhere (start-up, one pipeline's save while the other samples on its replicas),
+    a rerun of the same launch.sweep command ends each pipeline as its uninterrupted run."""
+    seconds = _timed(tmp_path / "straight", SWEEP, "launch.sweep")
+    hits = _killed_and_rerun(tmp_path / "killed", SWEEP, seconds, seed=0, program="launch.sweep")
+    for name in PIPELINES:
+        straight = tmp_path / "straight" / name
+        assert any(r["grad_norm"] > 0 for r in _train_rows(straight))  # the parameters moved
+        _assert_resumed_exactly(tmp_path / "killed" / name, _params(straight))
     assert hits >= 1
 
 

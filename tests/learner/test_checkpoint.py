@@ -9,6 +9,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 
 import grain
 import jax
@@ -24,6 +25,7 @@ from learner.mesh import MeshConfig, make_meshes
 from learner.state import TrainState, make_optimizer, state_shardings
 from rl.models import abstract_model, get_preset
 from rl.types import Completion, Group, Request
+from tests.host_arrays import assert_bitwise_equal, host_arrays
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CFG = LearnerConfig(optimizer=OptimizerConfig(lr=1e-3), micro_batch_rows=4)
@@ -85,23 +87,6 @@ def _train(learner: Learner, rounds: range) -> list[float]:
     return losses
 
 
-def _host(state) -> dict[str, np.ndarray]:
-    """Leaf path -> numpy copy (PRNG keys as their key data)."""
-    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-    out = {}
-    for path, x in leaves:
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x = jax.random.key_data(x)
-        out[jax.tree_util.keystr(path)] = np.asarray(jax.device_get(x))
-    return out
-
-
-def _assert_equal(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
-    assert got.keys() == want.keys()
-    for k in want:
-        np.testing.assert_array_equal(got[k], want[k], err_msg=k)  # bit-exact
-
-
 def _data_iter():
     return iter(grain.MapDataset.range(100).shuffle(seed=1).to_iter_dataset())
 
@@ -138,14 +123,14 @@ def run(tmp_path_factory):
         "data": data_state,
         "long_prompts": [[5, 6, 7]],
     }
-    at_save = _host(learner.state)
+    at_save = host_arrays(learner.state)
     ckpt = Checkpointer(directory, async_save=True)
     ckpt.save(learner.step, learner.state, meta)
     losses += _train(learner, range(SAVED_ROUNDS, ROUNDS))
     ckpt.wait()
     ckpt.close()
     data = seen + [int(next(it)) for _ in range(DATA_NEXT)]
-    final = _host(learner.state)
+    final = host_arrays(learner.state)
     return dict(dir=directory, meta=meta, at_save=at_save, final=final, losses=losses, data=data)
 
 
@@ -165,7 +150,9 @@ def test_resume_in_fresh_process_continues_the_exact_trajectory(run, tmp_path):
     assert json.loads(str(resumed.pop("meta"))) == run["meta"]
     assert resumed.pop("losses").tolist() == run["losses"][SAVED_ROUNDS:]
     assert resumed.pop("data").tolist() == run["data"][DATA_SEEN:]
-    _assert_equal(resumed, run["final"])  # params, optimizer state, step and rng, bit for bit
+    assert_bitwise_equal(
+        resumed, run["final"]
+    )  # params, optimizer state, step and rng, bit for bit
 
 
 def _resume_main(directory: str, out: str) -> None:
@@ -179,7 +166,7 @@ def _resume_main(directory: str, out: str) -> None:
     it = _data_iter()
     it.set_state(meta["data"])
     data = [int(next(it)) for _ in range(DATA_NEXT)]
-    np.savez(out, meta=json.dumps(meta), losses=losses, data=data, **_host(learner.state))
+    np.savez(out, meta=json.dumps(meta), losses=losses, data=data, **host_arrays(learner.state))
 
 
 @pytest.mark.parametrize("devices,tp", [(2, 1), (1, 1), (6, 3)])
@@ -187,7 +174,7 @@ def test_restore_onto_another_mesh_layout_gives_identical_values(run, devices, t
     abstract, shardings = _abstract(_mesh(devices, tp))
     state, meta = Checkpointer(run["dir"]).restore(abstract_state=abstract, shardings=shardings)
     assert meta == run["meta"]
-    _assert_equal(_host(state), run["at_save"])
+    assert_bitwise_equal(host_arrays(state), run["at_save"])
     assert jax.tree.leaves(jax.tree.map(lambda x: x.sharding, state)) == jax.tree.leaves(shardings)
 
 
@@ -240,12 +227,46 @@ def test_async_saves_keep_max_to_keep_and_bad_saves_are_refused(tmp_path):
     )
     state, meta = ckpt.restore(3, abstract_state=abstract, shardings=shardings)
     assert meta == {"round": 3}
-    _assert_equal(_host(state), _host(_small_state(3)))
+    assert_bitwise_equal(state, _small_state(3))
     with pytest.raises(ValueError, match="steps must increase.*holds step 4"):
         ckpt.save(4, _small_state(4), {})
     with pytest.raises(TypeError, match=r"JSON-serialisable.*\['queue'\]"):
         ckpt.save(5, _small_state(5), {"round": 5, "queue": b"bytes"})
     ckpt.close()
+
+
+def test_checkpointers_of_pipelines_in_threads_save_at_once_and_each_restores_its_own(tmp_path):
+    # Pipelines multiplexed in threads (rl/runtime/pool.py) each save to their own directory;
+    # orbax keys its operations on one process-wide counter, and two saves at once wrote into
+    # each other's temporary directories (a sweep failed with "Directory not empty").
+    pipelines, steps = 3, 4
+    errors = []
+
+    def run(p):
+        try:
+            ckpt = Checkpointer(tmp_path / str(p), max_to_keep=2)
+            for step in range(1, steps + 1):
+                ckpt.save(step, _small_state(10 * p + step), {"pipeline": p, "step": step})
+            ckpt.close()
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in range(pipelines)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    abstract = jax.eval_shape(lambda: _small_state(0))
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: one, abstract)
+    for p in range(pipelines):
+        ckpt = Checkpointer(tmp_path / str(p))
+        state, meta = ckpt.restore(abstract_state=abstract, shardings=shardings)
+        assert ckpt.all_steps() == [steps - 1, steps] and not ckpt.damaged
+        assert meta == {"pipeline": p, "step": steps}
+        assert_bitwise_equal(state, _small_state(10 * p + steps))
+        ckpt.close()
 
 
 def test_a_state_holding_prng_keys_restores_them_as_keys(tmp_path):
@@ -263,7 +284,7 @@ def test_a_state_holding_prng_keys_restores_them_as_keys(tmp_path):
     ckpt.close()
     assert str(jax.random.key_impl(got["key"])) == str(jax.random.key_impl(state["key"]))
     assert got["k2"].dtype == state["k2"].dtype
-    _assert_equal(_host(got), _host(state))
+    assert_bitwise_equal(host_arrays(got), host_arrays(state))
     assert jax.random.uniform(got["k2"]) == jax.random.uniform(state["k2"])
 
 
@@ -340,7 +361,7 @@ def test_damaged_newest_step_falls_back_to_the_newest_intact_one(tmp_path, kind,
     ckpt = Checkpointer(tmp_path, max_to_keep=3)
     state, meta = ckpt.restore(abstract_state=abstract, shardings=shardings)
     assert meta == {"round": 2}
-    _assert_equal(_host(state), _host(_small_state(2)))
+    assert_bitwise_equal(host_arrays(state), host_arrays(_small_state(2)))
     [(step, problem)] = ckpt.damaged
     assert step == 3 and named in problem
     [line] = warnings  # one line naming the step and the file
@@ -450,7 +471,9 @@ def test_save_killed_at_a_random_point_resumes_from_an_intact_step_to_the_same_p
     assert ckpt.verify(step) is None and ckpt.all_steps()[-1] == step  # newer damaged: moved
     _train(learner, range(step, ROUNDS))
     ckpt.close()
-    _assert_equal(_host(learner.state), run["final"])  # as if never interrupted, bit for bit
+    assert_bitwise_equal(
+        host_arrays(learner.state), run["final"]
+    )  # as if never interrupted, bit for bit
 
 
 if __name__ == "__main__":
