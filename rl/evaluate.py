@@ -63,7 +63,7 @@ def evaluate(
     def run(group_size: int, sampling: SamplingParams) -> list[Group]:
         groups: list[Group] = []
         loop = SamplerLoop(
-            engine,
+            engine.fork(),  # the rollout may be running on `engine` (async runs ahead)
             params,
             admission=FCFS(),
             reward_fn=reward_fn,

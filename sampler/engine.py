@@ -26,6 +26,7 @@ other requests in the batch.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -259,6 +260,15 @@ class Engine:
         )
 
     # ------------------------------------------------------------------------- prefill, insert
+
+    def fork(self) -> Engine:
+        """This engine's devices and compiled programs, for a decode state of its own next to a
+        running one (held-out evaluation while a rollout runs ahead on this engine): a paged
+        engine's page pool belongs to the one decode state it serves, so a fork keeps its own
+        books instead of emptying the running state's. Nothing compiles again."""
+        twin = copy.copy(self)
+        twin._pager = None
+        return twin
 
     def init_decode_state(self) -> DecodeState:
         """An empty decode state. A paged engine serves one decode state at a time: this also

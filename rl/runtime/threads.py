@@ -238,12 +238,11 @@ class ThreadsRuntime:
 
     def evaluate(self, published: Any, records: Any, *, k: int = 1) -> dict[str, float]:
         """Held-out accuracy (and pass@k, k > 1) of published params (WeightSync output)."""
-        published = self.engine.place_params(published)  # all replicas' devices -> replica 0's
         return evaluate_heldout(
             self.config,
             self.setup,
             self.engine,
-            self.engine.place_params(published),  # on the first replica's devices
+            self.engine.place_params(published),  # on its replica's devices
             records,
             self.eval_reward,
             k,

@@ -171,3 +171,27 @@ def test_every_request_finishes_once_and_no_page_leaks(model, tight, data, group
     pool = tight.pool
     assert pool.free == pool.pages and not pool.order and not pool.swapped
     assert not pool.refs.any()
+
+
+def test_a_second_decode_state_on_the_engine_leaves_the_running_one_intact(model):
+    # Held-out evaluation runs a loop of its own on the first replica's engine while an async
+    # rollout runs ahead on it; the evaluation's loop took over the engine's page pool, and the
+    # running loop decoded from pages it no longer owned (async runs lost their determinism).
+    engine = _engine(model, page=8)
+    want = _run(engine, model, _requests(LENGTHS, NEW))
+    groups = []
+    running = SamplerLoop(
+        engine,
+        engine.load_params(model),
+        admission=FCFS(),
+        reward_fn=lambda r, c: 0.0,
+        emit=groups.append,
+    )
+    running.submit(_requests(LENGTHS, NEW))
+    for _ in range(3):
+        running.step()
+    evaluated = _run(engine.fork(), model, _requests([5, 11], [9, 13], seed=1))
+    while running.step():
+        pass
+    _same({g.request.key: g.completions for g in groups}, want)
+    assert evaluated == _run(_engine(model, page=8), model, _requests([5, 11], [9, 13], seed=1))
