@@ -41,13 +41,13 @@ def parity_reward():
     REWARDS.pop("test_pool_parity", None)
 
 
-def config(workdir, seed, mode="cgp"):
+def config(workdir, seed, mode="cgp", replicas=REPLICAS):
     c = smoke.get_config()
     c.workdir, c.seed, c.rounds = str(workdir), seed, 3
     c.sft.max_steps = 0
     c.task.reward = "test_pool_parity"
-    c.mesh.sampler_replicas = REPLICAS
-    c.driver.mode = mode
+    c.mesh.sampler_replicas = replicas
+    c.driver.mode, c.driver.batching, c.driver.max_staleness = mode, "ordered", 0
     return c
 
 
@@ -67,7 +67,8 @@ class Restless(MultiplexPolicy):
 
 def multiplexed(configs, policy=None):
     """The configs' runs at once, one thread each, on one pool; (summaries or errors, pool)."""
-    pool = ReplicaPool([str(i) for i in range(len(configs))], replicas=REPLICAS, policy=policy)
+    replicas = configs[0].mesh.sampler_replicas
+    pool = ReplicaPool([str(i) for i in range(len(configs))], replicas=replicas, policy=policy)
     out = [None] * len(configs)
 
     def run(i):
@@ -85,18 +86,27 @@ def multiplexed(configs, policy=None):
     return out, pool
 
 
-@pytest.mark.parametrize("mode", ["cgp", pytest.param("sync", marks=pytest.mark.slow)])
-def test_each_multiplexed_pipeline_trains_bitwise_its_solo_run(tmp_path, mode):
-    seeds = (0, 1)
+@pytest.mark.parametrize(
+    "mode, pipelines",
+    [
+        ("cgp", 2),
+        pytest.param("sync", 2, marks=pytest.mark.slow),
+        pytest.param("async", 2, marks=pytest.mark.slow),  # max_staleness 0
+        pytest.param("cgp", 3, marks=pytest.mark.slow),
+    ],
+)
+def test_each_multiplexed_pipeline_trains_bitwise_its_solo_run(tmp_path, mode, pipelines):
+    seeds, replicas = range(pipelines), pipelines + 1  # one replica more than the homes: it moves
     runs, pool = multiplexed(
-        [config(tmp_path / f"mux{s}", s, mode) for s in seeds], policy=Restless(len(seeds))
+        [config(tmp_path / f"mux{s}", s, mode, replicas) for s in seeds],
+        policy=Restless(pipelines),
     )
     assert pool.error is None
     assert all(not isinstance(r, BaseException) for r in runs), runs
     assert sum(s.moves_in for s in pool.stats) > 0  # replicas did switch pipelines
     assert all(h is None for h in pool.holder)  # every replica vacant once the runs ended
     for seed, mux in zip(seeds, runs, strict=True):
-        solo = train(config(tmp_path / f"solo{seed}", seed, mode), stdout=False)
+        solo = train(config(tmp_path / f"solo{seed}", seed, mode, replicas), stdout=False)
         assert_bitwise_equal(mux["state"], solo["state"])
         assert [r["reward_mean"] for r in solo["rounds"]] == [
             r["reward_mean"] for r in mux["rounds"]
