@@ -153,3 +153,21 @@ def test_packing_run_compiles_nothing_after_its_start():
     assert r["compiles_timed"] == 0, watch.timed_names()  # the eager ops too: warmed up
     assert r["compiles_after_start"] == 0
     assert r["padded_fraction"]["packed"] <= r["padded_fraction"]["unpacked"]
+
+
+@pytest.mark.slow  # about 1 minute: a warm-up, two pipelines back to back, then multiplexed
+def test_bench_sweep_multiplexed_pipelines_train_their_back_to_back_parameters(tmp_path):
+    flags = [
+        "--pipelines=2",
+        "--rounds=2",
+        "--groups=4",
+        "--repeats=1",
+        f"--workdir={tmp_path / 'runs'}",
+    ]
+    out, stdout = run_bench("launch.bench_sweep", flags, tmp_path)
+    assert out["same_params"] and out["compiles_after_start"] == 0
+    runs = out["runs"]
+    assert runs["multiplexed"][0]["digests"] == runs["back to back"][0]["digests"]
+    assert len(set(runs["multiplexed"][0]["digests"])) == 2  # two different pipelines
+    assert out["speedup_vs_back_to_back"]["n"] == 1
+    assert "bitwise its back-to-back run's: True" in stdout
