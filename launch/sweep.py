@@ -13,8 +13,9 @@ devices:
         --config.mesh.sampler_replicas=3 --config.workdir=runs/sweep
 
 Prints a line per pipeline round as it is logged, then a table (held-out accuracy before and after
-RL, wall time, share of the pool's replica time, replicas received/given). A pipeline that fails
-stops alone: its error is printed with its name and the sweep exits 1 once the others finish.
+RL, wall time, share of the pool's replica time, replicas received/given, seconds on the learner's
+devices and waiting for them). A pipeline that fails stops alone: its error is printed with its
+name and the sweep exits 1 once the others finish.
 Library logging goes to `<config.workdir>/sweep.log`. SIGTERM stops every pipeline at its next safe
 point; rerunning the same command resumes each from its checkpoint (config.resume).
 """

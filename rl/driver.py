@@ -23,6 +23,7 @@ original error; a round's result lists only groups whose update completed.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
@@ -110,6 +111,9 @@ class Driver:
         and `schedule.in_flight()` names their prompts (config.async_resume = "no_bubble").
       sampler: emits complete groups onto `queue` and records into `timeline`; started here,
         with the weights of `version`.
+      learner_turn: `learner_turn(kind)` is entered around each learner operation (kind
+        "micro_step" or "update"); a multiplexed pipeline's waits there for its turn on the
+        learner's devices (rl/runtime/pool.py). None: no turns.
       Others: the components (learner, weight sync, prompt source); rl.runtime.threads and
         rl.runtime.ray build them.
     """
@@ -131,6 +135,7 @@ class Driver:
         keep_sampling: bool = False,
         borrower: LearnerBorrower | None = None,
         lender: SamplerLender | None = None,
+        learner_turn: Callable[[str], contextlib.AbstractContextManager[None]] | None = None,
     ):
         if borrower is not None and cfg.mode == "async":
             raise ValueError(
@@ -141,6 +146,9 @@ class Driver:
         self.borrower, self.lender = borrower, lender
         self._deferred: list[Action] = []  # learner work held while its devices are lent
         self.learner = learner
+        # each learner operation ("micro_step", "update") runs inside it: a pool of pipelines
+        # sharing the learner's devices takes turns there (rl/runtime/pool.py)
+        self._learner_turn = learner_turn or (lambda kind: contextlib.nullcontext())
         self.weight_sync = weight_sync
         self.planner = RoundPlanner(
             cfg.tail,
@@ -265,14 +273,16 @@ class Driver:
         added[0] += len(groups)
         added[1] += sum(len(c.prompt) + len(c.tokens) for g in groups for c in g.completions)
         self._maybe_borrow(round)
-        t0 = self.clock()
-        self.learner.add_groups(groups)
+        with self._learner_turn("micro_step"):
+            t0 = self.clock()
+            self.learner.add_groups(groups)
+            t1 = self.clock()
         tokens = sum(len(c.tokens) for g in groups for c in g.completions)
         self.timeline.span(
             "learner",
             "micro_step",
             t0,
-            self.clock(),
+            t1,
             round=round,
             tokens=tokens,
             step=self.learner.step,
@@ -280,14 +290,14 @@ class Driver:
 
     def _update(self, up: Update) -> None:
         self._maybe_borrow(up.round)
-        t0 = self.clock()
-        step = self.learner.step
-        m = self.learner.update()
+        with self._learner_turn("update"):
+            t0 = self.clock()
+            step = self.learner.step
+            m = self.learner.update()
+            t1 = self.clock()
         m.update(staleness_metrics(up.batch, up.version))
         tokens = sum(len(c.tokens) for g in up.batch for c in g.completions)
-        self.timeline.span(
-            "learner", "update", t0, self.clock(), round=up.round, tokens=tokens, step=step
-        )
+        self.timeline.span("learner", "update", t0, t1, round=up.round, tokens=tokens, step=step)
         self._updates[up.round].append(m)
         self._updates_left -= 1
         if self.on_update is not None:

@@ -198,7 +198,18 @@ def run_sweep(
 
 def result_rows(results: Sequence[PipelineResult]) -> list[tuple[str, ...]]:
     """The final table: a header, then one row per pipeline."""
-    rows = [("pipeline", "status", "acc before", "acc after", "wall s", "pool share", "moves")]
+    rows = [
+        (
+            "pipeline",
+            "status",
+            "acc before",
+            "acc after",
+            "wall s",
+            "pool share",
+            "moves",
+            "learner s (wait)",
+        )
+    ]
     pct = lambda s, k: f"{s[k]:.1%}" if s and isinstance(s.get(k), float) else "-"
     for r in results:
         s = r.summary or {}
@@ -220,6 +231,7 @@ def result_rows(results: Sequence[PipelineResult]) -> list[tuple[str, ...]]:
                 f"{r.wall_s:.1f}",
                 f"{r.share:.0%}",
                 moves,
+                f"{r.stats.learner_s:.1f} ({r.stats.learner_wait_s:.1f})",
             )
         )
     return rows

@@ -30,19 +30,23 @@ randomness, batch-independent attention) and a pipeline's learner sees the group
 schedule, so each pipeline's tokens and parameters are bitwise those of its solo run; only the
 timing changes (tests/rl/runtime/test_pool.py).
 
-What this runtime does not arbitrate: the learners share the learner mesh and run their programs
-as their drivers issue them (XLA time-shares the devices); the policy's `learner_for` is modelled
-by the simulator only. The views carry no learner work (`learner_s`), so the look-ahead rule never
-holds a replica back here: a replica goes where sequences wait.
+The learner's devices are shared too: each pipeline's learner (its own parameters and optimizer
+state, all resident) runs one operation at a time on them, a micro-step (`add_groups`) or an
+update, and the pipelines take turns (`learner_turn`, entered by each pipeline's Driver): when
+several wait, the policy's `learner_for` picks who goes first (the one whose rollout waits on its
+publish, then the shortest work, aged), and its views carry each pipeline's queued learner work,
+so the look-ahead rule keeps a replica on a pipeline whose next round is about to start. Work is
+estimated from that pipeline's last operations of the same kind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from absl import logging
@@ -62,11 +66,15 @@ class MemberStats:
         first round's start to its driver's end).
       moves_in: replicas it received from another pipeline or vacant.
       moves_out: replicas it gave up.
+      learner_s: seconds its learner operations held the learner's devices.
+      learner_wait_s: seconds they waited for their turn.
     """
 
     replica_s: float = 0.0
     moves_in: int = 0
     moves_out: int = 0
+    learner_s: float = 0.0
+    learner_wait_s: float = 0.0
 
 
 class Member:
@@ -102,6 +110,10 @@ class Member:
     def leave(self) -> None:
         """The pipeline ended (or failed): its replicas are vacant."""
         self.pool.leave(self.index)
+
+    def learner_turn(self, kind: str) -> contextlib.AbstractContextManager[None]:
+        """Holds the learner's devices for one of this pipeline's operations (Driver)."""
+        return self.pool.learner_turn(self.index, kind)
 
 
 @dataclasses.dataclass
@@ -147,6 +159,12 @@ class ReplicaPool:
         self._attached: dict[int, _Attached] = {}
         self._claimed: set[int] = set()
         self._lock = threading.Lock()
+        self._turns = threading.Condition(self._lock)  # the learner's devices
+        self._learner: int | None = None  # the pipeline whose operation runs on them
+        self._last_learner: int | None = None
+        self._learner_waits: dict[int, tuple[float, str]] = {}  # pipeline -> (since, kind)
+        self._running: tuple[float, str, float] | None = None  # (since, kind, start) of _learner's
+        self._learner_est: dict[tuple[int, str], float] = {}  # (pipeline, kind) -> seconds
         self._stop = threading.Event()
         self._last = clock()
         self.error: BaseException | None = None
@@ -197,6 +215,48 @@ class ReplicaPool:
                 if h == p:
                     self.holder[r] = None
 
+    @contextlib.contextmanager
+    def learner_turn(self, p: int, kind: str) -> Iterator[None]:
+        """Pipeline p's learner operation `kind` ("micro_step", "update") runs inside, once the
+        learner's devices are granted to it (`_grant`: the policy's pick among those waiting)."""
+        with self._turns:
+            since = self.clock()
+            self._learner_waits[p] = (since, kind)
+            self._grant()
+            while self._learner != p:
+                self._turns.wait()
+            start = self.clock()
+            self._running = (since, kind, start)
+            self.stats[p].learner_wait_s += start - since
+        try:
+            yield
+        finally:
+            with self._turns:
+                took = self.clock() - start
+                self._learner, self._last_learner, self._running = None, p, None
+                est = self._learner_est.get((p, kind))
+                self._learner_est[(p, kind)] = took if est is None else 0.5 * (est + took)
+                self.stats[p].learner_s += took
+                self._grant()
+
+    def learner_queue(self) -> list[int]:
+        """The pipelines whose learner operations wait for their turn."""
+        with self._lock:
+            return sorted(self._learner_waits)
+
+    def _grant(self) -> None:
+        """The learner's devices, if free, to the waiting pipeline the policy picks (the
+        pool's lock held); every waiter looks again."""
+        if self._learner is not None or not self._learner_waits:
+            return
+        views = [self._view(p) for p in range(len(self.names))]
+        pick = self.policy.learner_for(views, self._last_learner)
+        if pick not in self._learner_waits:  # (a policy's slip must not leave them all waiting)
+            pick = min(self._learner_waits, key=lambda p: (self._learner_waits[p][0], p))
+        del self._learner_waits[pick]
+        self._learner = pick
+        self._turns.notify_all()
+
     def close(self) -> None:
         """Stops moving replicas (the pipelines' runtimes close their own samplers). Idempotent."""
         self._stop.set()
@@ -222,9 +282,17 @@ class ReplicaPool:
                 self.stats[h].replica_s += dt
 
     def _view(self, p: int) -> PipelineView:
+        """Pipeline p as the policy sees it (the pool's lock held)."""
+        if p == self._learner and self._running is not None:  # its operation runs: what is left
+            since, kind, start = self._running
+            est = self._learner_est.get((p, kind), 0.0)
+            learner = dict(waiting_since=since, learner_s=max(est - (self.clock() - start), 0.0))
+        else:
+            since, kind = self._learner_waits.get(p, (math.inf, ""))
+            learner = dict(waiting_since=since, learner_s=self._learner_est.get((p, kind), 0.0))
         a = self._attached.get(p)
         if a is None or a.sampler.closed:
-            return PipelineView(replicas=0, free_slots=0, queued=0, between_rounds=True)
+            return PipelineView(replicas=0, free_slots=0, queued=0, between_rounds=True, **learner)
         pending = a.sampler.pending()
         if not pending:
             a.rollout_since = math.inf
@@ -236,6 +304,7 @@ class ReplicaPool:
             queued=a.sampler.waiting(),
             between_rounds=not pending,
             rollout_since=a.rollout_since,
+            **learner,
         )
 
     def _tick(self) -> None:

@@ -213,6 +213,7 @@ class ThreadsRuntime:
         engines, held = self.engines, range(len(self.engines))
         if self.pool is not None:  # it starts on the replicas the pool gives it
             held = self.pool.claim()
+            kwargs.setdefault("learner_turn", self.pool.learner_turn)  # the shared learner mesh
             engines = [self.engines[r] for r in held]
         driver = threaded_driver(
             cfg,

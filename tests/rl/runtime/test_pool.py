@@ -245,3 +245,48 @@ def test_random_moves_finish_every_request_once_in_its_own_weights_and_keep_noth
             sampler.close()
             pool.leave(p)
     assert all(h is None for h in pool.holder)
+
+
+class Last(MultiplexPolicy):
+    """The learner goes to the highest-numbered pipeline waiting."""
+
+    def __init__(self):
+        super().__init__(MultiplexConfig(), switch_s=0.0)
+
+    def learner_for(self, views, last):
+        ready = [i for i, v in enumerate(views) if v.waiting_since < float("inf")]
+        return max(ready, default=None)
+
+
+def test_pipelines_take_turns_on_the_learner_in_the_policys_order():
+    pool = ReplicaPool(["a", "b", "c"], replicas=3, policy=Last())
+    order, inside, entered = [], [], threading.Event()
+    release = threading.Event()
+
+    def operation(p):
+        with pool.learner_turn(p, "update"):
+            inside.append(p)
+            assert len(inside) == 1, inside  # one operation at a time on the learner's devices
+            order.append(p)
+            if p == 0:
+                entered.set()
+                release.wait(10)
+            inside.remove(p)
+
+    first = threading.Thread(target=operation, args=(0,))
+    first.start()
+    assert entered.wait(10)
+    waiting = [threading.Thread(target=operation, args=(p,)) for p in (1, 2)]
+    for t in waiting:
+        t.start()
+    deadline = time.monotonic() + 10
+    while pool.learner_queue() != [1, 2]:  # both queued behind pipeline 0
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    release.set()
+    for t in [first, *waiting]:
+        t.join(10)
+    pool.close()
+    assert order == [0, 2, 1]  # the policy's pick first, not the first come
+    assert pool.stats[1].learner_wait_s > pool.stats[2].learner_wait_s > 0
+    assert all(s.learner_s > 0 for s in pool.stats)
