@@ -43,15 +43,20 @@ def _engine(model, *, page=0, pages=0, block=0, slots=8):
     return Engine(model, config)
 
 
-def _run(engine, model, requests, abort_after=None):
-    groups = []
-    loop = SamplerLoop(
+def _loop(engine, model, groups):
+    """A loop on `engine` with `model`'s weights, emitting into `groups`."""
+    return SamplerLoop(
         engine,
         engine.load_params(model),
         admission=FCFS(),
         reward_fn=lambda r, c: 0.0,
         emit=groups.append,
     )
+
+
+def _run(engine, model, requests, abort_after=None):
+    groups = []
+    loop = _loop(engine, model, groups)
     loop.submit(requests)
     steps = 0
     while loop.step():
@@ -180,13 +185,7 @@ def test_a_second_decode_state_on_the_engine_leaves_the_running_one_intact(model
     engine = _engine(model, page=8)
     want = _run(engine, model, _requests(LENGTHS, NEW))
     groups = []
-    running = SamplerLoop(
-        engine,
-        engine.load_params(model),
-        admission=FCFS(),
-        reward_fn=lambda r, c: 0.0,
-        emit=groups.append,
-    )
+    running = _loop(engine, model, groups)
     running.submit(_requests(LENGTHS, NEW))
     for _ in range(3):
         running.step()
