@@ -362,6 +362,7 @@ def run(
     start_s["ours"] = time.perf_counter() - t
     first: dict[str, dict[str, float]] = {}
     our_losses: list[float] = []
+    our_positions: list[int] = []  # model positions (the micro-batches' area) of each update
 
     def ours(groups: list[Group]) -> None:
         learner.begin_round(updates=1)
@@ -374,6 +375,7 @@ def run(
             )
         first.setdefault("ours", {"loss": m["loss"], "grad_norm": m["grad_norm"]})
         our_losses.append(m["loss"])
+        our_positions.append(int(m["positions"]))
 
     def tunix(groups: list[Group]) -> None:
         per = GROUPS // tunix_accumulation
@@ -414,12 +416,12 @@ def run(
                     seconds[name].append(dt)
             if k >= warmup:
                 tokens.append(loss_tokens(groups))
-                lengths = [len(c.prompt) + len(c.tokens) - 1 for g in groups for c in g.completions]
+                sequences = sum(len(g.completions) for g in groups)
                 for name in names:
                     positions[name] += (
-                        learner.micro_batches.positions(lengths)
+                        our_positions[-1]
                         if name == "ours"
-                        else len(lengths) * (PROMPT_TOKENS[1] + MAX_RESPONSE)
+                        else sequences * (PROMPT_TOKENS[1] + MAX_RESPONSE)
                     )
     jax.monitoring.unregister_event_duration_listener(clock)
     trainers["tunix"].close()  # writes the last step's deferred metrics

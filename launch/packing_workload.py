@@ -143,12 +143,12 @@ def run_workload(
         order = ("packed", "unpacked") if k % 2 == 0 else ("unpacked", "packed")
         for name in order:
             learner = learners[name]
-            positions[name] += learner.micro_batches.positions(lengths)
             with watch.timed() if watch else contextlib.nullcontext():
                 t = time.perf_counter()
                 learner.add_groups(batch)
                 metrics = learner.update()
                 seconds[name].append(time.perf_counter() - t)
+            positions[name] += int(metrics["positions"])
         tokens.append(metrics["tokens"])
     total_tokens = sum(tokens)
     warm = {n: total_tokens / sum(s) for n, s in seconds.items()}

@@ -151,9 +151,9 @@ def learner_trial(learner: Learner, batch: list[Group]) -> tuple[int, float, flo
     seconds). Positions: rows x length of the batch the learner builds (packed by default)."""
     learner.begin_round(updates=1)
     micro = timed(lambda: (learner.add_groups(batch), learner.block_until_ready()))
-    update = timed(learner.update)
-    lengths = [len(c.prompt) + len(c.tokens) - 1 for g in batch for c in g.completions]
-    return learner.micro_batches.positions(lengths), micro, update
+    metrics: dict[str, float] = {}
+    update = timed(lambda: metrics.update(learner.update()))
+    return int(metrics["positions"]), micro, update
 
 
 def in_background(work: Callable[[], Any]) -> tuple[threading.Event, threading.Thread]:

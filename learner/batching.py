@@ -293,11 +293,6 @@ class MicroBatches:
             left = [i for i in left if i not in chosen]
         return out
 
-    def positions(self, lengths: Sequence[int]) -> int:
-        """Model positions (rows x length, summed) of the micro-batches of one update whose
-        sequences have these `lengths`, in order: its padded area."""
-        return sum(self.rows_for(n) * n for n, _ in self.plan(lengths, final=True))
-
     def batch(self, seqs: Sequence[Seq], length: int, bins: Sequence[Sequence[int]]) -> Batch:
         """The micro-batch of `seqs` placed as `plan` said (bins index `seqs`), on its shape.
 

@@ -100,6 +100,8 @@ class Learner:
         self.groups_in_update = 0
         self._tokens_in_update = 0  # loss tokens accumulated since the last update (host count)
         self._filtered_in_update = 0  # overlong filter: truncated sequences masked out
+        self._positions_in_update = 0  # model positions (rows x length) of its micro-batches
+        self._filled_in_update = 0  # of those, the positions sequences hold
 
     @property
     def mesh(self) -> Mesh:
@@ -220,6 +222,8 @@ class Learner:
         for length, bins in planned:
             batch = self.micro_batches.batch(self._pending, length, bins)
             self._tokens_in_update += batch.num_tokens
+            self._positions_in_update += batch.segments.size
+            self._filled_in_update += int((batch.segments > 0).sum())
             self._accumulate_batch(batch)
         chosen = {i for _, bins in planned for b in bins for i in b}
         self._pending = [x for i, x in enumerate(self._pending) if i not in chosen]
@@ -270,6 +274,9 @@ class Learner:
         step = self.step
         filtered, self._filtered_in_update = self._filtered_in_update, 0
         tokens, self._tokens_in_update = self._tokens_in_update, 0
+        # The micro-batches' padded area: what the model computed on that held no sequence.
+        positions, self._positions_in_update = self._positions_in_update, 0
+        filled, self._filled_in_update = self._filled_in_update, 0
         if tokens == 0 and filtered:  # every response truncated and filtered: no gradient, no step
             shapes = self._home.apply.eval_shape(self.state, self._acc)[1]  # metric names
             self._acc = None
@@ -305,6 +312,8 @@ class Learner:
                 "state are unchanged). Expected finite values: lower learner.optimizer.lr."
             )
         metrics["groups"] = float(self.groups_in_update)
+        metrics["positions"] = float(positions)
+        metrics["padded_fraction"] = 1.0 - filled / positions
         self.groups_in_update = 0
         self.updates_in_round += 1
         return metrics

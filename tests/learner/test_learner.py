@@ -216,14 +216,22 @@ def test_update_reports_every_loss_metric_the_sampler_mismatch_and_the_ess(loss,
     groups = _on_policy_groups(model, make_groups(2, seed=10))
     cfg = LearnerConfig(optimizer=OptimizerConfig(lr=1e-3), micro_batch_rows=8, policy_loss=loss)
 
+    shapes = []
+
     def update(gs):
         learner = Learner(model, cfg, mesh=_single_mesh())
+        shapes.append(learner.micro_batches)
         learner.begin_round(updates=1)
         learner.add_groups(gs)
         return learner.update()
 
     m = update(groups)
     assert keys <= set(m)  # the loss's own metrics reach the logs
+    # the padded area the update computed: whole micro-batches of one token budget
+    budget = shapes[0].rows * shapes[0].lengths[-1]
+    assert m["positions"] > 0 and m["positions"] % budget == 0
+    filled = sum(len(c.prompt) + len(c.tokens) - 1 for g in groups for c in g.completions)
+    assert m["padded_fraction"] == pytest.approx(1 - filled / m["positions"])
     assert m["logprob_diff_abs"] < 1e-5 and abs(m["logprob_kl"]) < 1e-6  # on-policy: numerics
     assert m["ess"] == pytest.approx(1.0, abs=1e-5)
     # The sampler reports log-probs c lower for group 0: delta = +c on its n1 tokens, 0 elsewhere.
