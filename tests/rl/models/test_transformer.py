@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from rl.models import ModelConfig, create_model, get_preset, param_count
-from rl.models.transformer import chunked_logprobs
+from rl.models.transformer import attend, attend_full, chunked_logprobs, query_blocks
 
 DECODE_TOL = 1e-5  # float32, cached decode vs full forward
 TOL = 1e-5
@@ -92,6 +92,36 @@ def test_packed_segments_equal_separate_sequences():
     rb = fwd(model, b, jnp.arange(7)[None], jnp.ones((1, 7), jnp.int32))
     np.testing.assert_allclose(out[:, :5], ra, atol=TOL, rtol=0)
     np.testing.assert_allclose(out[:, 5:12], rb, atol=TOL, rtol=0)
+
+
+def test_query_block_counts():
+    expected = {12: 1, 63: 1, 64: 2, 96: 2, 100: 2, 128: 4, 200: 4, 256: 8, 4096: 8}
+    assert {t: query_blocks(t) for t in expected} == expected
+
+
+@pytest.mark.parametrize("t", [64, 128])
+def test_full_attention_in_query_blocks_equals_one_block(t):
+    # Packed segments (one ends mid-block) and trailing padding: every causal mask training makes.
+    b, n, k, h = 2, 4, 2, 8
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(kq, (b, t, n, h))
+    keys = jax.random.normal(kk, (b, t, k, h))
+    vals = jax.random.normal(kv, (b, t, k, h))
+    cut = [t // 2 + 5, t - 9]
+    seg = np.zeros((b, t), np.int32)
+    seg[0, : cut[0]], seg[0, cut[0] :] = 1, 2
+    seg[1, : cut[1]] = 1
+    idx = np.arange(t)
+    mask = jnp.asarray(
+        (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0) & (idx[:, None] >= idx)[None]
+    )
+    assert query_blocks(t) > 1
+    loss = lambda f, q, keys, vals: jnp.sum(jnp.sin(f(q, keys, vals, mask)))
+    run = lambda f: jax.jit(jax.value_and_grad(lambda *a: loss(f, *a), (0, 1, 2)))(q, keys, vals)
+    for got, ref in zip(
+        jax.tree.leaves(run(attend_full)), jax.tree.leaves(run(attend)), strict=True
+    ):
+        np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 12, 64])
