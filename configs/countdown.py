@@ -4,8 +4,8 @@ Launch:  python -m launch.train --config=configs/countdown.py
          python -m launch.train --config=configs/countdown.py:smoke   (seconds, for tests)
 Expect:  a supervised warm start on one reference expression per problem to >= 25% held-out, then
          300 GRPO rounds rewarded by the exact AST verifier (any expression over the given numbers
-         that reaches the target scores 1). Measured on 2 CPU cores, seeds 0-2: 29.5 / 31.0 / 28.0%
-         -> 48.5 / 48.5 / 48.0% (+17.5 to +20 points) in 390-402 s beside other jobs (README).
+         that reaches the target scores 1). Measured on 2 CPU cores, seeds 0-2: 30.5 / 29.0 / 27.0%
+         -> 47.0 / 41.5 / 44.0% (+12.5 to +17 points) in 367-503 s beside other jobs (README).
 """
 
 import ml_collections
