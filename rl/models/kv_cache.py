@@ -1,7 +1,7 @@
 """The decode engine's KV caches: dense head-major rows per slot, or pages shared from a pool.
 
 Both hold keys head-major, (.., K, H, positions), and values (.., K, positions, H), so a decode step
-attends without transposing (`attend_live` / `attend_blocks` in rl/models/transformer.py). Cache
+attends without transposing (`attend_live` / `attend_blocks` in rl/models/attention.py). Cache
 index == token position. Both offer the same operations, so the engine's programs (prefill insert,
 decode, extend, export and import of running slots) are written once:
 

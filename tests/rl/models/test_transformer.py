@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 
 from rl.models import ModelConfig, create_model, get_preset, param_count
-from rl.models.transformer import attend, attend_full, chunked_logprobs, query_blocks
+from rl.models.attention import attend, attend_full, query_blocks
+from rl.models.transformer import chunked_logprobs
 
 DECODE_TOL = 1e-5  # float32, cached decode vs full forward
 TOL = 1e-5
