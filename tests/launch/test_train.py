@@ -214,11 +214,13 @@ def test_a_run_killed_with_no_intact_checkpoint_starts_over_on_a_plain_rerun(
 
 
 @pytest.mark.slow
-def test_countdown_smoke_run_scores_every_response_without_reward_errors(tmp_path):
-    from configs import countdown
+@pytest.mark.parametrize("name", ["countdown", "countdown_retry"])
+def test_countdown_smoke_run_scores_every_response_without_reward_errors(tmp_path, name):
+    import importlib
+
     from rl.run import train
 
-    config = countdown.get_config("smoke")
+    config = importlib.import_module(f"configs.{name}").get_config("smoke")
     config.workdir = str(tmp_path)
     summary = train(config, stdout=False)
     assert len(summary["rounds"]) == config.rounds
