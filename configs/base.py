@@ -334,6 +334,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # seconds between the long-tail migration policy's looks at the replicas (elastic.migration)
     config.ray.migration_poll_s = 0.01
     config.ray.log_to_driver = False  # True: workers' output and Ray's logs in this terminal
+    # How publishes reach the replicas: transfer (each replica pulls from the learner worker's
+    # devices, jax.experimental.transfer) | object_store (host arrays, put once, got by each) |
+    # auto (transfer where the learner worker's transfer server starts)
+    config.ray.weights = "auto"
 
     config.prompt = "The answer to 12 + 30 is"  # text for the model check (rl.models.summary)
 

@@ -10,6 +10,7 @@ from rl.runtime.routing import ROUTINGS
 from rl.sections import from_section
 
 ON_REPLICA_FAILURE = ("resample", "stop")
+WEIGHTS = ("auto", "transfer", "object_store")  # rl/runtime/ray_weights.py
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -26,6 +27,7 @@ class RayConfig:
     replica_cpus: float = 0
     migration_poll_s: float = 0.01  # seconds between the migration policy's looks
     log_to_driver: bool = False
+    weights: str = "auto"  # auto | transfer | object_store (rl/runtime/ray_weights.py)
 
     def __post_init__(self) -> None:
         if self.on_replica_failure not in ON_REPLICA_FAILURE:
@@ -45,6 +47,8 @@ class RayConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"config.ray.{name} must be a number >= 0; received {value!r}.")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"config.ray.weights={self.weights!r}; expected one of {WEIGHTS}.")
         poll = self.migration_poll_s
         if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not poll > 0:
             raise ValueError(

@@ -10,6 +10,10 @@ one jax.distributed job whose mesh spans the group (learner/distributed.py): ran
 job's coordinator, LearnerClient sends every call to each worker and takes rank 0's answer, and
 collectives (publishing, fetching the state) run in every worker.
 
+Weights: `publish` stages the params for the replicas to pull (config.ray.weights "transfer": a
+transfer server, `serve_weights`, and `offer` on a thread of its own) or puts them in the object
+store (rl.runtime.ray_weights).
+
 Elastic devices: the worker lends its devices to the sampler (`lend`: sampler replicas,
 rl.runtime.ray_replica.ReplicaCore, hosted here) and borrows the replicas' devices
 (`prepare_borrow` / `borrow` / `give_back`: learner.Learner's, over the learner's job).
@@ -38,9 +42,10 @@ from rl.runtime.compose import (
 from rl.runtime.ray_cluster import actor_repr
 from rl.runtime.ray_process import job_devices, join_job, local_mesh, pin, worker_config
 from rl.runtime.ray_replica import ReplicaCore
+from rl.runtime.ray_weights import Ticket, WeightServer, one_device
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"weights": 1})
 class LearnerWorker:
     """Owns the Learner (and its checkpoints) on this process's devices; with several workers,
     this one is process `rank` of the learner's jax.distributed job (learner/distributed.py)."""
@@ -56,6 +61,8 @@ class LearnerWorker:
         self.ckpt = None
         self.sft = None  # the SFT warm start (learner.sft.SftTrainer), while it runs
         self.lendable: list[ReplicaCore] = []  # replicas on its devices, built at the first lend
+        self.transfer = False  # publishes stage for pulls (config.ray.weights); else object store
+        self.weights: WeightServer | None = None  # rank 0's transfer server, with "transfer"
 
     def coordinator(self) -> str:
         """A "host:port" on this worker's node for the job's coordinator (rank 0 serves it)."""
@@ -85,10 +92,13 @@ class LearnerWorker:
         self.learner.precompile(updates_per_round=updates_per_round(config))
         self.config, self.setup = config, setup
         dtype = DTYPES[config.sampler_dtype] if config.sampler_dtype else None
-        # The cast DevicePutSync makes, on the learner's devices: a replica gets the same bits.
+        # The cast DevicePutSync makes, on the learner's devices (a replica gets the same bits),
+        # into buffers of their own: the next update donates the learner's.
         self._cast = jax.jit(
             lambda p: jax.tree.map(
-                lambda x: x.astype(dtype) if dtype and jnp.issubdtype(x.dtype, jnp.floating) else x,
+                lambda x: jnp.copy(
+                    x.astype(dtype) if dtype and jnp.issubdtype(x.dtype, jnp.floating) else x
+                ),
                 p,
             )
         )
@@ -127,14 +137,60 @@ class LearnerWorker:
     def update(self) -> tuple[dict[str, float], int]:
         return self.learner.update(), self.learner.step
 
+    def serve_weights(self, weights: str) -> str:
+        """Chooses how publishes reach the replicas (config.ray.weights, rl.runtime.ray_weights):
+        with "transfer" or "auto", rank 0 starts a transfer server. Returns "" when publishes go
+        by transfer, else why they go through the object store. Raises where "transfer" was
+        asked for and the server cannot start."""
+        self.transfer = weights != "object_store"
+        if not self.transfer or self.rank:
+            return "" if self.transfer else "config.ray.weights='object_store'"
+        try:
+            self.weights = WeightServer(ray.util.get_node_ip_address())
+        except Exception as e:  # noqa: BLE001 - jaxlib's error, reported or raised below
+            if weights == "transfer":
+                raise RuntimeError(
+                    f"config.ray.weights='transfer', but the learner worker's transfer server "
+                    f"(jax.experimental.transfer) did not start: {type(e).__name__}: {e}. "
+                    "Expected a jaxlib with the transfer service, or config.ray.weights="
+                    "'object_store' / 'auto'."
+                ) from e
+            self.transfer = False
+            return f"the transfer server did not start ({type(e).__name__}: {e})"
+        return ""
+
+    def use_transfer(self, on: bool) -> None:
+        """Publishes go by transfer (`on`, once `serve_weights` started the server) or through
+        the object store (rank 0's server did not start; launch.bench_publish alternates)."""
+        self.transfer = on
+
     def publish(self, version: int) -> list[Any]:
-        """Puts the params, cast to the sampler's dtype, in the object store once; returns
-        [ref, bytes] (in a list, so Ray hands the caller the reference, not the arrays). Every
-        publish puts the whole model, a LoRA run's base included (learner/publish.py's
-        DevicePutSync moves only what changed; the object store path does not yet)."""
-        host = self._to_host(self._cast(self.learner.params))
+        """The params, cast to the sampler's dtype, staged for the replicas' pulls (a Ticket) or
+        put in the object store once; returns [ticket or ref, bytes] (in a list, so Ray hands
+        the caller the reference, not the arrays). Every publish moves the whole model, a LoRA
+        run's base included (learner/publish.py's DevicePutSync moves only what changed)."""
+        cast = self._cast(self.learner.params)
+        if self.transfer:
+            leaves = one_device(cast, self.learner.mesh)  # with several workers: a collective
+            nbytes = sum(x.nbytes for x in leaves)
+            if self.weights is None:  # rank > 0
+                return [None, nbytes]
+            ticket = Ticket(
+                address=self.weights.address,
+                uuid=self.weights.keep(leaves),
+                learner=ray.get_runtime_context().current_actor,
+                shapes=tuple((tuple(x.shape), str(x.dtype)) for x in leaves),
+            )
+            return [ticket, nbytes]
+        host = self._to_host(cast)
         nbytes = sum(x.nbytes for x in jax.tree.leaves(host))
         return [ray.put(host) if self.rank == 0 else None, nbytes]  # rank 0 puts
+
+    @ray.method(concurrency_group="weights")
+    def offer(self, uuid: int) -> int:
+        """Lets one replica pull staged version `uuid`; returns its transfer id (a thread of its
+        own: answers while the worker trains)."""
+        return self.weights.offer(uuid)
 
     def sft_begin(self, records: list[Any]) -> None:
         """Starts the SFT warm start (rl.runtime.compose.build_sft) on `records`."""

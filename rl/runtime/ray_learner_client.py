@@ -3,8 +3,8 @@
 `LearnerClient` gives the Driver the Learner's methods over the learner worker group
 (rl.runtime.ray_learner.LearnerWorker; one worker per host, rank 0 answers), and while the learner
 borrows the replicas' devices runs the same calls in them. Around it, what lives on the worker
-handled from here: its params (`RemoteParams`, published through the object store by
-`ObjectStoreSync`, a WeightSync), the SFT warm start (`RemoteSft`), checkpoints
+handled from here: its params (`RemoteParams`, published by rl.runtime.ray_weights.RaySync, a
+WeightSync), the SFT warm start (`RemoteSft`), checkpoints
 (`RemoteCheckpoints`) and the sampler replicas it hosts on its devices while it lends them
 (`LentReplica`). A dead worker raises `LearnerDied`, a lender dying while the learner trains on its
 devices `LenderDied`: the run stops, resume continues from the last checkpoint.
@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Iterable
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
 
-from learner.publish import Published
 from rl.types import Group
 
 
@@ -198,30 +196,6 @@ class _Remote:
 
     def remote(self, *args: Any) -> Any:
         return self.call(*args)
-
-
-class ObjectStoreSync:
-    """WeightSync through the object store: one put by the learner worker, a get per replica.
-
-    Published.params is an ObjectRef; ReplicaRouter.set_params hands it to every replica, which
-    places the host arrays on its devices. On a GPU cluster the fast path is a device-to-device
-    transfer (jax.experimental.transfer, or NCCL via ray.util.collective): a WeightSync whose
-    publish returns a transfer handle instead of a ref, with replicas pulling from the learner's
-    devices; the Driver and the router need no change.
-    """
-
-    def publish(self, params: Any, version: int) -> Any:
-
-        if not isinstance(params, RemoteParams):
-            raise TypeError(
-                "ObjectStoreSync.publish expects the learner worker's params (LearnerClient."
-                f"params); received {type(params).__name__}."
-            )
-        start = time.perf_counter()
-        ref, nbytes = params.client.publish(version)
-        return Published(
-            params=ref, version=version, seconds=time.perf_counter() - start, bytes=nbytes
-        )
 
 
 class RemoteCheckpoints:

@@ -34,6 +34,7 @@ from rl.runtime.compose import (
 )
 from rl.runtime.ray_cluster import actor_repr
 from rl.runtime.ray_process import job_devices, join_job, local_mesh, pin, worker_config
+from rl.runtime.ray_weights import Ticket, WeightPuller
 from rl.timeline import Timeline
 from sampler.loop import SamplerLoop
 from sampler.transfer import from_host, to_host
@@ -85,9 +86,11 @@ class ReplicaCore:
         model = build_checked_model(config, self.setup, mesh)  # structure; weights are published
         self.engine = build_engine(config, self.setup, mesh, model)
         params_like = nnx.split(model)[1]
-        precompile_engine(config, self.engine, published_shapes(params_like, config.sampler_dtype))
-        # The learner worker already cast to the sampler dtype: this only places the arrays.
+        shapes = published_shapes(params_like, config.sampler_dtype)
+        precompile_engine(config, self.engine, shapes)
+        # The learner worker already cast to the sampler dtype: these only move and place.
         self.sync = DevicePutSync(params_like, mesh, rules=self.setup.rules)
+        self.puller = WeightPuller(shapes, mesh, ray.util.get_node_ip_address())
         self.reward = build_reward(config, self.setup)
         self.eval_reward = build_reward(config, self.setup)
         self.environment = build_environment(config, self.setup)
@@ -128,8 +131,16 @@ class ReplicaCore:
     def num_slots(self) -> int:
         return self.engine.max_concurrent_decodes
 
+    def _placed(self, params: Any) -> Any:
+        """Published weights (rl.runtime.ray_weights: a Ticket to pull, or host arrays the object
+        store handed over) on this replica's mesh."""
+        if isinstance(params, Ticket):
+            pulled = self.puller.pull(params)  # on the first device, buffers of its own
+            return jax.block_until_ready(jax.device_put(pulled, self.sync.shardings))
+        return self.sync.publish(params, 0).params
+
     def set_params(self, params: Any, version: int) -> None:
-        self.loop.set_params(self.sync.publish(params, version).params, version)
+        self.loop.set_params(self._placed(params), version)
 
     def start(self) -> None:
         self.loop.start()
@@ -163,7 +174,7 @@ class ReplicaCore:
 
     def evaluate(self, params: Any, records: list[Any], k: int) -> dict[str, float]:
 
-        published = self.sync.publish(params, -1).params
+        published = self._placed(params)
         return evaluate_heldout(
             self.config,
             self.setup,

@@ -13,8 +13,10 @@ This process (the Ray driver) runs rl.driver.Driver and its schedule. Around it:
   driver's timeline (slot lanes numbered across replicas, args["replica"]) for per-replica metrics;
 - the complete-group queue (rl.runtime.ray_queue.QueueActor: rl.queue.GroupQueue's semantics,
   backpressure, close, fail) that replicas put into and `QueueClient` takes from;
-- weights through the object store (`ObjectStoreSync`, a WeightSync): the learner worker puts the
-  params as host arrays once, every replica gets them.
+- weights (`RaySync`, rl.runtime.ray_weights): each replica pulls them from the learner worker's
+  devices (config.ray.weights "transfer", jax.experimental.transfer), or the learner worker puts
+  them in the object store once and every replica gets them ("object_store"); "auto" (default)
+  transfers where the worker's transfer server starts.
 The SFT warm start runs on the learner worker too (`RemoteSft`: learner.sft.SftTrainer there,
 driven step by step by rl.run as in the threaded runtime). Joining the cluster, the workers'
 environment and names, and the planner's split are rl.runtime.ray_cluster's.
@@ -43,6 +45,7 @@ this process, at the same round).
 from __future__ import annotations
 
 import collections
+import logging
 from typing import Any
 
 import ray
@@ -63,7 +66,6 @@ from rl.runtime.ray_learner import LearnerWorker
 from rl.runtime.ray_learner_client import (
     LearnerClient,
     LentReplica,
-    ObjectStoreSync,
     RemoteCheckpoints,
     RemoteSft,
     learner_died,
@@ -72,6 +74,7 @@ from rl.runtime.ray_process import worker_payload
 from rl.runtime.ray_queue import QueueActor, QueueClient
 from rl.runtime.ray_replica import SamplerReplica
 from rl.runtime.ray_router import ReplicaRouter
+from rl.runtime.ray_weights import RaySync
 from rl.timeline import Timeline
 
 
@@ -82,7 +85,8 @@ class RayRuntime:
       mesh_plan: the planner's choice (rl.runtime.mesh_plan.MeshPlan) when config.mesh.split is
         "plan" (the workers are built on its split), else None.
       learner: LearnerClient.
-      weight_sync: ObjectStoreSync.
+      weight_sync: RaySync.
+      weights: how publishes reach the replicas: "transfer" or "object_store".
       replicas: SamplerReplica handles.
       router: the ReplicaRouter of the last `driver()`.
     """
@@ -143,7 +147,8 @@ class RayRuntime:
         self.learner = LearnerClient(
             workers, self.replicas if lenders else [], total_updates=total_updates
         )
-        self.weight_sync = ObjectStoreSync()
+        self.weights = self._serve_weights(workers, r.weights)
+        self.weight_sync = RaySync()
         self.router: ReplicaRouter | None = None
         self.migration = build_migration(config)
         learner_devices = ray.get(workers[0].devices.remote())
@@ -154,6 +159,20 @@ class RayRuntime:
         if lenders:
             ids = [i for r in self.replicas for i in ray.get(r.job_devices.remote())]
             self.borrow = build_borrower(config, self.learner, ids, learner_devices=learner_devices)
+
+    @staticmethod
+    def _serve_weights(workers: list[Any], weights: str) -> str:
+        """Every learner worker learns how publishes go (rank 0 starts the transfer server)."""
+        try:
+            why = ray.get([w.serve_weights.remote(weights) for w in workers])[0]
+        except RayActorError as e:
+            raise learner_died(e) from None
+        if not why:
+            return "transfer"
+        if weights == "auto":
+            logging.warning("Weights go through the object store: %s.", why)
+            ray.get([w.use_transfer.remote(False) for w in workers])
+        return "object_store"
 
     def _lent_replicas(self) -> list[LentReplica]:
         """Sampler replicas the learner worker hosts on its devices (SamplerLender's first move)."""

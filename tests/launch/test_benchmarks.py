@@ -171,3 +171,14 @@ def test_bench_sweep_multiplexed_pipelines_train_their_back_to_back_parameters(t
     assert len(set(runs["multiplexed"][0]["digests"])) == 2  # two different pipelines
     assert out["speedup_vs_back_to_back"]["n"] == 1
     assert "bitwise its back-to-back run's: True" in stdout
+
+
+@pytest.mark.slow  # about 1 minute: a local Ray cluster, a learner worker and 2 replicas
+def test_bench_publish_moves_nothing_through_the_object_store_by_transfer(tmp_path):
+    flags = ["--replicas=2", "--publishes=2", "--d_model=64", "--n_layers=2"]
+    out, stdout = run_bench("launch.bench_publish", flags, tmp_path)
+    transfer, store = out["transfer"], out["object_store"]
+    assert transfer["object_store_mb"] == 0 and transfer["mb_per_replica"] > 0
+    assert store["object_store_mb"] == store["mb_per_replica"] == transfer["mb_per_replica"]
+    assert transfer["seconds"]["n"] == store["seconds"]["n"] == 2
+    assert "object store / transfer" in stdout

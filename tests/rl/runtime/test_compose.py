@@ -48,6 +48,10 @@ def config(**fields):
             {"runtime": "ray", "ray.on_replica_failure": "retry"},
             r"on_replica_failure='retry'; expected one of \('resample', 'stop'\)",
         ),
+        (
+            {"runtime": "ray", "ray.weights": "nccl"},
+            r"ray.weights='nccl'; expected one of \('auto', 'transfer', 'object_store'\)",
+        ),
         ({"runtime": "ray", "mesh.sampler_replicas": 0}, r"sampler_replicas must be an int >= 1"),
         ({"runtime": "ray", "ray.replica_gpus": -1}, r"replica_gpus must be a number >= 0"),
         (

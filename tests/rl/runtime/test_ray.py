@@ -58,13 +58,27 @@ def threads_run():
     return results, params
 
 
-# The quick tier keeps one Ray bitwise run (1 replica); 2 replicas run in the slow tier.
-@pytest.mark.parametrize("replicas", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_ray_equals_threads_bitwise(ray_cluster, threads_run, replicas):
-    results, params, runtime = run_rounds(tiny_config("ray", replicas))
+# The quick tier keeps one Ray bitwise run (1 replica, weights pulled by transfer); 2 replicas
+# and the object store's weights run in the slow tier.
+@pytest.mark.parametrize(
+    "replicas,weights",
+    [
+        (1, "auto"),
+        pytest.param(2, "auto", marks=pytest.mark.slow),
+        pytest.param(2, "object_store", marks=pytest.mark.slow),
+    ],
+)
+def test_ray_equals_threads_bitwise(ray_cluster, threads_run, replicas, weights):
+    results, params, runtime = run_rounds(tiny_config("ray", replicas, weights=weights))
     assert tokens_of(results) == tokens_of(threads_run[0])
     assert_same_params(params, threads_run[1])
     assert [r.version for r in results] == [0, 1, 2]
+    # auto: the replicas pulled every publish from the learner worker's devices
+    assert runtime.weights == ("transfer" if weights == "auto" else "object_store")
+    moved = sum(r.metrics["publish_mb"] for r in results) * 2**20
+    assert moved > 0
+    stored = runtime.weight_sync.object_store_bytes  # the rounds' publishes and the first one
+    assert stored == 0 if weights == "auto" else stored >= moved
     if replicas == 2:  # round-robin: both replicas sampled, each in its own timeline lanes
         assert sorted(runtime.router.routed.values()) == [6, 6]
         for r in results:
@@ -351,7 +365,7 @@ def test_a_lora_run_under_ray_equals_threads(ray_cluster):
     assert_same_params(params, threads_params)  # the adapters: the TrainState holds nothing else
     assert all(x.ndim in (2, 3) for x in jax.tree.leaves(params))
     # threads hands the sampler the learner's arrays (colocated) or moves the adapters; Ray puts
-    # the whole model in the object store every publish
+    # a replica pulls the whole model every publish
     assert threads_results[0].metrics["publish_mb"] < results[0].metrics["publish_mb"]
 
 
