@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from rl.models.config import DTYPES
+from rl.models.paged_attention import DECODE_ATTENTION
 from rl.types import Request
 
 # A paged cache's decode attention reads blocks of this many positions by default (rounded up to
@@ -39,6 +40,8 @@ class EngineConfig:
     page_size: int = 16  # > 0: a paged KV cache of pages of this many positions (sampler/paged.py;
     # attention reads a slot's live pages); 0: a dense max_length row per slot
     kv_pages: int = 0  # pages in the pool; 0: as many as the dense cache's positions would fill
+    attention_kernel: str = "xla"  # decode attention (rl/models/paged_attention.py): "xla" (gather
+    # the live blocks, runs everywhere) | "pallas" (reads the pages in place; a paged cache only)
 
     def __post_init__(self):
         for name in (
@@ -82,6 +85,16 @@ class EngineConfig:
                 f"EngineConfig.kv_pages={self.kv_pages} cannot hold one sequence of max_length "
                 f"{self.max_length} ({self.pages_per_sequence} pages of {self.page_size}); "
                 "raise kv_pages or lower max_length."
+            )
+        if self.attention_kernel not in DECODE_ATTENTION:
+            raise ValueError(
+                f"EngineConfig.attention_kernel={self.attention_kernel!r}; expected one of "
+                f"{sorted(DECODE_ATTENTION)}."
+            )
+        if self.attention_kernel == "pallas" and not self.page_size:
+            raise ValueError(
+                "EngineConfig.attention_kernel='pallas' reads a paged cache's pages; received "
+                "page_size=0 (a dense cache). Expected page_size > 0 or attention_kernel 'xla'."
             )
         if not 0 <= self.seed < 2**31:
             raise ValueError(f"EngineConfig.seed must be in [0, 2**31); received {self.seed}.")

@@ -10,6 +10,8 @@ only the first blocks of that many positions that the longest live sequence reac
 (`live_blocks`: the count rounded up to a power of two, one compile each), block by block
 (`attend_blocks`, exact for any count); a dense cache's blocks are slices of it (copies on
 XLA:CPU, where reading the whole cache is faster at short caps), a paged cache's are its pages.
+`EngineConfig.attention_kernel` names the implementation (rl/models/paged_attention.py): "xla"
+gathers the blocks as above, "pallas" reads a paged cache's pages in place.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ class StepResult:
 
 
 def step(
-    model: Transformer, state: DecodeState, *, blocks: int, block: int
+    model: Transformer, state: DecodeState, *, blocks: int, block: int, kernel: str = "xla"
 ) -> tuple[DecodeState, StepResult]:
-    """One decode step for every slot (attention over `blocks` blocks of `block`; 0: all)."""
+    """One decode step for every slot (attention over `blocks` blocks of `block`; 0: all; by
+    the decode attention `kernel`)."""
     h, cache = model.decode_step(
-        state.tokens, state.positions, state.cache, blocks=blocks, block=block
+        state.tokens, state.positions, state.cache, blocks=blocks, block=block, kernel=kernel
     )
     logits = model.logits(h)[:, 0]
     keys = jax.vmap(jax.random.fold_in)(state.keys, state.positions + 1)
@@ -61,11 +64,20 @@ def step(
 
 
 def generate(
-    model: Transformer, state: DecodeState, *, blocks: int, block: int, steps: int
+    model: Transformer,
+    state: DecodeState,
+    *,
+    blocks: int,
+    block: int,
+    steps: int,
+    kernel: str = "xla",
 ) -> tuple[DecodeState, StepResult]:
     """`steps` decode steps for every slot, fused in one scan; inactive slots produce nothing."""
     return jax.lax.scan(
-        lambda s, _: step(model, s, blocks=blocks, block=block), state, None, length=steps
+        lambda s, _: step(model, s, blocks=blocks, block=block, kernel=kernel),
+        state,
+        None,
+        length=steps,
     )
 
 

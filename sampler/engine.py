@@ -257,6 +257,7 @@ class Engine:
             blocks=blocks,
             block=c.decode_block,
             steps=c.steps_per_call,
+            kernel=c.attention_kernel,
         )
 
     # ------------------------------------------------------------------------- prefill, insert

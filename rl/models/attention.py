@@ -21,7 +21,7 @@ import numpy as np
 
 from rl.models.config import ModelConfig
 
-_MASKED = -1e30  # finite, so a fully masked (padding) query row gives a uniform softmax, not NaN
+MASKED = -1e30  # finite, so a fully masked (padding) query row gives a uniform softmax, not NaN
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -66,7 +66,7 @@ def attend(
     s = jnp.einsum("btkgh,bskh->bkgts", q, k_BxSxKxH, preferred_element_type=jnp.float32) * (
         h**-0.5
     )
-    s = jnp.where(mask_BxTxS[:, None, None, :, :], s, _MASKED)
+    s = jnp.where(mask_BxTxS[:, None, None, :, :], s, MASKED)
     p = jax.nn.softmax(s, axis=-1).astype(v_BxSxKxH.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", p, v_BxSxKxH)
     return out.reshape(b, t, n, h)
@@ -146,7 +146,7 @@ def attend_live(
     k = k_BxKxHxS[:, :, None].astype(jnp.float32)
     s_BxKxGxS = jnp.sum(q_BxKxGxH[..., None] * k, axis=3) * h**-0.5
     mask_BxS = jnp.arange(s)[None, :] <= positions_B[:, None]
-    s_BxKxGxS = jnp.where(mask_BxS[:, None, None], s_BxKxGxS, _MASKED)
+    s_BxKxGxS = jnp.where(mask_BxS[:, None, None], s_BxKxGxS, MASKED)
     p = jnp.exp(s_BxKxGxS - jnp.max(s_BxKxGxS, axis=-1, keepdims=True))
     v = v_BxKxSxH[:, :, None].astype(jnp.float32)
     out_BxKxGxH = jnp.sum(p[..., None] * v, axis=3) / jnp.sum(p, axis=-1)[..., None]
@@ -172,7 +172,7 @@ def attend_blocks(
     k = k_BxMxKxHxC[:, :, :, None].astype(jnp.float32)
     s = jnp.sum(q * k, axis=4) * h**-0.5  # (B, M, K, G, C)
     mask = jnp.arange(m * c).reshape(1, m, 1, 1, c) <= positions_B[:, None, None, None, None]
-    s = jnp.where(mask, s, _MASKED)
+    s = jnp.where(mask, s, MASKED)
     p = jnp.exp(s - jnp.max(s, axis=(1, 4), keepdims=True))
     l_j = jnp.sum(p, axis=-1)  # (B, M, K, G)
     v = v_BxMxKxCxH[:, :, :, None].astype(jnp.float32)

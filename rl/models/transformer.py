@@ -25,15 +25,14 @@ from flax import nnx
 from rl.models.attention import (
     apply_rope,
     attend,
-    attend_blocks,
     attend_full,
-    attend_live,
     rope_inv_freq,
     write_cache,
 )
 from rl.models.config import ModelConfig
 from rl.models.kv_cache import KVCacheLike
 from rl.models.lora import Adapted
+from rl.models.paged_attention import DECODE_ATTENTION
 from rl.models.sharding import constrain
 
 CACHE_AXES = ("batch", "cache_length", "kv_heads", "head_dim")
@@ -90,10 +89,12 @@ class RMSNorm(nnx.Module):
 @dataclasses.dataclass(frozen=True)
 class _DecodeStep:
     """Marks a head-major decode step (T == 1): over `blocks` blocks of `block` positions
-    (`attend_blocks`), or over the whole cache when `blocks` is 0 (`attend_live`)."""
+    (`attend_blocks`), or over the whole cache when `blocks` is 0 (`attend_live`), through the
+    decode attention named `kernel` (rl/models/paged_attention.py)."""
 
     blocks: int
     block: int
+    kernel: str = "xla"
 
 
 class Attention(Adapted):
@@ -144,11 +145,8 @@ class Attention(Adapted):
         if isinstance(mask, _DecodeStep):
             pos_B = positions_BxT[:, 0]
             kv = kv.write(k[:, 0], v[:, 0], pos_B)
-            if mask.blocks:
-                out = attend_blocks(q[:, 0], *kv.blocks(mask.blocks, mask.block), pos_B)
-            else:
-                out = attend_live(q[:, 0], *kv.view(), pos_B)
-            out = out[:, None]
+            attention = DECODE_ATTENTION.get(mask.kernel)
+            out = attention(q[:, 0], kv, pos_B, blocks=mask.blocks, block=mask.block)[:, None]
         elif kv is None:
             out, kv = attend_full(q, k, v, mask), (k, v)
         else:
@@ -366,15 +364,17 @@ class Transformer(nnx.Module):
         *,
         blocks: int = 0,
         block: int = 0,
+        kernel: str = "xla",
     ) -> tuple[jax.Array, KVCacheLike]:
         """One token per row at `positions_B`, attending to the whole cache (`blocks` 0) or only
         to its first `blocks * block` positions (every row's position must be below that; see
-        `attend_blocks`).
+        `attend_blocks`), through the decode attention named `kernel`
+        (rl/models/paged_attention.py `DECODE_ATTENTION`).
 
         Returns:
           (final-normed hidden states (B, 1, d_model), updated cache).
         """
-        step = _DecodeStep(blocks=blocks, block=block)
+        step = _DecodeStep(blocks=blocks, block=block, kernel=kernel)
         h, layers = self._stack(tokens_B[:, None], positions_B[:, None], step, cache)
         return h, cache.with_layers(layers)
 

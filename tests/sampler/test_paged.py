@@ -30,7 +30,7 @@ def _requests(lengths, new, *, group=1, temperature=1.0, seed=0):
     ]
 
 
-def _engine(model, *, page=0, pages=0, block=0, slots=8):
+def _engine(model, *, page=0, pages=0, block=0, slots=8, kernel="xla"):
     config = EngineConfig(
         max_slots=slots,
         max_length=MAX_LENGTH,
@@ -39,6 +39,7 @@ def _engine(model, *, page=0, pages=0, block=0, slots=8):
         attention_block=block,
         page_size=page,
         kv_pages=pages,
+        attention_kernel=kernel,
     )
     return Engine(model, config)
 
