@@ -156,7 +156,13 @@ class Checkpointer:
           TypeError: `meta` is not a JSON-serialisable dict (names the offending keys).
           ValueError: `step` is not above the latest saved step.
           FloatingPointError: `state` holds NaN/inf (names the first such leaf); nothing is saved.
+          RuntimeError: the Checkpointer is closed.
         """
+        if self._closed:
+            raise RuntimeError(
+                f"Checkpoint step {step} was not saved: the Checkpointer of {self.directory} is "
+                "closed; expected save before close."
+            )
         if not isinstance(meta, dict):
             raise TypeError(f"Checkpoint meta must be a dict; received {type(meta).__name__}.")
         bad = [k for k, v in meta.items() if not _json_safe(v)]

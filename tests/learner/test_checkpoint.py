@@ -233,6 +233,11 @@ def test_async_saves_keep_max_to_keep_and_bad_saves_are_refused(tmp_path):
     with pytest.raises(TypeError, match=r"JSON-serialisable.*\['queue'\]"):
         ckpt.save(5, _small_state(5), {"round": 5, "queue": b"bytes"})
     ckpt.close()
+    with pytest.raises(RuntimeError, match="step 5 was not saved.*is closed"):
+        ckpt.save(5, _small_state(5), {"round": 5})
+    other = Checkpointer(tmp_path / "other")  # the refused save left orbax free for the others
+    other.save(1, _small_state(1), {})
+    other.close()
 
 
 def test_checkpointers_of_pipelines_in_threads_save_at_once_and_each_restores_its_own(tmp_path):
