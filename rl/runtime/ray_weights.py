@@ -44,6 +44,9 @@ from learner.publish import Published
 from rl.runtime.ray_learner_client import RemoteParams
 
 KEEP = 2  # staged versions a learner worker keeps for pulls (the newest and the one before)
+# A pull whose bytes have not all arrived by then fails (a learner worker that died mid-pull would
+# otherwise leave the replica waiting for ever): minutes, for a large model over a slow link.
+PULL_TIMEOUT_S = 600.0
 
 
 def start_server(host: str) -> Any:
@@ -121,8 +124,11 @@ class WeightServer:
 class WeightPuller:
     """A replica's side of "transfer": pulls a Ticket's leaves onto this process's first device."""
 
-    def __init__(self, params_like: Any, mesh: Any, host: str):
+    def __init__(
+        self, params_like: Any, mesh: Any, host: str, *, timeout_s: float = PULL_TIMEOUT_S
+    ):
         self._host = host
+        self._timeout_s = timeout_s
         leaves, self._treedef = jax.tree.flatten(params_like)
         self._shapes = tuple((tuple(x.shape), str(np.dtype(x.dtype))) for x in leaves)
         self._device = min(mesh.local_devices, key=lambda d: d.id)
@@ -154,8 +160,32 @@ class WeightPuller:
         sharding = SingleDeviceSharding(self._device)
         specs = [jax.ShapeDtypeStruct(s, jnp.dtype(d), sharding=sharding) for s, d in self._shapes]
         leaves = connection.pull(pull, specs)
-        jax.block_until_ready(leaves)
+        self._arrived(leaves, f"version {ticket.uuid} (pull {pull}) from {ticket.address}")
         return jax.tree.unflatten(self._treedef, leaves)
+
+    def _arrived(self, leaves: list[jax.Array], what: str) -> None:
+        """Waits until the pulled leaves are on the device, at most the timeout (the wait runs on
+        a daemon thread: a transfer that never completes cannot be cancelled, only left; jaxlib
+        then aborts the process at exit, after the error has reached the driver)."""
+        error: list[BaseException] = []
+        done = threading.Event()
+
+        def wait() -> None:
+            try:
+                jax.block_until_ready(leaves)
+            except BaseException as e:  # handed to the puller
+                error.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, name="weights-pull", daemon=True).start()
+        if not done.wait(self._timeout_s):
+            raise TimeoutError(
+                f"The weights {what} did not arrive within {self._timeout_s:g} s; expected the "
+                "learner worker to serve them (did it die mid-transfer?)."
+            )
+        if error:
+            raise error[0]
 
 
 class RaySync:

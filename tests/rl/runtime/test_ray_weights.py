@@ -1,11 +1,14 @@
 """The Ray runtime's weight transfer pieces that run without Ray (the end-to-end pulls: test_ray)."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from rl.runtime import ray_weights
 from rl.runtime.ray_weights import KEEP, Ticket, WeightPuller, WeightServer, one_device
 
 
@@ -35,3 +38,34 @@ def test_a_ticket_of_another_model_is_refused_with_the_first_difference():
     ticket = Ticket(address="127.0.0.1:1", uuid=1, learner=None, shapes=(((3, 2), "bfloat16"),))
     with pytest.raises(ValueError, match=r"do not match .* \(\(3, 2\), 'bfloat16'\) vs"):
         puller.pull(ticket)
+
+
+class _Learner:
+    """The learner worker's `offer` as a replica calls it (`offer.remote`), in this process."""
+
+    def __init__(self, offer):
+        self.offer = type("Method", (), {"remote": staticmethod(offer)})()
+
+
+def test_a_pull_from_a_server_in_this_process_and_one_that_never_arrives(monkeypatch):
+    monkeypatch.setattr(ray_weights.ray, "get", lambda x: x)  # offer answers in place, not a ref
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    params = {"a": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones((4,), jnp.bfloat16)}
+    server = WeightServer("127.0.0.1")
+    uuid = server.keep(jax.tree.leaves(params))
+    shapes = tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(params))
+    ticket = Ticket(server.address, uuid, _Learner(server.offer), shapes)
+    puller = WeightPuller(params, mesh, "127.0.0.1", timeout_s=30)
+    got = puller.pull(ticket)
+    jax.tree.map(np.testing.assert_array_equal, got, params)
+    # a learner that hands out a pull and dies before serving it: an error, not a wait for ever
+    ticket = Ticket(server.address, uuid, _Learner(lambda uuid: 10**6), shapes)
+    puller = WeightPuller(params, mesh, "127.0.0.1", timeout_s=1)
+    with pytest.raises(TimeoutError, match=r"version \d+ \(pull 1000000\) .* did not arrive"):
+        puller.pull(ticket)
+    # serve the dangling pull late, so that no transfer is left pending when the process exits
+    server.server.await_pull(10**6, jax.tree.leaves(params))
+    for thread in threading.enumerate():
+        if thread.name == "weights-pull":
+            thread.join(30)
+            assert not thread.is_alive()
