@@ -94,33 +94,17 @@ lacks).
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 from typing import Any
 
 from absl import app, flags
 
-from rl.device_split import Split, compare, format_table
+from launch import simulate_blocks as blocks
 from rl.elastic.migration import MIGRATION_POLICIES, MigrationConfig
 from rl.elastic.stage import StageModel
-from rl.round_planner import TailConfig
 from rl.sim import papers
-from rl.sim.compare import (
-    balance_learner,
-    compare_borrowing,
-    compare_migration,
-    run_modes,
-    sim_config,
-    validate,
-)
-from rl.sim.kv_layouts import compare_kv_layouts, format_kv_table
-from rl.sim.multiplex import MultiplexResult, compare_multiplexing
 from rl.sim.presets import gpu_preset
-from rl.sim.simulator import SimResult
-from rl.sim.workload import Workload, WorkloadConfig
-from rl.sim.workload import summarize as summarize_lengths
-from rl.types import Request, SamplingParams
+from rl.sim.workload import WorkloadConfig
 
 MODES = (
     "sync",
@@ -230,47 +214,14 @@ def stage_model() -> tuple[StageModel, int]:
     return preset.model, _SLOTS.value or preset.slots
 
 
-def print_modes(title: str, rows: dict[str, dict[str, float]]) -> None:
-    print(title)
-    print(
-        f"  {'mode':<30}{'U':>4}{'r2t_end s':>10}{'vs sync':>9}{'1st disp s':>11}{'wait':>7}"
-        f"{'rollout s':>10}{'train s':>9}{'s/group':>9}{'vs sync':>8}{'long rds':>9}"
-        f"{'groups/s':>9}"
-        f"{'vs sync':>8}{'vs cgp':>7}{'lag':>6}"
-    )
-    cgp = rows.get("cgp+frontier+fifo", {}).get("groups_per_s", float("nan"))
-    for m, r in rows.items():
-        print(
-            f"  {m:<30}{r['groups_per_update']:>4}{r['rollout_to_train_end_s']:>10.2f}{-r['reduction_vs_sync']:>+9.1%}"
-            f"{r['first_dispatch_s']:>11.2f}{r['trainer_wait_ratio']:>7.2f}{r['rollout_s']:>10.2f}"
-            f"{r['trainer_compute_s']:>9.2f}{r['time_per_group_s']:>9.3f}"
-            f"{r['speedup_per_group_vs_sync']:>7.2f}x{r['long_rounds']:>9.0f}"
-            f"{r['groups_per_s']:>9.3f}{r['throughput_vs_sync']:>7.2f}x"
-            f"{r['groups_per_s'] / cgp:>6.2f}x{r['lag_mean']:>6.2f}"
-        )
-    print(
-        "  U: groups per update (a +fill row's is the smallest whose staleness window, (s + 1) x U "
-        "groups, keeps every slot busy); s/group: rollout-to-train-end per trained group, its vs sync: sync's s/group / the "
-        "mode's (a speedup); groups/s: groups trained / time between round starts (the throughput; async rounds "
-        "overlap, so their r2t, 1st disp and s/group count from a round's first submission, which "
-        "precedes the previous round's end); vs cgp: vs cgp+frontier+fifo; lag: mean version lag "
-        "(simulated: the version at admission, an upper bound)"
-    )
-
-
 ROLLPACKER = papers.ROLLPACKER_WORKLOAD  # P75 ~910, max 16k
 
 
-def max_new_tokens() -> int:
-    return ROLLPACKER["max_new_tokens"] if _WORKLOAD.value == "rollpacker" else _MAX_NEW.value
-
-
 def workload_config() -> WorkloadConfig:
+    rollpacker = _WORKLOAD.value == "rollpacker"
     return WorkloadConfig(
-        max_new_tokens=max_new_tokens(),
-        median_tokens=ROLLPACKER["median_tokens"]
-        if _WORKLOAD.value == "rollpacker"
-        else _MEDIAN.value,
+        max_new_tokens=ROLLPACKER["max_new_tokens"] if rollpacker else _MAX_NEW.value,
+        median_tokens=ROLLPACKER["median_tokens"] if rollpacker else _MEDIAN.value,
         prompt_sigma=_PROMPT_SIGMA.value,
         sample_sigma=_SAMPLE_SIGMA.value,
         runaway_fraction=_RUNAWAY.value,
@@ -279,358 +230,43 @@ def workload_config() -> WorkloadConfig:
     )
 
 
-def length_stats(workload: WorkloadConfig, group_size: int, prompts: int = 2000) -> dict:
-    """Median, P75, P90, max and mean response length of `prompts` prompts' samples."""
-    w = Workload(workload)
-    params = SamplingParams(max_new_tokens=workload.max_new_tokens)
-    lengths = [
-        n
-        for uid in range(prompts)
-        for n in w.lengths(Request(uid=uid, prompt=(0,), group_size=group_size, params=params))
-    ]
-    return summarize_lengths(lengths)
-
-
-def setup_fields(
-    groups_per_round: int, replicas: int, slots: int, *, tail: bool = True
-) -> dict[str, Any]:
-    """The SimConfig fields of one setup (R groups per round) from the flags; `tail`: with the
-    tail-batching flags (--eta, --response_eta)."""
-    fields = dict(
-        groups_per_round=groups_per_round,
-        groups_per_update=_PER_UPDATE.value,
-        group_size=_GROUP_SIZE.value,
-        max_new_tokens=max_new_tokens(),
-        replicas=replicas,
-        slots=slots,
-    )
-    if tail:
-        fields["tail"] = TailConfig(eta=_ETA.value, response_eta=_RESPONSE_ETA.value)
-    return fields
-
-
-def comparison(model: StageModel, slots: int, out: dict[str, Any]) -> None:
-    workload = workload_config()
-    replicas = 1 if _PROFILE.value else _SAMPLER_GPUS.value // _SAMPLER_TP.value
-    print(
-        f"stage model: {model.source}; {replicas} replica(s) x {slots} slots; workload "
-        f"{workload}; {_ROUNDS.value} rounds per mode"
-    )
-    stats = length_stats(workload, _GROUP_SIZE.value)
-    print(
-        "  response lengths (2,000 prompts): " + ", ".join(f"{k} {v:.0f}" for k, v in stats.items())
-    )
-    out["workload"] = workload.__dict__ | {"fixed_lengths": None, "length_stats": stats}
-    out["stage_model"], out["replicas"], out["slots"] = model.to_dict(), replicas, slots
-    for label, balance in (("setups", 0.0), ("paper_balance", _BALANCE.value)):
-        if label == "paper_balance" and not balance:
-            continue
-        out[label] = {}
-        for r in map(int, _SETUPS.value):
-            fields = setup_fields(r, replicas, slots)
-            mdl, scale = model, 1.0
-            if balance:
-                mdl, scale = balance_learner(
-                    model, workload, target_wait=balance, rounds=_ROUNDS.value, **fields
-                )
-
-            def gantt(name: str, result: SimResult, r: int = r, label: str = label) -> None:
-                if _GANTT_DIR.value and r == int(_SETUPS.value[0]) and label == "setups":
-                    os.makedirs(_GANTT_DIR.value, exist_ok=True)
-                    stem = os.path.join(_GANTT_DIR.value, f"sim_R{r}_{name.replace('+', '_')}")
-                    result.timeline.write_gantt_png(stem + ".png", title=f"simulated {name}, R={r}")
-
-            rows = run_modes(
-                _MODES.value, mdl, workload, rounds=_ROUNDS.value, on_result=gantt, **fields
-            )
-            out[label][f"R{r}"] = dict(modes=rows, learner_scale=scale)
-            print_modes(
-                f"{label} R={r} (G={_GROUP_SIZE.value}, U={_PER_UPDATE.value} unless a row says"
-                + (f", learner x{scale:.1f} for sync wait {balance:.0%}" if balance else "")
-                + ")",
-                rows,
-            )
-
-
-def validation(model: StageModel, out: dict[str, Any]) -> None:
-    with open(_VALIDATE.value, encoding="utf-8") as f:
-        real = json.load(f)
-    rows = validate(real, model)
-    out["validation"] = dict(real=_VALIDATE.value, profile=_PROFILE.value, modes=rows)
-    print(
-        f"validation: {_VALIDATE.value} (real) vs the simulator with {model.source} "
-        f"(contention {model.contention:.2f}); means over the timed rounds"
-    )
-    print(
-        f"  {'mode':<32}{'real r2t':>9}{'sim r2t':>9}{'error':>8}{'real 1st':>9}{'sim 1st':>9}"
-        f"{'real wait':>10}{'sim wait':>9}"
-    )
-    for m, r in rows.items():
-        print(
-            f"  {m:<32}{r['real_rollout_to_train_end_s']:>9.3f}{r['sim_rollout_to_train_end_s']:>9.3f}"
-            f"{r['error_rollout_to_train_end_s']:>+8.1%}{r['real_first_dispatch_s']:>9.3f}"
-            f"{r['sim_first_dispatch_s']:>9.3f}{r['real_trainer_wait_ratio']:>10.2f}"
-            f"{r['sim_trainer_wait_ratio']:>9.2f}"
-        )
-
-
-def migration_block(model: StageModel, slots: int, out: dict[str, Any]) -> None:
-    workload = workload_config()
-    replicas = 1 if _PROFILE.value else _SAMPLER_GPUS.value // _SAMPLER_TP.value
-    mig = MigrationConfig(
-        policy=_MIGRATION.value,
-        max_running_fraction=_MIG_FRACTION.value,
-        min_tokens_left=_MIG_MIN_LEFT.value,
-    )
-    out["migration"] = {"config": mig.__dict__, "replicas": replicas}
-    for r in map(int, _SETUPS.value):
-        rows = compare_migration(
-            _MODES.value,
-            model,
-            workload,
-            mig,
-            rounds=_ROUNDS.value,
-            **setup_fields(r, replicas, slots),
-        )
-        out["migration"][f"R{r}"] = rows
-        print(
-            f"migration ({mig.policy}, {replicas} replicas x {slots} slots, round-robin routing) "
-            f"R={r}:"
-        )
-        print(
-            f"  {'mode':<36}{'r2t_end s':>10}{'groups/s':>9}{'vs static':>10}"
-            f"{'replica-s busy':>15}{'vs static':>10}{'moves/rd':>9}{'MB/rd':>9}"
-        )
-        for name, row in rows.items():
-            print(
-                f"  {name:<36}{row['rollout_to_train_end_s']:>10.2f}{row['groups_per_s']:>9.3f}"
-                f"{row['groups_per_s_vs_static']:>9.2f}x{row['replica_busy_s']:>15.1f}"
-                f"{row['busy_vs_static']:>9.2f}x{row['migrations']:>9.1f}{row['migrated_mb']:>9.1f}"
-            )
-
-
-def planning(out: dict[str, Any]) -> None:
-    workload = workload_config()
-    out["plan"] = {}
-    for budget in map(int, _PLAN.value):
-        cfg = sim_config(
-            "cgp+frontier+fifo",
-            groups_per_round=int(_SETUPS.value[0]),
-            groups_per_update=_PER_UPDATE.value,
-            group_size=_GROUP_SIZE.value,
-            max_new_tokens=_MAX_NEW.value,
-        )
-
-        def make(s: Split) -> Any:
-            return gpu_preset(
-                _PRESET.value, _GPU.value, sampler_tp=s.tp, learner_gpus=s.learner_gpus
-            )
-
-        choice, rows = compare(budget, make, cfg, Workload(workload), rounds=3, tps=(1, 2))
-        print(f"planner, {budget} x {_GPU.value}, {cfg.name}, R={cfg.groups_per_round}:")
-        print(format_table(choice, rows))
-        out["plan"][str(budget)] = dict(
-            choice=str(choice),
-            rows=[
-                dict(split=str(r.split), predicted_s=r.predicted_s, simulated_s=r.simulated_s)
-                for r in rows
-            ],
-        )
-
-
-def borrowing(model: StageModel, slots: int, out: dict[str, Any]) -> None:
-    workload = workload_config()
-    replicas = _SAMPLER_GPUS.value // _SAMPLER_TP.value
-    print(
-        f"borrowing vs static split: {_SAMPLER_GPUS.value} sampler GPUs ({replicas}x tp"
-        f"{_SAMPLER_TP.value}, {slots} slots) / {_LEARNER_GPUS.value} learner GPUs, switch cost "
-        f"{_SWITCH.value:g} s; BiDiRL reports up to 1.94x, JigsawRL up to 1.85x"
-    )
-    blocks = [("borrowing", 0.0)] + (
-        [("borrowing_balanced", _BALANCE.value)] * bool(_BALANCE.value)
-    )
-    for label, balance in blocks:
-        out[label] = {}
-        for r in map(int, _SETUPS.value):
-            fields = setup_fields(r, replicas, slots, tail=False)
-            mdl, scale = model, 1.0
-            if balance:
-                mdl, scale = balance_learner(
-                    model, workload, target_wait=balance, rounds=_ROUNDS.value, **fields
-                )
-            rows = compare_borrowing(
-                _BORROW_MODES.value,
-                mdl,
-                workload,
-                rounds=_ROUNDS.value,
-                learner_devices=_LEARNER_GPUS.value,
-                replica_devices=_SAMPLER_TP.value,
-                borrowings=_BORROWING.value,
-                switch_cost_s=_SWITCH.value,
-                migration=MigrationConfig(
-                    policy=_MIGRATION.value if _MIGRATION.value != "off" else "tail",
-                    max_running_fraction=_MIG_FRACTION.value,
-                    min_tokens_left=_MIG_MIN_LEFT.value,
-                ),
-                **fields,
-            )
-            out[label][f"R{r}"] = rows
-            what = f", learner x{scale:.1f} for sync wait {balance:.0%}" if balance else ""
-            print(f"  R={r}{what}:")
-            print(
-                f"  {'mode':<26}{'borrowing':<16}{'groups/s':>9}{'vs static':>10}{'moves L/S':>10}"
-                f"{'bound':>7}"
-            )
-            for mode, by in rows.items():
-                for i, (b, x) in enumerate(by.items()):
-                    bound = f"{x['pooling_bound']:>6.2f}x" if i == 0 else ""
-                    print(
-                        f"  {mode:<26}{b:<16}{x['groups_per_s']:>9.3f}"
-                        f"{x['throughput_vs_static']:>9.2f}x"
-                        f"{x['moves_learner']:>6.0f}/{x['moves_sampler']:<4.0f}{bound}"
-                    )
-            print(
-                "  bound (on the static row): its device-seconds over the device-seconds its "
-                "devices worked, the most any borrowing can gain there with free switches"
-            )
-
-
-def checkpoint_barriers(model: StageModel, slots: int, out: dict[str, Any]) -> None:
-    """Async checkpoints every k rounds: "exact" drains the pipeline (a barrier), "no_bubble" holds
-    only the learner (config.async_resume); groups/s of each vs no checkpoint."""
-    workload = workload_config()
-    replicas = 1 if _PROFILE.value else _SAMPLER_GPUS.value // _SAMPLER_TP.value
-    modes = [m for m in _MODES.value if m.startswith("async")]
-    intervals = list(map(int, _CHECKPOINTS.value))
-    out["checkpoint_barriers"] = {}
-    print(
-        f"\nasync checkpoints (groups/s; vs no checkpoint; G={_GROUP_SIZE.value}, "
-        f"U={_PER_UPDATE.value}, {_ROUNDS.value} rounds; the save itself is not modelled):"
-    )
-    print(
-        f"  {'setup':<8}{'mode':<22}{'none':>8}"
-        + "".join(f"{f'{kind} /{k}':>19}" for k in intervals for kind in ("exact", "no_bubble"))
-    )
-    for r in map(int, _SETUPS.value):
-        fields = setup_fields(r, replicas, slots)
-        runs = {"none": run_modes(modes, model, workload, rounds=_ROUNDS.value, **fields)}
-        for k in intervals:
-            for kind in ("exact", "no_bubble"):
-                runs[f"{kind}/{k}"] = run_modes(
-                    modes,
-                    model,
-                    workload,
-                    rounds=_ROUNDS.value,
-                    checkpoint_every=k,
-                    keep_sampling=kind == "no_bubble",
-                    **fields,
-                )
-        out["checkpoint_barriers"][f"R{r}"] = {
-            m: {name: rows[m]["groups_per_s"] for name, rows in runs.items()} for m in modes
-        }
-        for m in modes:
-            none = runs["none"][m]["groups_per_s"]
-            cells = [
-                f"{rows[m]['groups_per_s']:>8.3f} {rows[m]['groups_per_s'] / none:>5.2f}x"
-                for name, rows in runs.items()
-                if name != "none"
-            ]
-            print(f"  R={r:<6}{m:<22}{none:>8.3f}" + "".join(f"{c:>19}" for c in cells))
-
-
-def multiplexing(model: StageModel, slots: int, out: dict[str, Any]) -> None:
-    replicas = _SAMPLER_GPUS.value // _SAMPLER_TP.value
-    counts = sorted(map(int, _MULTIPLEX.value))
-    out["multiplexing"] = {}
-    for r in map(int, _SETUPS.value):
-        fields = setup_fields(r, replicas, slots, tail=False)
-        scaled, note = model, "the preset's learner"
-        if _BALANCE.value:
-            scaled, scale = balance_learner(
-                model, workload_config(), target_wait=_BALANCE.value, rounds=_ROUNDS.value, **fields
-            )
-            note = f"learner x{scale:.1f} (sync waits {_BALANCE.value:.0%})"
-        print(f"multiplexing, {replicas} replicas x {slots} slots and one learner, R={r}, {note}:")
-        print(
-            f"  {'mode':<24}{'N':>3}{'back2back s':>12}{'static s':>10}{'muxed s':>9}"
-            f"{'vs static':>10}{'vs b2b':>8}{'bound':>7}{'switches':>9}{'learner':>8}"
-        )
-        for mode in _MUX_MODES.value:
-            for n in counts:
-                workloads = [
-                    dataclasses.replace(workload_config(), seed=_SEED.value + i) for i in range(n)
-                ]
-                gantt = None
-                if _GANTT_DIR.value:
-                    os.makedirs(_GANTT_DIR.value, exist_ok=True)
-                    path = os.path.join(_GANTT_DIR.value, f"multiplex_R{r}_{mode}_{n}.png")
-                    title = f"{n} x {mode} multiplexed, R={r}"
-
-                    def gantt(res: MultiplexResult, path: str = path, title: str = title) -> None:
-                        res.write_gantt_png(path, title)
-
-                row = compare_multiplexing(
-                    mode, scaled, workloads, rounds=_ROUNDS.value, on_result=gantt, **fields
-                )
-                out["multiplexing"][f"R{r}/{mode}/{n}"] = row
-                print(
-                    f"  {mode:<24}{n:>3}{row['back_to_back_s']:>12.0f}{row['static_s']:>10.0f}"
-                    f"{row['multiplexed_s']:>9.0f}{row['vs_static']:>9.2f}x"
-                    f"{row['vs_back_to_back']:>7.2f}x{row['bound_vs_static']:>6.2f}x"
-                    f"{row['replica_switches']:>9.0f}{row['learner_busy']:>8.0%}"
-                )
-
-
-def kv_layouts(out: dict[str, Any]) -> None:
-    workload = workload_config()
-    replicas = _SAMPLER_GPUS.value // _SAMPLER_TP.value
-    out["kv_layouts"] = {}
-    for r in map(int, _SETUPS.value):
-        fields = setup_fields(r, replicas, 0, tail=False)
-        del fields["slots"]
-        rows = compare_kv_layouts(
-            _KV_LAYOUTS.value,
-            _KV_MODES.value,
-            workload,
-            rounds=_ROUNDS.value,
-            model=_PRESET.value,
-            gpu=_GPU.value,
-            sampler_tp=_SAMPLER_TP.value,
-            learner_gpus=_LEARNER_GPUS.value,
-            **fields,
-        )
-        out["kv_layouts"][f"R{r}"] = rows
-        print(
-            f"KV layouts at the same HBM: {_PRESET.value} on {replicas} x {_GPU.value} (tp "
-            f"{_SAMPLER_TP.value}), cap {max_new_tokens()}, R={r}, G={_GROUP_SIZE.value}, "
-            f"{_ROUNDS.value} rounds:"
-        )
-        print(format_kv_table(rows))
-
-
-def paper_headlines(model: StageModel, slots: int, out: dict[str, Any]) -> None:
-    borrow = gpu_preset(
-        _PRESET.value, _GPU.value, learner_gpus=papers.PaperSetup.borrow_learner_gpus
-    )
-    setup = papers.PaperSetup(
-        model=model,
-        borrow_model=borrow.model,
-        replicas=_SAMPLER_GPUS.value // _SAMPLER_TP.value,
-        slots=slots,
+def settings() -> blocks.Settings:
+    """The blocks' settings from the flags."""
+    return blocks.Settings(
+        modes=tuple(_MODES.value),
+        setups=tuple(map(int, _SETUPS.value)),
         rounds=_ROUNDS.value,
+        preset=_PRESET.value,
+        gpu=_GPU.value,
+        sampler_gpus=_SAMPLER_GPUS.value,
+        sampler_tp=_SAMPLER_TP.value,
+        learner_gpus=_LEARNER_GPUS.value,
+        profile=_PROFILE.value,
+        group_size=_GROUP_SIZE.value,
+        groups_per_update=_PER_UPDATE.value,
+        eta=_ETA.value,
+        response_eta=_RESPONSE_ETA.value,
+        max_new_tokens=_MAX_NEW.value,
+        workload=workload_config(),
         seed=_SEED.value,
+        balance_wait=_BALANCE.value,
+        validate=_VALIDATE.value,
+        plan_budgets=tuple(map(int, _PLAN.value)),
+        borrowing=tuple(_BORROWING.value),
+        borrow_modes=tuple(_BORROW_MODES.value),
+        switch_cost_s=_SWITCH.value,
+        migration=MigrationConfig(
+            policy=_MIGRATION.value,
+            max_running_fraction=_MIG_FRACTION.value,
+            min_tokens_left=_MIG_MIN_LEFT.value,
+        ),
+        checkpoint_every=tuple(map(int, _CHECKPOINTS.value)),
+        multiplex=tuple(sorted(map(int, _MULTIPLEX.value))),
+        multiplex_modes=tuple(_MUX_MODES.value),
+        kv_layouts=tuple(_KV_LAYOUTS.value),
+        kv_modes=tuple(_KV_MODES.value),
+        gantt_dir=_GANTT_DIR.value,
     )
-    rows = papers.headlines(setup)
-    out["papers"] = {name: dataclasses.asdict(h) for name, h in rows.items()}
-    print(
-        f"seed systems' headlines: {model.source}, {setup.replicas} x {slots} slots, "
-        f"{_ROUNDS.value} rounds per run, workload seed {_SEED.value}"
-    )
-    print(f"  {'system':<23}{'ours':>8}{'paper':>8}  metric / our setting")
-    for name, h in rows.items():
-        ours = "-" if h.ours is None else f"{h.ours:.3g}"
-        print(f"  {name:<23}{ours:>8}{h.paper:>8.3g}  {h.metric}")
-        print(f"  {'':<39}{h.setting}")
 
 
 def main(argv: list[str]) -> None:
@@ -638,28 +274,28 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     if _VALIDATE.value and not _PROFILE.value:
         raise app.UsageError("--validate needs --profile (the fitted model of the same machine).")
+    s = settings()
     model, slots = stage_model()
     out: dict[str, Any] = {}
     if _PAPERS.value:
-        paper_headlines(model, slots, out)
-    elif _VALIDATE.value:
-        validation(model, out)
-    elif (not _BORROWING.value and not _MULTIPLEX.value and not _KV_LAYOUTS.value) or flags.FLAGS[
-        "modes"
-    ].present:
-        comparison(model, slots, out)  # --borrowing, --multiplex or --kv_layouts: only that block
-    if _MIGRATION.value != "off":
-        migration_block(model, slots, out)
-    if _CHECKPOINTS.value:
-        checkpoint_barriers(model, slots, out)
-    if _PLAN.value:
-        planning(out)
-    if _BORROWING.value:
-        borrowing(model, slots, out)
-    if _MULTIPLEX.value and not _PAPERS.value:
-        multiplexing(model, slots, out)
-    if _KV_LAYOUTS.value:
-        kv_layouts(out)
+        blocks.paper_headlines(s, model, slots, out)
+    elif s.validate:
+        blocks.validation(s, model, out)
+    elif (not s.borrowing and not s.multiplex and not s.kv_layouts) or flags.FLAGS["modes"].present:
+        # --borrowing, --multiplex or --kv_layouts alone: only that block
+        blocks.comparison(s, model, slots, out)
+    if s.migration.policy != "off":
+        blocks.migration_block(s, model, slots, out)
+    if s.checkpoint_every:
+        blocks.checkpoint_barriers(s, model, slots, out)
+    if s.plan_budgets:
+        blocks.planning(s, out)
+    if s.borrowing:
+        blocks.borrowing(s, model, slots, out)
+    if s.multiplex and not _PAPERS.value:
+        blocks.multiplexing(s, model, slots, out)
+    if s.kv_layouts:
+        blocks.kv_layouts(s, out)
     if _JSON.value:
         with open(_JSON.value, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=2, default=str)

@@ -1,4 +1,4 @@
-"""Mode comparisons on the simulator (launch/simulate.py's table) and validation against a real run.
+"""Mode comparisons on the simulator (launch.simulate's blocks) and validation against a real run.
 
 A mode name is what launch.bench_pipeline uses (rl.schedules.mode_fields parses it): "sync",
 "cgp+<admission>+<batching>", "sync+tail", "cgp+<admission>+tail" (tail batching; cgp's batches
@@ -342,3 +342,36 @@ def compare_migration(
             r["busy_vs_static"] = r["replica_busy_s"] / static["replica_busy_s"]
         del moved  # both rows filled
     return out
+
+
+CHECKPOINT_KINDS = ("exact", "no_bubble")  # config.async_resume
+
+
+def compare_checkpoints(
+    modes: Sequence[str],
+    model: StageModel,
+    workload: WorkloadConfig,
+    intervals: Sequence[int],
+    *,
+    rounds: int,
+    **fields: Any,
+) -> dict[str, dict[str, float]]:
+    """Each (async) mode with a checkpoint every k rounds, for k in `intervals`, of each kind:
+    "exact" drains the pipeline (a barrier, nothing in flight), "no_bubble" holds only the learner
+    (config.async_resume); the save itself is not modelled.
+
+    Returns mode -> "none" | "<kind>/<k>" -> groups/s (run_modes' groups_per_s).
+    """
+    runs = {"none": run_modes(modes, model, workload, rounds=rounds, **fields)}
+    for k in intervals:
+        for kind in CHECKPOINT_KINDS:
+            runs[f"{kind}/{k}"] = run_modes(
+                modes,
+                model,
+                workload,
+                rounds=rounds,
+                checkpoint_every=k,
+                keep_sampling=kind == "no_bubble",
+                **fields,
+            )
+    return {m: {name: rows[m]["groups_per_s"] for name, rows in runs.items()} for m in modes}

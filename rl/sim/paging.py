@@ -157,7 +157,7 @@ class SimPaging:
             seq = max((s for s in rep.seqs if s is not None), key=lambda s: (s.order, s.sample))
             made = min(seq.length, self.k * (rep.calls - seq.admit_call))
             rep.remove(seq)
-            rep.swapped[id(seq)] = (seq, made)
+            rep.swapped[seq.serial] = (seq, made)
             self.sampler.slot_span(rep, seq, now, made, preempted=True)
             t = self._swap(rep, seq, self._pages(rep, seq, made), t, "swap_out")
             self.sampler.counters.preemptions += 1
@@ -173,7 +173,7 @@ class SimPaging:
             extra = bring - pages(made, self.page) + grow  # its prompt's and the next call's
             if not slots or self.demand(rep, rep.calls) + extra > self.pool:
                 break
-            del rep.swapped[id(seq)]
+            del rep.swapped[seq.serial]
             t = self._swap(rep, seq, bring, t, "swap_in")
             admit = rep.calls - made // self.k
             back = dataclasses.replace(
@@ -218,5 +218,5 @@ class SimPaging:
         elsewhere); returns them with the tokens each had made."""
         out = [v for v in rep.swapped.values() if v[0].request.key == key]
         for seq, _ in out:
-            del rep.swapped[id(seq)]
+            del rep.swapped[seq.serial]
         return out

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 
 from rl.admission import AdmissionPolicy
 from rl.types import Completion, Request
+
+_SERIALS = itertools.count()
 
 
 @dataclasses.dataclass
@@ -24,6 +27,9 @@ class Seq:
     start: float
     base: int = 0  # tokens it had made on other replicas (migrated) or before a swap
     order: int = 0  # when its request was first admitted (paging: the youngest is preempted first)
+    # this object's number, in creation order: the finish heap breaks ties by it (deterministic,
+    # unlike a memory address), and a copy (dataclasses.replace) gets a number of its own
+    serial: int = dataclasses.field(init=False, default_factory=lambda: next(_SERIALS))
 
 
 @dataclasses.dataclass
@@ -49,7 +55,7 @@ class Replica:
         self.index, self.admission, self.page = index, admission, page
         self.seqs: list[Seq | None] = [None] * slots
         self.calls = 0
-        self.heap: list[tuple[int, int, int]] = []  # (finish_call, id(seq), slot)
+        self.heap: list[tuple[int, int, int]] = []  # (finish_call, seq.serial, slot)
         self.prompt_sum = self.admit_sum = self.active = 0
         self.chunk: Chunk | None = None
         self.epoch = 0
@@ -64,7 +70,7 @@ class Replica:
         # the groups that have one here, and the preempted sequences with the tokens they made
         self.groups: dict[tuple[int, int], int] = {}
         self.prompt_pages = 0
-        self.swapped: dict[int, tuple[Seq, int]] = {}  # id(seq) -> (seq, made)
+        self.swapped: dict[int, tuple[Seq, int]] = {}  # seq.serial -> (seq, made)
 
     def free_slots(self) -> list[int]:
         if self.parked:
@@ -84,7 +90,7 @@ class Replica:
     def add(self, seq: Seq) -> None:
         """Puts `seq` in its slot; it runs from its admit_call."""
         self.seqs[seq.slot] = seq
-        heapq.heappush(self.heap, (seq.finish_call, id(seq), seq.slot))
+        heapq.heappush(self.heap, (seq.finish_call, seq.serial, seq.slot))
         self.active += 1
         self.prompt_sum += len(seq.request.prompt)
         self.admit_sum += seq.admit_call

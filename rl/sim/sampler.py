@@ -317,7 +317,7 @@ class SimSampler:
         while True:
             fc, sid, slot = rep.heap[0]
             seq = rep.seqs[slot]
-            if seq is not None and id(seq) == sid:
+            if seq is not None and seq.serial == sid:
                 return fc
             heapq.heappop(rep.heap)
 
@@ -357,7 +357,7 @@ class SimSampler:
         while rep.heap and rep.heap[0][0] <= rep.calls:
             _, sid, slot = heapq.heappop(rep.heap)
             seq = rep.seqs[slot]
-            if seq is not None and id(seq) == sid:
+            if seq is not None and seq.serial == sid:
                 finished.append(seq)
                 rep.remove(seq)
         groups = []
@@ -385,7 +385,7 @@ class SimSampler:
                 del self.pending[r.key]
                 if r.kept < r.group_size:  # over-provisioned: cut the samples still running
                     self.counters.samples_cut += sum(
-                        rep.seqs[q.slot] is q or id(q) in rep.swapped for q in p.seqs
+                        rep.seqs[q.slot] is q or q.serial in rep.swapped for q in p.seqs
                     )
                     self.counters.aborted_tokens += self._release(rep, p)
                 completions = tuple(p.done[i] for i in sorted(p.done))
@@ -450,7 +450,7 @@ class SimSampler:
                 if i in p.done:
                     continue
                 s = running.get(i)
-                swapped = self.replicas[p.replica].swapped.get(id(s))
+                swapped = None if s is None else self.replicas[p.replica].swapped.get(s.serial)
                 if s is None or swapped is not None:
                     made = p.resume.get(i, 0) if s is None else swapped[1]
                 else:

@@ -103,21 +103,22 @@ class Workload:
         out = np.where(loops, cap, np.clip(np.rint(body), 1, cap))
         return tuple(int(x) for x in out)
 
-    def mean_length(self, group_size: int, *, prompts: int = 500) -> float:
-        """The mean response length over the first `prompts` prompts' samples (round 0)."""
+    def sample_lengths(self, group_size: int, *, prompts: int = 500) -> list[int]:
+        """Every sample's response length, prompt by prompt, over the first `prompts` prompts
+        (round 0; a fixed_lengths workload: at most its prompts)."""
         params = SamplingParams(max_new_tokens=self.cfg.max_new_tokens)
         n = min(prompts, len(self.cfg.fixed_lengths) or prompts)
-        return float(
-            np.mean(
-                [
-                    x
-                    for uid in range(n)
-                    for x in self.lengths(
-                        Request(uid=uid, prompt=(0,), group_size=group_size, params=params)
-                    )
-                ]
+        return [
+            x
+            for uid in range(n)
+            for x in self.lengths(
+                Request(uid=uid, prompt=(0,), group_size=group_size, params=params)
             )
-        )
+        ]
+
+    def mean_length(self, group_size: int, *, prompts: int = 500) -> float:
+        """The mean response length over the first `prompts` prompts' samples (round 0)."""
+        return float(np.mean(self.sample_lengths(group_size, prompts=prompts)))
 
 
 def summarize(lengths: Sequence[int]) -> dict[str, float]:
