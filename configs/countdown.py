@@ -4,8 +4,9 @@ Launch:  python -m launch.train --config=configs/countdown.py
          python -m launch.train --config=configs/countdown.py:smoke   (seconds, for tests)
 Expect:  a supervised warm start on one reference expression per problem to >= 25% held-out, then
          300 GRPO rounds rewarded by the exact AST verifier (any expression over the given numbers
-         that reaches the target scores 1). Measured on 2 CPU cores, seeds 0-2: 30.5 / 29.0 / 27.0%
-         -> 47.0 / 41.5 / 44.0% (+12.5 to +17 points) in 367-503 s beside other jobs (README).
+         that reaches the target scores 1), each refilled to 32 informative groups (DAPO dynamic
+         sampling). Measured on 2 CPU cores, seeds 0-4: 27.0-30.5% -> 45.5-56.0%, gains +18.5 /
+         +20.0 / +25.5 points (min / median / max; README).
 """
 
 import ml_collections
@@ -28,6 +29,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.engine.max_prefill_length = 24
     config.engine.steps_per_call = 8
     config.learner.min_length_bucket = 32
+    # DAPO dynamic sampling: after SFT most groups score 0 on all 8 samples (sampled reward 10-30%)
+    # and carry no gradient; rounds refilled with informative groups (<= 96 prompts drawn) gained
+    # +18.5 to +25.5 points on seeds 0-4 where plain rounds gained +12.5 to +23.0 (README).
+    config.driver.dynamic_sampling = True
     if arg == "smoke":
         config.workdir = "runs/countdown_smoke"
         config.task.train_size = 2000

@@ -25,4 +25,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # 3 turns of <= 11 tokens and 2 observations of "no:" + the <= 12-token question
     config.sampling.max_new_tokens = 64
     config.engine.max_length = 96
+    # plain rounds, as its README table (tool vs single-turn) was measured; Countdown's own recipe
+    # refills rounds with informative groups (dynamic sampling)
+    config.driver.dynamic_sampling = False
     return config
