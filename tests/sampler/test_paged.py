@@ -1,5 +1,6 @@
 """The paged KV cache: bitwise the dense engine's tokens and log-probs (any page size, shared group
-prompts, preemption forced by a tiny pool), and its books always balance."""
+prompts, preemption forced by a tiny pool), its books always balance, and the Pallas decode
+attention decodes the XLA one's greedy tokens."""
 
 import dataclasses
 
@@ -195,3 +196,18 @@ def test_a_second_decode_state_on_the_engine_leaves_the_running_one_intact(model
         pass
     _same({g.request.key: g.completions for g in groups}, want)
     assert evaluated == _run(_engine(model, page=8), model, _requests([5, 11], [9, 13], seed=1))
+
+
+@pytest.mark.slow  # ~15 s on a 2-core CPU: two engines, the Pallas one in interpret mode
+def test_a_pallas_engine_decodes_the_xla_engines_greedy_tokens(model):
+    requests = _requests([3, 17, 9, 30], [12, 10, 20, 6], temperature=0.0, seed=3)
+    runs = {
+        kernel: _run(_engine(model, page=8, block=16, slots=4, kernel=kernel), model, requests)
+        for kernel in ("xla", "pallas")
+    }
+    assert runs["xla"].keys() == runs["pallas"].keys()
+    for key, completions in runs["xla"].items():
+        for x, y in zip(completions, runs["pallas"][key], strict=True):
+            assert x.tokens == y.tokens, key
+            # float32 log-probs: the kernel sums in another order
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4, rtol=0)

@@ -1,5 +1,5 @@
 """The decode attention seam: the Pallas paged kernel (interpret mode on CPU) equals the gathered
-XLA reference, an engine decodes the same greedy tokens with either, and a bad name is refused."""
+XLA reference, and a bad name is refused (an engine decoding with either: tests/sampler/test_paged.py)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -7,15 +7,12 @@ import pytest
 
 from configs import smoke
 from rl.config_check import ConfigError, check_config
-from rl.models import create_model, get_preset
 from rl.models.attention import attend_blocks
 from rl.models.kv_cache import HeadMajorLayer, PagedLayer
 from rl.models.paged_attention import DECODE_ATTENTION, paged_attention
 from sampler.engine import EngineConfig
-from tests.sampler.test_paged import _engine, _requests, _run
 
 TOL = 1e-5  # float32 attention outputs, absolute and relative: the kernel sums in another order
-LOGPROB_TOL = 1e-4  # float32 log-probs after two layers of a model (a complex computation)
 
 C, M, POOL, H = 4, 4, 12, 8  # positions per page, table width, pages in the pool, head_dim
 # One row per case: its position (first page, mid-page, a page's last slot, the table's last
@@ -74,25 +71,6 @@ def test_pallas_refuses_a_dense_layer():
     dense = HeadMajorLayer(k=jnp.zeros((6, 2, H, 16)), v=jnp.zeros((6, 2, 16, H)))
     with pytest.raises(ValueError, match="reads a paged cache; received a HeadMajorLayer"):
         DECODE_ATTENTION.get("pallas")(q, dense, pos, blocks=1, block=16)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return create_model(get_preset("tiny", init_std=0.3), seed=0)  # as tests/sampler/conftest.py
-
-
-@pytest.mark.slow  # ~15 s on a 2-core CPU: two engines, the Pallas one in interpret mode
-def test_a_pallas_engine_decodes_the_xla_engines_greedy_tokens(model):
-    requests = _requests([3, 17, 9, 30], [12, 10, 20, 6], temperature=0.0, seed=3)
-    runs = {
-        kernel: _run(_engine(model, page=8, block=16, slots=4, kernel=kernel), model, requests)
-        for kernel in ("xla", "pallas")
-    }
-    assert runs["xla"].keys() == runs["pallas"].keys()
-    for key, completions in runs["xla"].items():
-        for x, y in zip(completions, runs["pallas"][key], strict=True):
-            assert x.tokens == y.tokens, key
-            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=LOGPROB_TOL, rtol=0)
 
 
 def test_a_bad_attention_kernel_names_the_value_and_the_choices():
