@@ -78,7 +78,8 @@ time per round.
 --borrowing compares BiDiRL's bidirectional borrowing (rl/elastic/borrowing.py, carried out by
 rl/sim/borrow.py) with the static split: for each setup, sync, cgp+frontier+fifo and
 async+frontier+s4+fill (--borrow_modes) with each setting (off = static split; learner: the
-learner trains on the sampler's devices once the rollout drains; sampler: the learner's devices
+learner trains on the sampler's devices once the rollout drains, under async once the staleness
+bound has drained the sampler, until the update's publish; sampler: the learner's devices
 decode as extra replicas while the learner waits, under async until its next batch is complete,
 when they are taken back mid-rollout and what ran there resumes on the other replicas,
 re-prefilled with the tokens it made; both; each also as "<setting>+migration" with JigsawRL's
@@ -246,7 +247,6 @@ def settings() -> blocks.Settings:
         groups_per_update=_PER_UPDATE.value,
         eta=_ETA.value,
         response_eta=_RESPONSE_ETA.value,
-        max_new_tokens=_MAX_NEW.value,
         workload=workload_config(),
         seed=_SEED.value,
         balance_wait=_BALANCE.value,

@@ -60,7 +60,6 @@ class Settings:
     groups_per_update: int  # U
     eta: float  # tail batching: short rounds launch ceil(eta * R) prompts
     response_eta: float  # tail batching: launch ceil(response_eta * G) samples, keep G
-    max_new_tokens: int  # as given (the planner's cap); the setups' is workload.max_new_tokens
     workload: WorkloadConfig  # --workload and the length flags (rollpacker: its median and cap)
     seed: int  # the workload's seed (--multiplex: of its first pipeline)
     balance_wait: float  # sync's wait ratio of the balanced blocks; 0: none
@@ -200,7 +199,7 @@ def planning(s: Settings, out: dict[str, Any]) -> None:
             groups_per_round=s.setups[0],
             groups_per_update=s.groups_per_update,
             group_size=s.group_size,
-            max_new_tokens=s.max_new_tokens,
+            max_new_tokens=s.workload.max_new_tokens,
         )
 
         def make(split: Split) -> Any:
