@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -187,8 +187,14 @@ class Learner:
 
     # ----------------------------------------------------------------------------------- groups
 
-    def add_groups(self, groups: Iterable[Group]) -> None:
-        """Computes advantages and accumulates gradients of every full micro-batch."""
+    def add_groups(
+        self, groups: Iterable[Group], *, before_batch: Callable[[], None] | None = None
+    ) -> None:
+        """Computes advantages and accumulates gradients of every full micro-batch.
+
+        `before_batch` (if given) is called before each micro-batch is accumulated: a driver may
+        move the learner onto borrowed devices there (`borrow`; async borrowing, rl/driver.py).
+        """
         groups = list(groups)
         if not groups:
             return
@@ -212,14 +218,16 @@ class Learner:
                 self._filtered_in_update += sum(truncated)
             self._pending.extend(seqs)
             self.groups_in_update += 1
-            self._form(final=False)
+            self._form(final=False, before_batch=before_batch)
 
-    def _form(self, *, final: bool) -> None:
+    def _form(self, *, final: bool, before_batch: Callable[[], None] | None = None) -> None:
         """Accumulates every micro-batch the pending sequences fill (all of them when `final`)."""
         planned = self.micro_batches.plan([len(x) for x in self._pending], final=final)
         if not planned:
             return
         for length, bins in planned:
+            if before_batch is not None:
+                before_batch()
             batch = self.micro_batches.batch(self._pending, length, bins)
             self._tokens_in_update += batch.num_tokens
             self._positions_in_update += batch.segments.size

@@ -364,24 +364,19 @@ def check_config(config: Any) -> None:
                     "share every device)."
                 )
             mode = config.get("driver", {}).get("mode")
-            if mode == "async" and elastic.borrowing != "sampler":
-                p.add(
-                    f"config.elastic.borrowing={elastic.borrowing!r} with config.driver.mode="
-                    "'async'; expected 'sampler' (the learner's devices decode while it waits "
-                    "for its next batch) or a round mode (sync or cgp): the learner borrows only "
-                    "between rounds, and async publishes after every update."
-                )
             if mode == "async" and config.get("runtime") == "ray":
                 p.add(
-                    "config.elastic.borrowing='sampler' with config.driver.mode='async' and "
-                    "config.runtime='ray'; expected runtime='threads': taking a lent replica "
-                    "back mid-rollout is built for the threaded runtime only."
+                    f"config.elastic.borrowing={elastic.borrowing!r} with config.driver.mode="
+                    "'async' and config.runtime='ray'; expected runtime='threads': borrowing "
+                    "between micro-batches and taking a lent replica back mid-rollout are built "
+                    "for the threaded runtime only."
                 )
-            if mode == "async" and config.get("env", {}).get("name"):
+            if mode == "async" and elastic.allows("sampler") and config.get("env", {}).get("name"):
                 p.add(
-                    "config.elastic.borrowing='sampler' with config.driver.mode='async' and "
-                    f"config.env.name={config.env.name!r}; expected no environment: an episode "
-                    "waiting for its environment cannot move off a replica taken back."
+                    f"config.elastic.borrowing={elastic.borrowing!r} with config.driver.mode="
+                    f"'async' and config.env.name={config.env.name!r}; expected no environment "
+                    "or borrowing='learner': an episode waiting for its environment cannot move "
+                    "off a replica taken back."
                 )
     if clean("mesh"):
         mesh = p.build("mesh", lambda: from_section(MeshConfig, config.mesh, name="mesh"))

@@ -137,11 +137,6 @@ class Driver:
         lender: SamplerLender | None = None,
         learner_turn: Callable[[str], contextlib.AbstractContextManager[None]] | None = None,
     ):
-        if borrower is not None and cfg.mode == "async":
-            raise ValueError(
-                "The learner borrows in round modes (sync or cgp); received mode='async' (it "
-                "publishes after every update, so devices would move back and forth each update)."
-            )
         self.cfg = cfg
         self.borrower, self.lender = borrower, lender
         self._deferred: list[Action] = []  # learner work held while its devices are lent
@@ -261,6 +256,7 @@ class Driver:
         groups, tokens = self._added[round]
         self.borrower.before_learner_work(
             round,
+            update=self.schedule.updates_done if self.cfg.mode == "async" else -1,
             drained=self._drained(),
             updates_left=self._updates_left,
             groups_per_update=self.cfg.groups_per_update,
@@ -275,7 +271,11 @@ class Driver:
         self._maybe_borrow(round)
         with self._learner_turn("micro_step"):
             t0 = self.clock()
-            self.learner.add_groups(groups)
+            if self.borrower is not None and self.cfg.mode == "async":
+                # the sampler may drain mid-batch (the bound holds what comes next): borrow there
+                self.learner.add_groups(groups, before_batch=lambda: self._maybe_borrow(round))
+            else:
+                self.learner.add_groups(groups)
             t1 = self.clock()
         tokens = sum(len(c.tokens) for g in groups for c in g.completions)
         self.timeline.span(

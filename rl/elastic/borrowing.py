@@ -22,6 +22,9 @@ measured switches of that direction; `switch_cost_s` before the first).
                     meanwhile; gain = (T_roll(n) - switch) x min(k, queued / slots) / n, the
                     replica-time they take off the n replicas' backlog. The runtime takes them
                     back once the batch is complete (what runs there resumes on the others).
+                    The learner borrows as in a round mode once the bound has drained the sampler
+                    (nothing sampling until this update is published): the update's work left
+                    (`updates_left` 1), between two of its micro-batches if need be.
 
 T_learn(D): micro-batches x learner_fixed + tokens x learner_per_token x (L0 / D) + updates x
 update_s (data parallel over D devices: only the per-token term scales; the optimizer apply and the

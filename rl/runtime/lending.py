@@ -1,12 +1,14 @@
 """The runtime side of borrowing: the learner borrows the drained sampler's devices.
 
-The driver (rl/driver.py) calls `before_learner_work` before each Add or Update of a round mode and
-`before_publish` before each Publish. Once per round, when the sampler has drained (every request
-of the round emitted, aborted or cut) and updates remain, the BorrowPolicy decides; on a move the
-learner reshards onto its mesh extended over the sampler's devices (learner.Learner.borrow) and
-gives them back before the weights are published. The switch (there and back) is timed, fed to the
-policy's running estimate, drawn on the learner lane ("borrow", "give_back") and reported with the
-decision in the round's metrics (borrow_learner, _gain_s, _switch_cost_s, _measured_s).
+The driver (rl/driver.py) calls `before_learner_work` before each Add or Update (under async also
+before each micro-batch of an Add) and `before_publish` before each Publish. Once per round (async:
+per update), when the sampler has drained (every request submitted emitted, aborted or cut: under
+async the staleness bound holds the next requests until this update is published) and updates
+remain, the BorrowPolicy decides; on a move the learner reshards onto its mesh extended over the
+sampler's devices (learner.Learner.borrow) and gives them back before the weights are published.
+The switch (there and back) is timed, fed to the policy's running estimate, drawn on the learner
+lane ("borrow", "give_back") and reported with the decision in the round's metrics
+(borrow_learner, _gain_s, _switch_cost_s, _measured_s).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class LearnerBorrower:
         self.rows = micro_batch_rows
         self.clock: Callable[[], float] = time.monotonic
         self.timeline = Timeline()
-        self._decided: set[int] = set()
+        self._decided: set[tuple[int, int]] = set()  # (round, update) decided
         self._borrow_s = 0.0
         self._metrics: dict[int, dict[str, float]] = {}
 
@@ -82,16 +84,19 @@ class LearnerBorrower:
         self,
         round: int,
         *,
+        update: int = -1,
         drained: bool,
         updates_left: int,
         groups_per_update: int,
         group_size: int,
         tokens_per_group: float,
     ) -> None:
-        """Decides once per round, when the sampler has drained; borrows on a move."""
-        if round in self._decided or not drained or not updates_left or self.learner.borrowing:
+        """Decides once per round (async: per `update`, the index of the update about to train),
+        when the sampler has drained; borrows on a move."""
+        key = (round, update)
+        if key in self._decided or not drained or not updates_left or self.learner.borrowing:
             return
-        self._decided.add(round)
+        self._decided.add(key)
         groups = updates_left * groups_per_update
         state = PoolState(
             **self.shape,
@@ -125,7 +130,7 @@ class LearnerBorrower:
 
     def pop_metrics(self, round: int) -> dict[str, float]:
         """The round's decision metrics (empty if no decision was taken in it)."""
-        self._decided.discard(round)
+        self._decided = {k for k in self._decided if k[0] != round}
         return self._metrics.pop(round, {})
 
 

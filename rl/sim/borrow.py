@@ -144,7 +144,8 @@ class SimBorrower(PoolHooks):
                     self._lend_to_sampler(r, d, now)
 
     def _check_ahead(self, now: float) -> None:
-        """async: lend while the learner waits for its next batch; take back once it is complete."""
+        """async: lend while the learner waits for its next batch; take back once it is complete.
+        Borrow the sampler's devices for an update once the staleness bound has drained it."""
         sim = self.sim
         assert sim is not None
         if self._lent is not None:
@@ -152,8 +153,13 @@ class SimBorrower(PoolHooks):
                 self._return_sampler(now)
             return
         nxt = sim.schedule.updates_done
+        if self._learner_round is not None:
+            return
+        if not sim.sampler.outstanding:
+            self._borrow_drained(nxt, now)
+            return
         busy = sim.learner.op is not None or sim.learner.ops
-        if busy or not sim.sampler.outstanding or (nxt, "sampler") in self._decided:
+        if busy or (nxt, "sampler") in self._decided:
             return
         if not self.policy.cfg.allows("sampler"):
             return
@@ -166,6 +172,40 @@ class SimBorrower(PoolHooks):
             self._record(r, d)
             if d.move:
                 self._lend_to_sampler(r, d, now)
+
+    def _borrow_drained(self, update: int, now: float) -> None:
+        """async: nothing is sampling (the staleness bound holds the next requests until this
+        update is published) and the update's work is queued: the learner may borrow the idle
+        sampler until the publish, as in a round mode once the rollout has drained."""
+        sim = self.sim
+        assert sim is not None
+        ops = sim.learner.ops
+        if (
+            (update, "learner") in self._decided
+            or not self.policy.cfg.allows("learner")
+            or not any(op.name in ("micro_step", "update") for op in ops)
+        ):
+            return
+        r = self._round()
+        if r is None:
+            return
+        self._decided.add((update, "learner"))
+        m, cfg = sim.model, sim.cfg
+        per_token = m.learner_per_token * sim.learner.scale
+        scalable = sim.learner.scalable_left(now)  # the operation in flight's rest included
+        state = PoolState(
+            learner_devices=self.learner_devices,
+            sampler_replicas=cfg.replicas,
+            replica_devices=self.tp,
+            slots=cfg.slots,
+            updates_left=1,
+            micro_batches_left=sum(op.name == "micro_step" for op in ops),
+            learner_tokens_left=scalable / per_token if per_token else 0.0,
+        )
+        d = self.policy.decide(state)
+        self._record(r, d)
+        if d.move:
+            self._borrow_learner(r, d, now)
 
     def _ahead_state(self) -> PoolState:
         """async: the next update's groups still sampling, and the sequences waiting for a slot."""
@@ -198,7 +238,11 @@ class SimBorrower(PoolHooks):
             op.work -= op.scalable * (1 - f)
             op.scalable *= f
         sim.learner.scale = f
-        sim.learner.ops.insert(0, LearnerOp("borrow", d.switch_cost_s, dict(round=r), scalable=0.0))
+        if sim.learner.op is not None:  # async: between two micro-batches of the one in flight
+            sim.learner.stretch(f, d.switch_cost_s, now)
+        else:
+            switch = LearnerOp("borrow", d.switch_cost_s, dict(round=r), scalable=0.0)
+            sim.learner.ops.insert(0, switch)
         self._learner_round = r
         self.moves["learner"] += 1
 

@@ -145,6 +145,30 @@ class SimLearner:
         assert op is not None
         self.at(self._last + op.work / self._rate, lambda t: self._end(epoch, t))
 
+    def _in_flight_left(self, now: float) -> tuple[float, float]:
+        """(work, per-token work) left of the operation in flight at `now`; (0, 0): none."""
+        op = self.op
+        if op is None:
+            return 0.0, 0.0
+        left = max(op.work - (now - self._last) * self._rate, 0.0)
+        return left, op.scalable * (left / op.work if op.work else 0.0)
+
+    def scalable_left(self, now: float) -> float:
+        """Per-token work (seconds) queued and left of the operation in flight."""
+        return sum(op.scalable for op in self.ops) + self._in_flight_left(now)[1]
+
+    def stretch(self, scale: float, extra_s: float, now: float) -> None:
+        """The operation in flight from now on: the rest of its per-token work runs `scale` as
+        long, after `extra_s` more (a mesh switched between two of its micro-batches)."""
+        op = self.op
+        if op is None:
+            return
+        left, scalable = self._in_flight_left(now)
+        op.work = left - scalable * (1 - scale) + extra_s
+        op.scalable = scalable * scale
+        self._last = now
+        self._plan()
+
     def set_rate(self, rate: float, now: float) -> None:
         """Progress at `rate` x full speed from now on (contention)."""
         if rate == self._rate:

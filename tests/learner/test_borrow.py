@@ -65,3 +65,36 @@ def test_update_on_borrowed_mesh_equals_own_mesh_and_run_continues(seed, kl):
     with pytest.raises(RuntimeError, match="give_back called while not borrowing"):
         borrowed.give_back()
     print(f"seed {seed}: max abs parameter diff, borrowed vs own mesh: {diff:.3g}")
+
+
+def _one_update(seed: int, hook_borrows: bool):
+    """One update of 16 groups added at once; with `hook_borrows` the learner borrows from
+    add_groups' `before_batch` at its second micro-batch (async borrowing's mid-Add switch)."""
+    # unpacked rows of one sequence each: several micro-batches per Add
+    cfg = LearnerConfig(optimizer=WELL_CONDITIONED, micro_batch_rows=8, packing=False)
+    lm, sm = make_meshes(MeshConfig(learner_devices=4, sampler_devices=4))
+    learner = Learner(create_model(get_preset("tiny"), seed=seed), cfg, mesh=lm)
+    calls = []
+
+    def before_batch():
+        calls.append(learner.borrowing)
+        if hook_borrows and len(calls) == 2:
+            learner.borrow(list(sm.devices.flat))
+
+    learner.begin_round(updates=1)
+    groups = make_groups(16, seed=seed, max_response=60, prompt_len=40)
+    learner.add_groups(groups, before_batch=before_batch)
+    learner.update()
+    if learner.borrowing:
+        learner.give_back()
+    return learner, calls
+
+
+@pytest.mark.slow
+def test_a_borrow_between_two_micro_batches_of_one_add_leaves_the_update_unchanged():
+    own, calls = _one_update(0, hook_borrows=False)
+    hooked, hooked_calls = _one_update(0, hook_borrows=True)
+    assert len(calls) >= 3 and calls == [False] * len(calls)  # once per micro-batch
+    assert hooked_calls[:3] == [False, False, True]  # moved before the second one
+    for a, b in zip(jax.tree.leaves(own.params), jax.tree.leaves(hooked.params), strict=True):
+        assert float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) <= TOL

@@ -164,3 +164,52 @@ def test_async_lends_the_learners_devices_and_takes_them_back_mid_rollout(migrat
     lent_lanes = [s for s in driver.timeline.spans("sampler/slot") if s.args["replica"] >= 2]
     assert sum(s.args["tokens"] for s in lent_lanes) > 0  # the lent replicas decoded
     assert sorted(driver.sampler.loops) == [0, 1]  # and went back
+
+
+@pytest.mark.slow  # end-to-end: 2 runs of the threads runtime
+def test_async_learner_borrows_the_drained_sampler_and_the_run_is_unchanged():
+    """s = 0: each update's groups are submitted only after the previous publish, so the sampler
+    has drained when the learner trains: it borrows the sampler's devices for every update and
+    gives them back before each publish; tokens equal the unborrowed run's bitwise."""
+
+    def config(borrowing):
+        c = async_config(borrowing)
+        c.driver.max_staleness = 0
+        return c
+
+    rounds = 2
+    static, p_static, _, _ = run(config("off"), rounds)
+    borrowed, p_borrowed, runtime, driver = run(config("learner"), rounds)
+    assert tokens_of(borrowed) == tokens_of(static)
+    diff = max(
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+        for a, b in zip(jax.tree.leaves(p_static), jax.tree.leaves(p_borrowed), strict=True)
+    )
+    assert diff <= TOL, diff
+    names = [s.name for s in driver.timeline.spans("learner")]
+    updates = 8 * rounds // 2
+    assert names.count("borrow") == names.count("give_back") == updates  # one per update
+    assert all(r.metrics["borrow_learner"] == 1.0 for r in borrowed)
+    assert not runtime.learner.borrowing
+    assert max(r.metrics["lag_max"] for r in borrowed) == 0
+
+
+@pytest.mark.slow  # end-to-end: a run of the threads runtime
+def test_async_borrows_in_both_directions_within_the_bound():
+    """BiDiRL's setting both ways: the learner's devices decode while it waits for its next
+    batch, and the learner takes the sampler's once the bound has drained it (here the run's last
+    updates; tests/learner/test_borrow.py switches between two micro-batches of one Add): every
+    group is trained once, within the bound, versions in order."""
+    rounds = 3
+    both, _, runtime, driver = run(async_config("both"), rounds)
+    keys = sorted(g.request.key for r in both for g in r.groups)
+    assert len(keys) == len(set(keys)) == 8 * rounds
+    versions = versions_of(both)
+    assert all(list(v) == sorted(v) for v in versions)
+    assert max(r.metrics["lag_max"] for r in both) <= 3
+    names = [s.name for s in driver.timeline.spans("learner")]
+    assert names.count("borrow") == names.count("give_back") >= 1  # the drained last updates
+    assert not runtime.learner.borrowing
+    assert sorted(driver.sampler.loops) == [0, 1]  # lent replicas went back
+    stats = driver.sampler.stats
+    assert stats.resumed_sequences == stats.evicted_sequences
