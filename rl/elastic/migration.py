@@ -32,6 +32,11 @@ Policies (`make_migration_policy`, names in MIGRATION_POLICIES):
           the margin above). A replica is emptied only if every movable request on it fits and
           none is unmovable; requests with fewer than `min_tokens_left` tokens to go (when known)
           stay.
+          With `on_demand` (a multiplexed pool: rl/sim/multiplex.py) it never consolidates by
+          itself; instead an idle replica (one that joined from another pipeline) takes up to
+          half the sequences of the most-loaded one, the requests with the most tokens left
+          first, and a replica the pool recalls (`ReplicaView.leaving`, any `tail`) is emptied
+          into the others with room, whatever the round's stage.
   always  every movable request moves to the next replica (in index order, wrapping) with the
           slots and pages for its KV (no margin), at every opportunity: the exactness test's
           forcing mode.
@@ -101,6 +106,8 @@ class ReplicaView:
       free_pages: pages a move may fill now: not held, nor owed to its swapped-out sequences or
         to moves on their way here.
       page: positions per page (0 when dense).
+      leaving: the replica is wanted elsewhere (a multiplexed pool recalls it): `tail` moves
+        what runs there to the others, whatever the round's stage.
     """
 
     slots: int
@@ -110,6 +117,7 @@ class ReplicaView:
     pages: int = 0
     free_pages: int = 0
     page: int = 0
+    leaving: bool = False
 
     def __post_init__(self):
         used = sum(r.sequences for r in self.running)
@@ -169,6 +177,8 @@ class MigrationConfig:
     min_tokens_left: int = 0  # tail: a request closer than this to its end (if known) stays
     grow_tokens: int = 512  # tail, paged KV: a destination keeps pages for this many more
     # positions per sequence it runs (module docstring)
+    on_demand: bool = False  # tail: consolidate only replicas the pool recalls, and spread onto
+    # idle replicas (a multiplexed pool's setting: rl/sim/multiplex.py)
 
     def __post_init__(self):
         if self.policy not in MIGRATION_POLICIES:
@@ -226,7 +236,13 @@ class Tail:
 
     def moves(self, replicas: Sequence[ReplicaView]) -> list[Move]:
         busy = [i for i, r in enumerate(replicas) if r.running]
-        if len(busy) < 2 or any(r.queued for r in replicas) or not self._few(replicas):
+        if any(replicas[i].leaving for i in busy):
+            return self._evacuate(replicas, busy)
+        if not busy or any(r.queued for r in replicas):
+            return []
+        if self.config.on_demand:
+            return self._spread(replicas, busy)
+        if len(busy) < 2 or not self._few(replicas):
             return []
         grow = self.config.grow_tokens
         free = [r.free for r in replicas]
@@ -264,6 +280,56 @@ class Tail:
                 out.extend(plan)
             if len(emptied) >= len(busy) - 1:
                 break
+        return out
+
+    def _evacuate(self, replicas: Sequence[ReplicaView], busy: list[int]) -> list[Move]:
+        """Every movable request on a leaving replica goes to the staying replica with the most
+        free slots that holds it (and its pages with the growth margin)."""
+        grow = self.config.grow_tokens
+        stay = [i for i, r in enumerate(replicas) if r.slots and not r.leaving]
+        free = [r.free for r in replicas]
+        pages = [r.free_pages - sum(r.growth(x, grow) for x in r.running) for r in replicas]
+        out: list[Move] = []
+        for src in (i for i in busy if replicas[i].leaving):
+            runs = [r for r in replicas[src].running if r.movable]
+            for run in sorted(runs, key=lambda r: (-r.sequences, r.key)):
+                fits = [
+                    j
+                    for j in stay
+                    if free[j] >= run.sequences and pages[j] >= replicas[j].need(run, grow)
+                ]
+                if not fits:
+                    continue
+                dst = max(fits, key=lambda j: (free[j], -j))
+                free[dst] -= run.sequences
+                pages[dst] -= replicas[dst].need(run, grow)
+                out.append(Move(run.key, src, dst))
+        return out
+
+    def _spread(self, replicas: Sequence[ReplicaView], busy: list[int]) -> list[Move]:
+        """on_demand: each idle replica (nothing running, queued or arriving: one that just
+        joined from another pipeline) takes up to half the sequences of the most-loaded one, the
+        requests with the most tokens left first, so that both decode steps read half the KV."""
+        idle = [
+            i
+            for i, r in enumerate(replicas)
+            if r.slots and r.free == r.slots and not r.running and not r.leaving
+        ]
+        grow = self.config.grow_tokens
+        out: list[Move] = []
+        sources = sorted(busy, key=lambda i: (-replicas[i].sequences, i))
+        for dst, src in zip(idle, sources, strict=False):  # the busiest sources first
+            rep, to = replicas[src], replicas[dst]
+            free = to.free
+            pages = to.free_pages
+            budget = rep.sequences // 2
+            runs = [r for r in rep.running if self._movable(r)]
+            for run in sorted(runs, key=lambda r: (-(r.tokens_left or 0), r.key)):
+                need = to.need(run, grow)
+                if run.sequences > min(budget, free) or need > pages:
+                    continue
+                budget, free, pages = budget - run.sequences, free - run.sequences, pages - need
+                out.append(Move(run.key, src, dst))
         return out
 
     def _few(self, replicas: Sequence[ReplicaView]) -> bool:

@@ -12,12 +12,18 @@ Two decisions, each asked at a sub-stage boundary with a `PipelineView` of every
             loads the other's: `switch_s`, charged by the caller). `replica_for(views, owner)`
             says where a vacant replica of `owner` goes: to the pipeline with waiting sequences
             its own free slots cannot take whose round began first (one rollout finished sooner
-            feeds the learner sooner; spreading replicas evenly measured no better), unless the
-            owner's own next demand comes sooner than a round trip of switches (look-ahead: the
-            owner is between rounds with under 2 x switch_s of learner work before its
-            publish), in which case it stays. A replica is never taken from a pipeline with work
-            on it: long-tail migration (rl.elastic.migration's `tail`, whose consumer this is)
-            consolidates a tail and frees whole replicas for the others.
+            feeds the learner sooner), unless the owner's own next demand comes sooner than a
+            round trip of switches (look-ahead: the owner is between rounds with under
+            2 x switch_s of learner work before its publish), in which case it stays. When no
+            queue waits, "lookahead" spreads: the replica joins the rollout with the most
+            sequences per replica (if it still runs `spread_min` per replica with it), whose
+            migration moves running requests onto it (decode steps read KV in proportion to
+            what runs, so half the sequences step almost twice as fast). A replica is never
+            taken from a pipeline with work on it; instead, while a queue waits and no replica
+            is vacant or on its way, the caller recalls one (`wants_back`): that rollout's
+            migration moves what runs there to its other replicas (rl.elastic.migration's
+            `tail` with `on_demand`: long-tail consolidation exactly when a consumer waits),
+            and once vacant it goes where the queue waits.
   learner   The learner mesh holds every pipeline's parameters and optimizer state (resident, so
             switching between them costs `learner_switch_s`, 0 by default) and runs one
             operation at a time. `learner_for(views, last)` picks whose next operation runs:
@@ -52,15 +58,22 @@ class MultiplexConfig:
       switch_s: seconds a replica needs to serve another pipeline (load its weights); None: the
         stage model's publish time (the same bytes over the same link).
       learner_switch_s: seconds the learner needs to switch pipelines (0: states resident).
+      spread_min: "lookahead": a vacant replica nobody's queue needs goes to the rollout with the
+        most sequences per replica, if it would still run at least this many per replica with
+        it (its migration then moves running requests there: rl.elastic.migration's `tail`
+        spreads before the tail); 0: never.
     """
 
     policy: str = "lookahead"
     switch_s: float | None = None
     learner_switch_s: float = 0.0
+    spread_min: int = 64
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"MultiplexConfig.policy={self.policy!r}; expected one of {POLICIES}.")
+        if self.spread_min < 0:
+            raise ValueError(f"MultiplexConfig.spread_min={self.spread_min!r}; expected >= 0.")
         for name in ("switch_s", "learner_switch_s"):
             v = getattr(self, name)
             if v is not None and (not math.isfinite(v) or v < 0):
@@ -80,12 +93,14 @@ class PipelineView:
         between rounds, what stands before its publish.
       waiting_since: when its oldest queued learner operation was queued (inf: none).
       rollout_since: when its oldest round still sampling began (inf: none).
+      running: sequences running on its replicas.
     """
 
     replicas: int
     free_slots: int
     queued: int
     between_rounds: bool
+    running: int = 0
     learner_s: float = 0.0
     waiting_since: float = math.inf
     rollout_since: float = math.inf
@@ -106,18 +121,36 @@ class MultiplexPolicy:
 
     def replica_for(self, views: Sequence[PipelineView], owner: int) -> int | None:
         """Where an idle replica of pipeline `owner` goes; None: it stays."""
-        demand = [i for i, v in enumerate(views) if i != owner and v.unmet > 0]
-        if not demand or views[owner].unmet > 0:
-            return None
         mine = views[owner]
+        if mine.unmet > 0:
+            return None
+        lookahead = self.config.policy == "lookahead"
         if (
-            self.config.policy == "lookahead"
+            lookahead
             and mine.between_rounds
             and math.isfinite(mine.waiting_since)  # its learner has work: a round will follow
             and mine.learner_s <= 2 * self.switch_s
         ):
             return None  # its next round comes before a replica could go and come back
-        return min(demand, key=lambda i: (views[i].rollout_since, i))  # the oldest rollout first
+        demand = [i for i, v in enumerate(views) if i != owner and v.unmet > 0]
+        if demand:
+            return min(demand, key=lambda i: (views[i].rollout_since, i))  # the oldest rollout
+        if not lookahead or not self.config.spread_min or self._spreads(mine, mine.replicas):
+            return None  # (its own rollout spreads onto it)
+        spread = [i for i, v in enumerate(views) if i != owner and self._spreads(v, v.replicas + 1)]
+        if not spread:
+            return None
+        return max(spread, key=lambda i: (views[i].running / max(views[i].replicas, 1), -i))
+
+    def wants_back(self, views: Sequence[PipelineView], waiting: Sequence[int]) -> bool:
+        """Whether a replica spreading a rollout is recalled for the pipelines `waiting` (their
+        queue waits): always under "lookahead" (a rollout waiting for slots is on its round's
+        critical path; the spread one keeps the replicas it had); never under "greedy"."""
+        return self.config.policy == "lookahead" and bool(waiting)
+
+    def _spreads(self, v: PipelineView, replicas: int) -> bool:
+        """Its rollout would run at least spread_min sequences per replica on `replicas`."""
+        return not v.between_rounds and v.running >= self.config.spread_min * replicas
 
     def learner_for(self, views: Sequence[PipelineView], last: int | None) -> int | None:
         """Whose queued learner work runs next; None: none is queued."""

@@ -50,6 +50,7 @@ class SimMigration:
             pages=paging.pool,
             free_pages=paging.free(rep),
             page=paging.page,
+            leaving=rep.leaving,
         )
 
     def migrate(self, rep: Replica, now: float) -> None:

@@ -232,7 +232,8 @@ def jigsawrl_multiplexing(p: PaperSetup, mode: str = MULTIPLEX_MODE) -> Headline
         setting=(
             f"{p.pipelines} {mode} pipelines (workload seeds {p.seed}..{p.seed + p.pipelines - 1}, "
             f"R = {p.groups_per_round}) on {p.replicas} replicas and one learner, tail migration "
-            f"on; learner x{scale:.1f} so that rollout is 70% of a sync step; "
+            "on demand (idle replicas spread a dense rollout; one is recalled when a queue "
+            f"waits); learner x{scale:.1f} so that rollout is 70% of a sync step; "
             f"{row['vs_back_to_back']:.2f}x vs back to back; bound {row['bound_vs_static']:.2f}x "
             "(the slowest pipeline alone, or the learner's total work without a gap)"
         ),

@@ -66,6 +66,7 @@ class Replica:
         self.busy_since = 0.0
         self.busy_s = 0.0  # total time busy (replica-seconds)
         self.parked = False  # serving another pipeline (rl/sim/multiplex.py): no slots here
+        self.leaving = False  # recalled by the pool: admits nothing, its migration empties it
         # paged KV (rl/sim/paging.py; page > 0): running samples per group, the prompt pages of
         # the groups that have one here, and the preempted sequences with the tokens they made
         self.groups: dict[tuple[int, int], int] = {}
@@ -73,7 +74,7 @@ class Replica:
         self.swapped: dict[int, tuple[Seq, int]] = {}  # seq.serial -> (seq, made)
 
     def free_slots(self) -> list[int]:
-        if self.parked:
+        if self.parked or self.leaving:
             return []
         return [i for i, s in enumerate(self.seqs) if s is None and i not in self.reserved]
 

@@ -222,3 +222,44 @@ def test_bad_page_views_are_refused():
         RunningView(key=(0, 0), sequences=1, kv_pages=-1)
     with pytest.raises(ValueError, match="grow_tokens must be >= 0; received -1"):
         MigrationConfig(grow_tokens=-1)
+
+
+def test_on_demand_tail_spreads_onto_an_idle_replica():
+    """A replica idles (one that joined from another pipeline): it takes up to half of the
+    most-loaded replica's sequences, the requests with the most tokens left first."""
+    on_demand = MigrationConfig(policy="tail", on_demand=True)
+    policy = make_migration_policy(on_demand, consumer=True)
+    runs = tuple(
+        RunningView(key=(0, uid), sequences=2, tokens_left=left)
+        for uid, left in enumerate([10, 400, 50, 300])
+    )
+    busy = ReplicaView(slots=8, free=0, running=runs)
+    replicas = [busy, view(8, (9, 6)), view(8)]
+    moves = policy.moves(replicas)
+    check_moves(replicas, moves)
+    assert moves == [Move((0, 1), 0, 2), Move((0, 3), 0, 2)]  # 4 of 8, the longest
+    assert policy.moves([busy, view(8, (9, 6)), view(8, queued=True)]) == []  # its queue first
+    plain = make_migration_policy(MigrationConfig(policy="tail"), consumer=True)
+    assert plain.moves(replicas) == []  # plain `tail` only consolidates a tail
+
+
+def test_a_leaving_replica_is_emptied_whatever_the_round_stage():
+    """A recalled replica (ReplicaView.leaving) moves every movable request to the staying
+    replicas with room, most free slots first; on_demand never consolidates by itself."""
+    on_demand = MigrationConfig(policy="tail", on_demand=True, max_running_fraction=1.0)
+    policy = make_migration_policy(on_demand, consumer=True)
+    leaving = ReplicaView(
+        slots=8,
+        free=0,
+        leaving=True,
+        running=(RunningView(key=(0, 0), sequences=3), RunningView(key=(0, 1), sequences=2)),
+    )
+    replicas = [leaving, view(8, (2, 6)), view(8, (3, 3))]
+    moves = policy.moves(replicas)
+    check_moves(replicas, moves)
+    assert moves == [Move((0, 0), 0, 2), Move((0, 1), 0, 1)]
+    # the same tail without a recall: a plain `tail` consolidates it, on_demand does not
+    few = [view(8, (0, 1)), view(8, (1, 2))]
+    plain = MigrationConfig(policy="tail", max_running_fraction=1.0)
+    assert make_migration_policy(plain, consumer=True).moves(few)
+    assert policy.moves(few) == []

@@ -79,3 +79,22 @@ def test_unmet_demand_and_bad_configs():
         MultiplexConfig(learner_switch_s=-1.0)
     with pytest.raises(ValueError, match="switch_s"):
         MultiplexPolicy(MultiplexConfig(), switch_s=math.nan)
+
+
+def test_a_replica_nobody_waits_for_spreads_the_densest_rollout():
+    policy = MultiplexPolicy(MultiplexConfig(spread_min=10), switch_s=1.0)
+    owner = view(between_rounds=True)
+    dense = view(replicas=2, running=60)  # 20 per replica with one more: it spreads
+    sparse = view(replicas=2, running=20)  # 6.7 per replica with one more: too few
+    assert policy.replica_for([owner, sparse, dense], owner=0) == 2
+    assert policy.replica_for([owner, sparse], owner=0) is None
+    assert GREEDY.replica_for([owner, sparse, dense], owner=0) is None  # no look-ahead, no spread
+    off = MultiplexPolicy(MultiplexConfig(spread_min=0), switch_s=1.0)
+    assert off.replica_for([owner, sparse, dense], owner=0) is None
+    # the owner's own rollout spreads onto it: it stays
+    mine = view(replicas=2, running=40)
+    assert policy.replica_for([mine, sparse, dense], owner=0) is None
+    # unmet demand comes first
+    hungry = view(replicas=0, queued=8, rollout_since=2.0)
+    assert policy.replica_for([owner, dense, hungry], owner=0) == 2
+    assert policy.wants_back([owner, dense, hungry], [2]) and not GREEDY.wants_back([hungry], [0])

@@ -31,10 +31,14 @@ FIELDS = dict(groups_per_round=12, groups_per_update=2, group_size=4, replicas=4
 
 
 def configs(mode, n, migration="tail", **kw):
-    cfg = sim_config(
-        mode, **(FIELDS | kw), migration=MigrationConfig(policy=migration), migration_consumer=True
+    """n pipelines of `mode`; migration "on_demand": `tail` consolidating only what the pool
+    recalls (the multiplexed pool's setting)."""
+    mig = (
+        MigrationConfig(policy="tail", on_demand=True)
+        if migration == "on_demand"
+        else MigrationConfig(policy=migration)
     )
-    return [cfg] * n
+    return [sim_config(mode, **(FIELDS | kw), migration=mig, migration_consumer=True)] * n
 
 
 def workloads(n, **kw):
@@ -116,12 +120,18 @@ def test_each_pipeline_trains_what_it_trains_alone():
     policy=st.sampled_from(["lookahead", "greedy"]),
     switch_s=st.sampled_from([0.0, 0.3, 2.0]),
     learner_switch_s=st.sampled_from([0.0, 0.2]),
-    migration=st.sampled_from(["off", "tail", "always"]),
+    migration=st.sampled_from(["off", "tail", "always", "on_demand"]),
+    spread_min=st.sampled_from([0, 2, 64]),
 )
 def test_random_lengths_and_decisions_finish_every_request_once_and_leave_the_pool_clean(
-    seed, n, mode, policy, switch_s, learner_switch_s, migration
+    seed, n, mode, policy, switch_s, learner_switch_s, migration, spread_min
 ):
-    mux = MultiplexConfig(policy=policy, switch_s=switch_s, learner_switch_s=learner_switch_s)
+    mux = MultiplexConfig(
+        policy=policy,
+        switch_s=switch_s,
+        learner_switch_s=learner_switch_s,
+        spread_min=spread_min,
+    )
     sim = MultiplexSim(
         configs(mode, n, migration=migration),
         MODEL,
@@ -138,6 +148,7 @@ def test_random_lengths_and_decisions_finish_every_request_once_and_leave_the_po
         assert s.sampler.outstanding == 0 and s.learner.idle
         for rep in s.sampler.replicas:
             assert rep.vacant and rep.parked == (sim.owner[rep.index] != i)
+            assert not rep.leaving  # every recall ended: moved, or kept once nobody waited
 
 
 def test_multiplexing_beats_a_static_partition_and_back_to_back_within_its_bound():
@@ -176,3 +187,19 @@ def test_bad_pools_are_refused_with_what_was_expected():
         MultiplexSim(configs("sync", 2), MODEL, workloads(1))
     with pytest.raises(ValueError, match="pipelines <= replicas"):
         compare_multiplexing("sync", MODEL, [WORKLOAD] * 5, rounds=1, **FIELDS)
+
+
+def test_replicas_spread_onto_a_busy_rollout_and_are_recalled_for_a_waiting_one():
+    """A replica nobody's queue needs joins the densest rollout (its migration moves running
+    requests there); when another pipeline's queue waits, the pool recalls one and its
+    sequences move to their rollout's other replicas. Same groups, every request once."""
+    mux = MultiplexConfig(switch_s=0.1, spread_min=2)
+    sim = MultiplexSim(configs("sync", 3, migration="on_demand"), MODEL, workloads(3), mux)
+    res = sim.run(3)
+    check_pool(res, 3, FIELDS["slots"])
+    assert res.counters["recalls"] > 0 and res.counters["replica_switches"] > 0
+    moved = sum(p.counters["migrations"] for p in res.pipelines)
+    assert moved > 0  # spreads and evacuations are migrations
+    for i, p in enumerate(res.pipelines):
+        alone = Simulator(configs("sync", 1)[0], MODEL, workloads(3)[i]).run(3)
+        assert p.counters["tokens"] == alone.counters["tokens"]
