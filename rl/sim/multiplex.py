@@ -42,6 +42,7 @@ from rl.elastic.migration import MigrationConfig
 from rl.elastic.multiplex import MultiplexConfig, MultiplexPolicy, PipelineView
 from rl.elastic.stage import StageModel
 from rl.sim.compare import sim_config
+from rl.sim.replica import Replica
 from rl.sim.simulator import Clock, PoolHooks, SimConfig, SimResult, Simulator
 from rl.sim.workload import Workload, WorkloadConfig
 from rl.timeline import Timeline
@@ -239,13 +240,13 @@ class MultiplexSim:
             ]
             free = sum(len(r.free_slots()) for r in held)
             for r in held:
-                if len(held) > 1 and r.active <= free - len(r.free_slots()):
+                if len(held) > 1 and 0 < r.active <= free - len(r.free_slots()):
                     candidates.append((r.active, r.index, r))
         if candidates:
             min(candidates, key=lambda c: c[:2])[2].leaving = True
             self.counters["recalls"] += 1
 
-    def _replica(self, index: int) -> Any:
+    def _replica(self, index: int) -> Replica:
         return self.sims[self.owner[index]].sampler.replicas[index]
 
     def _move(self, index: int, src: int, dst: int, now: float) -> None:
