@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import ray
@@ -109,7 +109,13 @@ class LearnerClient:
     def begin_round(self, updates: int) -> None:
         self._step = self._call("begin_round", updates)
 
-    def add_groups(self, groups: Iterable[Group]) -> None:
+    def add_groups(
+        self, groups: Iterable[Group], *, before_batch: Callable[[], None] | None = None
+    ) -> None:
+        """The worker accumulates the whole Add in one call, so `before_batch` (async borrowing:
+        rl/driver.py) is asked once, before it, not between its micro-batches."""
+        if before_batch is not None:
+            before_batch()
         self._step = self._call("add_groups", list(groups))
 
     def update(self) -> dict[str, float]:

@@ -150,6 +150,27 @@ def test_ray_learner_borrows_the_replicas_devices_until_a_lender_dies(ray_cluste
     assert [s.args["devices"] for s in spans if s.name == "borrow"] == [4, 4]  # 2 replicas x 2
 
 
+@pytest.mark.slow  # end-to-end: a threaded run and a Ray run
+def test_ray_async_learner_borrows_the_drained_replicas_and_the_run_is_unchanged(ray_cluster):
+    """async with s = 0: the sampler has drained when each update trains, so the learner borrows
+    the replicas' devices for every update and gives them back before its publish; the tokens
+    and (within TOL) parameters of the threaded run without borrowing."""
+
+    def config(runtime, borrowing):
+        c = lend_config(runtime, borrowing)
+        c.driver.mode, c.driver.max_staleness, c.driver.groups_per_update = "async", 0, 2
+        return c
+
+    static, p_static, _, _ = run(config("threads", "off"))
+    borrowed, p_borrowed, runtime, driver = run(config("ray", "learner"))
+    assert tokens_of(borrowed) == tokens_of(static)
+    assert max_diff(p_borrowed, p_static) <= TOL
+    names = [s.name for s in driver.timeline.spans("learner")]
+    updates = sum(len(r.groups) for r in borrowed) // 2
+    assert names.count("borrow") == names.count("give_back") == updates
+    assert not runtime.learner.borrowing and max(r.metrics["lag_max"] for r in borrowed) == 0
+
+
 @pytest.mark.slow
 def test_planner_picks_the_open_split_and_the_ray_workers_are_built_on_it(ray_cluster):
     from rl.runtime.compose import Setup
