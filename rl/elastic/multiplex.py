@@ -61,7 +61,7 @@ class MultiplexConfig:
       spread_min: "lookahead": a vacant replica nobody's queue needs goes to the rollout with the
         most sequences per replica, if it would still run at least this many per replica with
         it (its migration then moves running requests there: rl.elastic.migration's `tail`
-        spreads before the tail); 0: never.
+        with `on_demand`); 0: never.
     """
 
     policy: str = "lookahead"
@@ -143,9 +143,10 @@ class MultiplexPolicy:
         return max(spread, key=lambda i: (views[i].running / max(views[i].replicas, 1), -i))
 
     def wants_back(self, views: Sequence[PipelineView], waiting: Sequence[int]) -> bool:
-        """Whether a replica spreading a rollout is recalled for the pipelines `waiting` (their
-        queue waits): always under "lookahead" (a rollout waiting for slots is on its round's
-        critical path; the spread one keeps the replicas it had); never under "greedy"."""
+        """Whether the pool recalls a replica of another rollout for the pipelines `waiting` (their
+        queue waits, no replica vacant or on its way): always under "lookahead" (a rollout
+        waiting for slots is on its round's critical path; the one recalled from keeps the
+        others it holds); never under "greedy"."""
         return self.config.policy == "lookahead" and bool(waiting)
 
     def _spreads(self, v: PipelineView, replicas: int) -> bool:
