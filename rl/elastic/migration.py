@@ -245,9 +245,7 @@ class Tail:
         if len(busy) < 2 or not self._few(replicas):
             return []
         grow = self.config.grow_tokens
-        free = [r.free for r in replicas]
-        # a destination's free pages, less what its own sequences take to grow `grow` positions
-        pages = [r.free_pages - sum(r.growth(x, grow) for x in r.running) for r in replicas]
+        free, pages = self._room(replicas)
         # Keep the most-loaded replicas; empty the least-loaded first (fewest bytes move).
         order = sorted(busy, key=lambda i: (replicas[i].sequences, -i))
         out: list[Move] = []
@@ -282,13 +280,20 @@ class Tail:
                 break
         return out
 
+    def _room(self, replicas: Sequence[ReplicaView]) -> tuple[list[int], list[int]]:
+        """Each replica's free slots, and its free pages less what its own sequences take to grow
+        `grow_tokens` positions (what a move there may fill)."""
+        grow = self.config.grow_tokens
+        free = [r.free for r in replicas]
+        pages = [r.free_pages - sum(r.growth(x, grow) for x in r.running) for r in replicas]
+        return free, pages
+
     def _evacuate(self, replicas: Sequence[ReplicaView], busy: list[int]) -> list[Move]:
         """Every movable request on a leaving replica goes to the staying replica with the most
         free slots that holds it (and its pages with the growth margin)."""
         grow = self.config.grow_tokens
         stay = [i for i, r in enumerate(replicas) if r.slots and not r.leaving]
-        free = [r.free for r in replicas]
-        pages = [r.free_pages - sum(r.growth(x, grow) for x in r.running) for r in replicas]
+        free, pages = self._room(replicas)
         out: list[Move] = []
         for src in (i for i in busy if replicas[i].leaving):
             runs = [r for r in replicas[src].running if r.movable]
