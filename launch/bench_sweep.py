@@ -1,7 +1,7 @@
 """Pipeline multiplexing on CPU: N tiny pipelines as one sweep on a pool of sampler replicas, vs the
 same pipelines back to back (each alone on the whole pool), in one run.
 
-    python -m launch.bench_sweep [--pipelines 3 --rounds 8 --json /tmp/bench_sweep.json]
+    python -m launch.bench_sweep [--pipelines 3 --rounds 8 --migration tail --json PATH]
 
 Each pipeline is configs/base.py:smoke with its own seed (the sweep `seed=0,1,...`): the addition
 task, no SFT, a held-out evaluation every round, the sampler on `--pipelines + 1` replicas of one
@@ -59,6 +59,13 @@ _PIPELINES = flags.DEFINE_integer("pipelines", 3, "Pipelines (seeds 0..N-1); at 
 _ROUNDS = flags.DEFINE_integer("rounds", 8, "RL rounds per pipeline.")
 _GROUPS = flags.DEFINE_integer("groups", 16, "Groups per round.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 24, "Response length cap.")
+_MIGRATION = flags.DEFINE_enum(
+    "migration",
+    "tail",
+    ["off", "tail"],
+    "config.elastic.migration: in the sweep `tail` runs on demand (recalled replicas emptied, "
+    "joining ones spread to); alone it is off.",
+)
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Back to back and multiplexed, alternating.")
 _WORKDIR = flags.DEFINE_string("workdir", "", "Where the runs write; empty: a temporary directory.")
 _JSON = flags.DEFINE_string("json", "", "Write the figures here as JSON.")
@@ -74,6 +81,7 @@ def base_config(workdir: str) -> Any:
     config.driver.groups_per_round = _GROUPS.value
     config.sampling.max_new_tokens = _MAX_NEW.value
     config.engine.max_length = 32 + _MAX_NEW.value
+    config.elastic.migration = _MIGRATION.value
     return config
 
 
@@ -113,7 +121,10 @@ def mode_row(summaries: list[dict[str, Any]], wall: float) -> dict[str, Any]:
 
 def back_to_back(workdir: str) -> dict[str, Any]:
     start = time.perf_counter()
-    summaries = [train(config, stdout=False) for _, config in pipelines(workdir)]
+    alone = [config for _, config in pipelines(workdir)]
+    for config in alone:
+        config.elastic.migration = "off"  # (what `tail` is alone, without its warning)
+    summaries = [train(config, stdout=False) for config in alone]
     return mode_row(summaries, time.perf_counter() - start)
 
 
@@ -129,6 +140,8 @@ def multiplexed(workdir: str) -> dict[str, Any]:
         **row,
         "pool_share": [r.share for r in results],
         "moves_in": [r.stats.moves_in for r in results],
+        "recalls": [r.stats.recalls for r in results],
+        "migrations": [sum(x.get("migrations", 0) for x in r.summary["rounds"]) for r in results],
     }
 
 
@@ -182,6 +195,11 @@ def main(argv: list[str]) -> None:
         + ", ".join(f"{s:.0%}" for s in m["pool_share"])
         + "; replicas received "
         + ", ".join(str(n) for n in m["moves_in"])
+        + "; recalled from "
+        + ", ".join(str(n) for n in m["recalls"])
+        + "; requests migrated "
+        + ", ".join(str(n) for n in m["migrations"])
+        + f" (--migration {_MIGRATION.value})"
     )
     print(f"each pipeline's parameters bitwise its back-to-back run's: {same}")
     print(f"compiles after start: {late}")

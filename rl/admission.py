@@ -30,6 +30,9 @@ class AdmissionPolicy(Protocol):
     def __len__(self) -> int:
         """Number of waiting requests."""
 
+    def sequences(self) -> int:
+        """Samples of the waiting requests (the slots they need)."""
+
 
 class FCFS:
     """First come, first served: submission order; the head waits until its group fits."""
@@ -55,6 +58,9 @@ class FCFS:
 
     def __len__(self) -> int:
         return len(self._waiting)
+
+    def sequences(self) -> int:
+        return sum(r.group_size for r in self._waiting.values())
 
 
 class Frontier:
@@ -99,6 +105,9 @@ class Frontier:
 
     def __len__(self) -> int:
         return len(self._waiting)
+
+    def sequences(self) -> int:
+        return sum(r.group_size for _, r in self._waiting.values())
 
     def _live(self, entry: tuple[int, int, int, tuple[int, int]]) -> bool:
         w = self._waiting.get(entry[3])

@@ -221,7 +221,9 @@ def result_rows(results: Sequence[PipelineResult]) -> list[tuple[str, ...]]:
             status = "finished earlier"
         else:
             status = "done"
-        moves = f"+{r.stats.moves_in}/-{r.stats.moves_out}"
+        moves = f"+{r.stats.moves_in}/-{r.stats.moves_out}" + (
+            f" ({r.stats.recalls} recalled)" if r.stats.recalls else ""
+        )
         rows.append(
             (
                 r.name,

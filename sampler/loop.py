@@ -193,6 +193,12 @@ class SamplerLoop:
         with self._lock:
             return len(self.admission) + (self._table.held is not None)
 
+    def waiting_sequences(self) -> int:
+        """Samples of the requests waiting for admission (the slots they need)."""
+        with self._lock:
+            held = self._table.held
+            return self.admission.sequences() + (0 if held is None else len(held[1]))
+
     def kv_usage(self) -> dict[str, int]:
         """KV cache bytes held and live positions now (Engine.kv_usage); call between steps."""
         return self.engine.kv_usage(self._state)

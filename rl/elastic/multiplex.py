@@ -1,10 +1,9 @@
 """Pipeline multiplexing (JigsawRL): several RL pipelines on one pool of devices.
 
-A pure, clock-free policy (the simulator carries it out: rl/sim/multiplex.py; the runtimes do not
-multiplex yet). The pool
-is a set of sampler replicas and one learner mesh; each pipeline (its own model, optimizer, data,
-schedule) is a graph of sub-stages on them: rollout waves and a tail on replicas, micro-steps,
-updates and publishes on the learner. Its gaps are where another pipeline's sub-stages go.
+A pure, clock-free policy, carried out by the simulator (rl/sim/multiplex.py) and the threaded
+runtime's pool (rl/runtime/pool.py). The pool is a set of sampler replicas and one learner mesh;
+each pipeline (its own model, optimizer, data, schedule) is a graph of sub-stages on them: rollout
+waves and a tail on replicas, micro-steps, updates and publishes on the learner. Its gaps are where another pipeline's sub-stages go.
 
 Two decisions, each asked at a sub-stage boundary with a `PipelineView` of every pipeline:
 
@@ -20,8 +19,8 @@ Two decisions, each asked at a sub-stage boundary with a `PipelineView` of every
             migration moves running requests onto it (decode steps read KV in proportion to
             what runs, so half the sequences step almost twice as fast). A replica is never
             taken from a pipeline with work on it; instead, while a queue waits and no replica
-            is vacant or on its way, the caller recalls one (`wants_back`): that rollout's
-            migration moves what runs there to its other replicas (rl.elastic.migration's
+            is vacant or on its way, the caller recalls one (`recall`, described by
+            `ReplicaSeat`s): that rollout's migration moves what runs there to its other replicas (rl.elastic.migration's
             `tail` with `on_demand`: long-tail consolidation exactly when a consumer waits),
             and once vacant it goes where the queue waits.
   learner   The learner mesh holds every pipeline's parameters and optimizer state (resident, so
@@ -111,6 +110,29 @@ class PipelineView:
         return max(self.queued - self.free_slots, 0)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplicaSeat:
+    """One replica of the pool, as `recall` sees it.
+
+    Attributes:
+      index: the replica.
+      pipeline: the pipeline it serves (None: vacant).
+      running: sequences running there.
+      free: its free slots.
+      leaving: recalled already (its migration empties it).
+      arriving: switching to its pipeline (weights on their way).
+      home: it never leaves its pipeline.
+    """
+
+    index: int
+    pipeline: int | None
+    running: int
+    free: int
+    leaving: bool = False
+    arriving: bool = False
+    home: bool = False
+
+
 class MultiplexPolicy:
     """The decisions of the module docstring; `switch_s` is the replica switch cost."""
 
@@ -142,12 +164,28 @@ class MultiplexPolicy:
             return None
         return max(spread, key=lambda i: (views[i].running / max(views[i].replicas, 1), -i))
 
-    def wants_back(self, views: Sequence[PipelineView], waiting: Sequence[int]) -> bool:
-        """Whether the pool recalls a replica of another rollout for the pipelines `waiting` (their
-        queue waits, no replica vacant or on its way): always under "lookahead" (a rollout
-        waiting for slots is on its round's critical path; the one recalled from keeps the
-        others it holds); never under "greedy"."""
-        return self.config.policy == "lookahead" and bool(waiting)
+    def recall(self, views: Sequence[PipelineView], seats: Sequence[ReplicaSeat]) -> int | None:
+        """The replica the pool recalls now (None: none): while pipelines' queues wait (`unmet`)
+        and fewer replicas are leaving or on their way than pipelines wait, under "lookahead"
+        the replica of another rollout holding several that runs fewest sequences, if that
+        rollout's other replicas have the free slots for them (a rollout waiting for slots is on
+        its round's critical path; the one recalled from keeps the others it holds). Homes never
+        move. Never under "greedy"."""
+        waiting = {p for p, v in enumerate(views) if v.unmet > 0}
+        if self.config.policy != "lookahead" or not waiting:
+            return None
+        if sum(s.leaving or s.arriving for s in seats) >= len(waiting):
+            return None
+        candidates = []
+        for p in range(len(views)):
+            if p in waiting:
+                continue
+            held = [s for s in seats if s.pipeline == p and not (s.leaving or s.arriving)]
+            free = sum(s.free for s in held)
+            for s in held:
+                if len(held) > 1 and not s.home and 0 < s.running <= free - s.free:
+                    candidates.append(s)
+        return min(candidates, key=lambda s: (s.running, s.index)).index if candidates else None
 
     def _spreads(self, v: PipelineView, replicas: int) -> bool:
         """Its rollout would run at least spread_min sequences per replica on `replicas`."""

@@ -350,16 +350,21 @@ def migration_config_from(config: Any) -> MigrationConfig:
     )
 
 
-def build_migration(config: Any) -> MigrationPolicy:
+def build_migration(config: Any, *, pooled: bool = False) -> MigrationPolicy:
     """The run's long-tail migration policy (config.elastic.migration). `tail` has no consumer
     for the replicas it would free in one pipeline (rl/elastic/migration.py) and would only slow
-    the run; it is off then, and the log says so."""
+    the run; it is off then, and the log says so. In a multiplexed pool (`pooled`,
+    rl/runtime/pool.py) the other pipelines are the consumer: `tail` runs on demand, emptying the
+    replicas the pool recalls and spreading onto the ones that join."""
     cfg = migration_config_from(config)
+    if pooled:
+        return make_migration_policy(dataclasses.replace(cfg, on_demand=True), consumer=True)
     if cfg.policy == "tail":
         logging.warning(
             "config.elastic.migration='tail': in one pipeline the replicas it would free get no "
             "work the others would not take anyway, and consolidating a tail only slows it "
-            "(rl/elastic/migration.py); migration is off for this run. 'always' moves at every "
-            "chance (the exactness tests' forcing mode)."
+            "(rl/elastic/migration.py); migration is off for this run (a multiplexed sweep, "
+            "launch.sweep, is its consumer). 'always' moves at every chance (the exactness "
+            "tests' forcing mode)."
         )
     return make_migration_policy(cfg)

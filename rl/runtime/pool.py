@@ -22,8 +22,14 @@ every replica mesh. A replica mesh serves one pipeline at a time:
     has not started its rollouts yet (its SFT warm start, its first evaluation) or has ended is
     vacant: it goes wherever the policy sends it, and a pipeline that starts claims its home and
     the vacant replicas first assigned to it.
-  * Within a pipeline, long-tail migration (`elastic.migration`) consolidates a tail onto fewer
-    replicas; the replicas it empties are the ones that move.
+  * With `elastic.migration='tail'` a pipeline's migration is the pool's (`on_demand`,
+    rl/elastic/migration.py): while a pipeline's queue waits and no replica is vacant, the policy
+    recalls a replica of another rollout (`recall`: the one running fewest sequences, if its
+    rollout's other replicas have the slots for them); that sampler stops routing to it and its
+    migration moves what runs there onto its other replicas (KV cache and all), after which it
+    is idle and moves. A replica that joins a rollout nobody's queue needed (the policy spreads
+    it onto the densest rollout, `spread_min`) takes half the sequences of that rollout's
+    busiest replica. With migration off a recalled replica just drains.
 
 Exactness: a request's tokens do not depend on the replica that samples it (per-request
 randomness, batch-independent attention) and a pipeline's learner sees the groups of its own
@@ -51,7 +57,7 @@ from typing import Any
 
 from absl import logging
 
-from rl.elastic.multiplex import MultiplexConfig, MultiplexPolicy, PipelineView
+from rl.elastic.multiplex import MultiplexConfig, MultiplexPolicy, PipelineView, ReplicaSeat
 from rl.runtime.replicas import ReplicaSampler
 
 TICK_S = 0.005  # how often the pool looks for a replica to move
@@ -66,6 +72,7 @@ class MemberStats:
         first round's start to its driver's end).
       moves_in: replicas it received from another pipeline or vacant.
       moves_out: replicas it gave up.
+      recalls: replicas recalled from it for another pipeline (emptied before they moved).
       learner_s: seconds its learner operations held the learner's devices.
       learner_wait_s: seconds they waited for their turn.
     """
@@ -73,6 +80,7 @@ class MemberStats:
     replica_s: float = 0.0
     moves_in: int = 0
     moves_out: int = 0
+    recalls: int = 0
     learner_s: float = 0.0
     learner_wait_s: float = 0.0
 
@@ -130,8 +138,8 @@ class ReplicaPool:
     Args:
       names: the pipelines, in order (pipeline p's home is replica mesh p).
       replicas: replica meshes in the pool (config.mesh.sampler_replicas); >= len(names).
-      policy: decides where an idle replica goes (rl/elastic/multiplex.py); default the
-        look-ahead policy, which acts here as the greedy one on replicas (no learner views).
+      policy: decides where an idle replica goes, which one is recalled and whose learner
+        operation runs (rl/elastic/multiplex.py); default the look-ahead policy.
       clock: time, for the policy's ages and the stats.
     """
 
@@ -301,7 +309,8 @@ class ReplicaPool:
         return PipelineView(
             replicas=len(a.local),
             free_slots=a.sampler.free_slots(),
-            queued=a.sampler.waiting(),
+            running=a.sampler.busy_slots(),
+            queued=a.sampler.waiting_sequences(),
             between_rounds=not pending,
             rollout_since=a.rollout_since,
             **learner,
@@ -323,8 +332,11 @@ class ReplicaPool:
                 if len(a.local) < 2 or i not in a.sampler.idle_replicas():
                     continue
                 dst = self.policy.replica_for(views, h)
-                if dst not in self._attached or not a.sampler.release_idle(i):
-                    continue  # it stays (or it is busy again since the look)
+                if dst not in self._attached:
+                    a.sampler.keep(i)  # (recalled, but nobody waits for it any more)
+                    continue
+                if not a.sampler.release_idle(i):
+                    continue  # it is busy again since the look
                 del a.local[r]
                 self.holder[r] = None
                 self.stats[h].moves_out += 1
@@ -333,6 +345,36 @@ class ReplicaPool:
                 continue  # claimed by a pipeline whose sampler is not attached yet
             self._give(r, dst)
             views[dst] = self._view(dst)
+        self._recall(views)
+
+    def _recall(self, views: list[PipelineView]) -> None:
+        """The replica the policy recalls for a waiting queue, if any (the pool's lock held)."""
+        if not any(v.unmet for v in views):
+            return  # (nobody waits: no replica is described)
+        use = {p: (a.sampler.usage(), a.sampler.leaving) for p, a in self._attached.items()}
+        seats = []
+        for r, h in enumerate(self.holder):
+            i = self._attached[h].local.get(r) if h in self._attached else None
+            if i is None:  # vacant, or claimed by a pipeline not attached yet
+                seats.append(ReplicaSeat(index=r, pipeline=None, running=0, free=0))
+                continue
+            usage, leaving = use[h]
+            running, free = usage.get(i, (0, 0))
+            seats.append(
+                ReplicaSeat(
+                    index=r,
+                    pipeline=h,
+                    running=running,
+                    free=free,
+                    leaving=i in leaving,
+                    home=r < len(self.names),
+                )
+            )
+        r = self.policy.recall(views, seats)
+        if r is not None:
+            h = self.holder[r]
+            if self._attached[h].sampler.recall(self._attached[h].local[r]):
+                self.stats[h].recalls += 1
 
     def _give(self, r: int, p: int) -> None:
         a = self._attached[p]

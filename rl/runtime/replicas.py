@@ -30,8 +30,10 @@ rewards, as it always did (it emits exactly the groups the shared cut then keeps
 Elastic replicas: `add_replica(engine)` starts another replica (it gets the latest weights) and
 `remove_replica(i)` stops one, its undelivered requests re-sampled on the others (per-request
 randomness makes them identical; a group delivered twice is dropped); `release_idle(i)` stops one
-only if it holds nothing (a multiplexed pool's move, rl/runtime/pool.py). All are safe between the
-replicas' decode steps, from any thread; after `close` no replica is added.
+only if it holds nothing (a multiplexed pool's move, rl/runtime/pool.py), and `recall(i)` readies
+one for that: nothing more is routed to it or stolen by it, its queue goes to the others and the
+migration policy sees it leaving (`tail` evacuates it); `keep(i)` undoes a recall. All are safe
+between the replicas' decode steps, from any thread; after `close` no replica is added.
 
 Lanes: replica i's slot s is lane sampler/slot{offset_i + s} (an offset per engine: a lent
 engine added again writes on the same lanes) and its slot
@@ -41,6 +43,7 @@ lanes, replica i > 0 writes sampler/replica{i}/... (as the Ray router merges the
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -126,6 +129,7 @@ class ReplicaSampler:
         self._lock = threading.Lock()
         self._topology = threading.RLock()  # held by a migration, add_replica, remove_replica
         self.loops: dict[int, SamplerLoop] = {}  # live replicas by index
+        self._leaving: set[int] = set()  # recalled by a multiplexed pool: emptied, then released
         self._removed: list[SamplerLoop] = []  # stopping: their counters stay in `stats`
         self._retired = SamplerStats()  # counters of the replicas stopped and dropped
         self._retired_error: BaseException | None = None
@@ -218,7 +222,10 @@ class ReplicaSampler:
                 raise ValueError(f"Replica {i} is the last one; a sampler needs one replica.")
             loop = self.loops.pop(i)
             self._removed.append(loop)
-            self.routing.retire(i)  # groups it emits while stopping are still delivered
+            if i in self._leaving:  # (retired already)
+                self._leaving.discard(i)
+            else:
+                self.routing.retire(i)  # groups it emits while stopping are still delivered
         # outside the locks: its thread may be emitting a group, or waiting for the topology
         # lock at its step boundary (where it then finds itself gone)
         loop.close()
@@ -247,6 +254,7 @@ class ReplicaSampler:
                     raise ValueError(f"Replica {i} is the last one; a sampler needs one replica.")
                 loop = self.loops.pop(i)
                 self._removed.append(loop)
+                self._leaving.discard(i)
                 # re-routed at once: a round cut filling meanwhile forgets and aborts them too
                 self._route(self.routing.remove(i))
         loop.close()  # outside the locks: its thread may be emitting a group
@@ -263,10 +271,48 @@ class ReplicaSampler:
                     return False  # (a group emitted but not yet delivered is still routed to i)
                 del self.loops[i]
                 self._removed.append(loop)
+                self._leaving.discard(i)
                 self.routing.remove(i)
         loop.close()  # outside the locks: its thread may be at its step boundary
         self._drop(loop)
         return True
+
+    def recall(self, i: int) -> bool:
+        """Replica i is wanted elsewhere (a multiplexed pool recalls it: rl/runtime/pool.py): no
+        request is routed to it or taken by it from now on, its waiting requests go to the
+        others, and the migration policy sees it `leaving` (`tail` moves what runs there to the
+        others); once idle, `release_idle(i)` stops it. Returns whether it did: not for a
+        replica that is not live or is leaving already, nor when no other replica would stay."""
+        with self._topology, self._lock:
+            stay = [j for j in self.loops if j != i and j not in self._leaving]
+            if i not in self.loops or i in self._leaving or not stay:
+                return False
+            self._leaving.add(i)
+            self.routing.retire(i)
+            for r in self.loops[i].take_queued(1 << 30):
+                j = min(stay, key=lambda j: (self.routing.load[j], j))
+                self.routing.move(r.key, j)
+                self.loops[j].submit([r])
+        return True
+
+    def keep(self, i: int) -> None:
+        """Replica i, recalled, stays (nobody waits for it any more): it is routed to again."""
+        with self._lock:
+            if i in self._leaving and i in self.loops:
+                self._leaving.discard(i)
+                self.routing.rejoin(i)
+
+    @property
+    def leaving(self) -> frozenset[int]:
+        """The live replicas recalled and not yet released."""
+        with self._lock:
+            return frozenset(self._leaving)
+
+    def usage(self) -> dict[int, tuple[int, int]]:
+        """Each live replica's (busy slots, free slots)."""
+        with self._lock:
+            loops = dict(self.loops)
+        return {i: (loop.busy_slots(), loop.free_slots()) for i, loop in sorted(loops.items())}
 
     def _drop(self, loop: SamplerLoop) -> None:
         """A stopped replica's counters and error stay; the loop goes, and with it the device
@@ -284,6 +330,10 @@ class ReplicaSampler:
     def waiting(self) -> int:
         """Requests waiting for admission, over the replicas."""
         return sum(loop.waiting() for loop in self._live())
+
+    def waiting_sequences(self) -> int:
+        """Samples of the requests waiting for admission, over the replicas."""
+        return sum(loop.waiting_sequences() for loop in self._live())
 
     def free_slots(self) -> int:
         """Slots free for admission now, over the replicas."""
@@ -423,10 +473,14 @@ class ReplicaSampler:
         with self._topology:
             with self._lock:
                 loops = dict(sorted(self.loops.items()))
+                leaving = set(self._leaving)
             if i not in loops or len(loops) < 2:
                 return
             ids = list(loops)
-            views = [loop.view() for loop in loops.values()]
+            views = [
+                dataclasses.replace(loop.view(), leaving=True) if j in leaving else loop.view()
+                for j, loop in loops.items()
+            ]
             for move in self.migration.moves(views):
                 src, dst = ids[move.src], ids[move.dst]
                 if src == i:
@@ -440,7 +494,7 @@ class ReplicaSampler:
         replica."""
         with self._lock:
             loop = self.loops.get(i)
-            if loop is None or len(self.loops) < 2:
+            if loop is None or len(self.loops) < 2 or i in self._leaving:
                 return
             free = loop.free_slots()
             if not free or loop.waiting():

@@ -64,6 +64,13 @@ class Routing:
         self.alive.remove(i)
         self._retired.add(i)
 
+    def rejoin(self, i: int) -> None:
+        """Retired replica i is routed to again."""
+        if i not in self._retired:
+            raise ValueError(f"Replica {i} is not retired; retired: {sorted(self._retired)}.")
+        self._retired.discard(i)
+        self.alive = sorted([*self.alive, i])
+
     def remove(self, i: int) -> list[Request]:
         """Takes replica i (live or retired) out of routing; returns its undelivered requests (by
         key) and forgets them, so they can be routed again."""

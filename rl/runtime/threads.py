@@ -150,7 +150,7 @@ class ThreadsRuntime:
             mesh_cfg, self.mesh_plan = plan_mesh(config, len(jax.devices()))
         learner_mesh, sampler_mesh = make_meshes(mesh_cfg)
         self.sampler_devices = list(sampler_mesh.devices.flat)
-        self.migration = build_migration(config)
+        self.migration = build_migration(config, pooled=pool is not None)
         model = build_checked_model(config, setup, learner_mesh)
         self.learner = build_learner(
             config, setup, model, learner_mesh, total_updates=total_updates

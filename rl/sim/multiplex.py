@@ -19,7 +19,7 @@ are disaggregated) and routing "shared". Their migration is `tail` with `on_dema
 (compare_multiplexing's default): a replica that joins a rollout nobody's queue needed takes
 half the running sequences of its busiest replica (spread), and while a pipeline's queue waits
 with no replica vacant or on its way, the pool recalls the replica of another rollout that runs
-fewest sequences (`_recall`, Replica.leaving): its migration moves them to that rollout's other
+fewest sequences (MultiplexPolicy.recall, Replica.leaving): its migration moves them to that rollout's other
 replicas and the vacant replica goes to the queue. Consolidating a tail only when a consumer
 waits measured better than consolidating every tail ahead (`tail` alone: sync 1.05x / 1.49x /
 1.43x the static partition at N = 2 / 3 / 4, rollout 70% of a step; on demand with spreading
@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rl.elastic.migration import MigrationConfig
-from rl.elastic.multiplex import MultiplexConfig, MultiplexPolicy, PipelineView
+from rl.elastic.multiplex import MultiplexConfig, MultiplexPolicy, PipelineView, ReplicaSeat
 from rl.elastic.stage import StageModel
 from rl.sim.compare import sim_config
 from rl.sim.replica import Replica
@@ -216,34 +216,27 @@ class MultiplexSim:
         self._recall(now)
 
     def _recall(self, now: float) -> None:
-        """While a pipeline's queue waits and no replica is vacant or on its way to it, the pool
-        recalls one replica of another rollout that holds several (policy.wants_back): the one
-        running fewest sequences, if that rollout's other replicas have the free slots for them.
-        Its migration (`tail`: ReplicaView.leaving) moves them there; once vacant it goes where
-        the queue waits. This is long-tail consolidation on demand: it frees a replica exactly
-        when a consumer waits for one."""
-        views = self.views(now)
-        waiting = [p for p, v in enumerate(views) if v.unmet > 0]
-        leaving = sum(self._replica(i).leaving for i in range(len(self.owner)))
-        if leaving + len(self.arriving) >= len(waiting) or not self.policy.wants_back(
-            views, waiting
-        ):
-            return
-        candidates = []
-        for p, sim in enumerate(self.sims):
-            if p in waiting:
-                continue
-            held = [
-                r
-                for r in sim.sampler.replicas
-                if self.owner[r.index] == p and r.index not in self.arriving and not r.leaving
-            ]
-            free = sum(len(r.free_slots()) for r in held)
-            for r in held:
-                if len(held) > 1 and 0 < r.active <= free - len(r.free_slots()):
-                    candidates.append((r.active, r.index, r))
-        if candidates:
-            min(candidates, key=lambda c: c[:2])[2].leaving = True
+        """The replica the policy recalls (MultiplexPolicy.recall: while a queue waits and none
+        is vacant or on its way, another rollout's replica running fewest sequences). Its
+        migration (`tail`: ReplicaView.leaving) moves them to that rollout's other replicas;
+        once vacant it goes where the queue waits. This is long-tail consolidation on demand:
+        it frees a replica exactly when a consumer waits for one."""
+        seats = []
+        for index, owner in enumerate(self.owner):
+            rep = self._replica(index)
+            seats.append(
+                ReplicaSeat(
+                    index=index,
+                    pipeline=owner,
+                    running=rep.active,
+                    free=len(rep.free_slots()),
+                    leaving=rep.leaving,
+                    arriving=index in self.arriving,
+                )
+            )
+        index = self.policy.recall(self.views(now), seats)
+        if index is not None:
+            self._replica(index).leaving = True
             self.counters["recalls"] += 1
 
     def _replica(self, index: int) -> Replica:

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from rl.elastic.multiplex import MultiplexConfig, MultiplexPolicy, PipelineView
+from rl.elastic.multiplex import MultiplexConfig, MultiplexPolicy, PipelineView, ReplicaSeat
 
 
 def view(**kw):
@@ -97,4 +97,31 @@ def test_a_replica_nobody_waits_for_spreads_the_densest_rollout():
     # unmet demand comes first
     hungry = view(replicas=0, queued=8, rollout_since=2.0)
     assert policy.replica_for([owner, dense, hungry], owner=0) == 2
-    assert policy.wants_back([owner, dense, hungry], [2]) and not GREEDY.wants_back([hungry], [0])
+
+
+def seat(index, pipeline, running, free, **kw):
+    return ReplicaSeat(index=index, pipeline=pipeline, running=running, free=free, **kw)
+
+
+def test_a_waiting_queue_recalls_the_emptiest_replica_of_a_rollout_that_can_absorb_it():
+    hungry = view(replicas=1, queued=16, free_slots=0)
+    busy = view(replicas=3, running=20, free_slots=30)
+    seats = [
+        seat(0, 0, running=8, free=0),  # the hungry pipeline's own
+        seat(1, 1, running=12, free=4),
+        seat(2, 1, running=5, free=11),  # fewest running, and the others' 4 + 9 free hold them
+        seat(3, 1, running=3, free=9, home=True),  # fewer still, but a home never moves
+    ]
+    assert LOOKAHEAD.recall([hungry, busy], seats) == 2
+    assert GREEDY.recall([hungry, busy], seats) is None  # no look-ahead, no recall
+    assert LOOKAHEAD.recall([view(queued=4, free_slots=4), busy], seats) is None  # slots suffice
+    # one replica already on its way to the one queue that waits: nothing more is recalled
+    leaving = [*seats[:2], seat(2, 1, running=5, free=11, leaving=True), seats[3]]
+    assert LOOKAHEAD.recall([hungry, busy], leaving) is None
+    # the others cannot take what runs there: it stays
+    full = [seats[0], seat(1, 1, running=16, free=0), seat(2, 1, running=5, free=11)]
+    full.append(seat(3, 1, running=3, free=0, home=True))
+    assert LOOKAHEAD.recall([hungry, busy], full) is None
+    # a rollout on one replica keeps it
+    alone = [seats[0], seat(1, 1, running=5, free=11)]
+    assert LOOKAHEAD.recall([hungry, view(running=5)], alone) is None

@@ -3,7 +3,7 @@
 import pytest
 
 from configs import base
-from rl.elastic.migration import Always, Off
+from rl.elastic.migration import Always, Off, Tail
 from rl.runtime.compose import build_migration
 from rl.runtime.factory import check_runtime_config
 
@@ -91,3 +91,11 @@ def test_tail_migration_is_off_in_one_pipeline_and_says_why(caplog):
             )
         assert "migration is off for this run" in caplog.text
     assert isinstance(build_migration(config(**{"elastic.migration": "always"})), Always)
+
+
+def test_in_a_multiplexed_pool_tail_runs_on_demand():
+    """The other pipelines consume what `tail` frees: it empties recalled replicas and spreads
+    onto joining ones, and never consolidates by itself; `off` stays off."""
+    pooled = build_migration(config(**{"elastic.migration": "tail"}), pooled=True)
+    assert isinstance(pooled, Tail) and pooled.config.on_demand
+    assert isinstance(build_migration(config(), pooled=True), Off)

@@ -1,8 +1,9 @@
 """Pipelines sharing a pool of sampler replicas (rl/runtime/pool.py): each pipeline of a
 multiplexed run trains bitwise what it trains alone, however its replicas move; under random
-lengths and random scheduler decisions every request of every pipeline finishes once, with its own
-pipeline's weights, and no slot, replica or stopped replica's memory is kept; a failing pipeline
-stops alone, the others finish, and every replica is vacant at the end."""
+lengths and random scheduler decisions (moves and recalls) every request of every pipeline finishes
+once, with its own pipeline's weights, and no slot, replica or stopped replica's memory is kept; a
+waiting queue recalls a replica whose rollout migrates off it; a failing pipeline stops alone, the
+others finish, and every replica is vacant at the end."""
 
 import gc
 import random
@@ -19,6 +20,7 @@ from jax.sharding import Mesh
 
 from configs import smoke
 from rl.admission import FCFS
+from rl.elastic.migration import MigrationConfig, make_migration_policy
 from rl.elastic.multiplex import MultiplexConfig, MultiplexPolicy
 from rl.models import create_model, get_preset
 from rl.rewards import REWARDS, register_reward
@@ -41,8 +43,9 @@ def parity_reward():
     REWARDS.pop("test_pool_parity", None)
 
 
-def config(workdir, seed, mode="cgp", replicas=REPLICAS):
+def config(workdir, seed, mode="cgp", replicas=REPLICAS, migration="off"):
     c = smoke.get_config()
+    c.elastic.migration = migration  # in a pool `tail` is on demand; alone it is off
     c.workdir, c.seed, c.rounds = str(workdir), seed, 3
     c.sft.max_steps = 0
     c.task.reward = "test_pool_parity"
@@ -87,18 +90,20 @@ def multiplexed(configs, policy=None):
 
 
 @pytest.mark.parametrize(
-    "mode, pipelines",
+    "mode, pipelines, migration",
     [
-        ("cgp", 2),
-        pytest.param("sync", 2, marks=pytest.mark.slow),
-        pytest.param("async", 2, marks=pytest.mark.slow),  # max_staleness 0
-        pytest.param("cgp", 3, marks=pytest.mark.slow),
+        ("cgp", 2, "tail"),
+        pytest.param("sync", 2, "off", marks=pytest.mark.slow),
+        pytest.param("async", 2, "tail", marks=pytest.mark.slow),  # max_staleness 0
+        pytest.param("cgp", 3, "off", marks=pytest.mark.slow),
     ],
 )
-def test_each_multiplexed_pipeline_trains_bitwise_its_solo_run(tmp_path, mode, pipelines):
+def test_each_multiplexed_pipeline_trains_bitwise_its_solo_run(
+    tmp_path, mode, pipelines, migration
+):
     seeds, replicas = range(pipelines), pipelines + 1  # one replica more than the homes: it moves
     runs, pool = multiplexed(
-        [config(tmp_path / f"mux{s}", s, mode, replicas) for s in seeds],
+        [config(tmp_path / f"mux{s}", s, mode, replicas, migration) for s in seeds],
         policy=Restless(pipelines),
     )
     assert pool.error is None
@@ -106,7 +111,9 @@ def test_each_multiplexed_pipeline_trains_bitwise_its_solo_run(tmp_path, mode, p
     assert sum(s.moves_in for s in pool.stats) > 0  # replicas did switch pipelines
     assert all(h is None for h in pool.holder)  # every replica vacant once the runs ended
     for seed, mux in zip(seeds, runs, strict=True):
-        solo = train(config(tmp_path / f"solo{seed}", seed, mode, replicas), stdout=False)
+        solo = train(
+            config(tmp_path / f"solo{seed}", seed, mode, replicas, migration), stdout=False
+        )
         assert_bitwise_equal(mux["state"], solo["state"])
         assert [r["reward_mean"] for r in solo["rounds"]] == [
             r["reward_mean"] for r in mux["rounds"]
@@ -124,7 +131,8 @@ def test_a_failing_pipeline_stops_alone_and_the_others_finish(tmp_path):
 
 
 class Random(MultiplexPolicy):
-    """Sends an idle replica to a random sampling pipeline, or keeps it (None), demand or not."""
+    """Sends an idle replica to a random sampling pipeline, or keeps it (None), demand or not;
+    recalls a random replica (or none) whenever a queue waits."""
 
     def __init__(self, seed):
         super().__init__(MultiplexConfig(), switch_s=0.0)
@@ -133,6 +141,10 @@ class Random(MultiplexPolicy):
     def replica_for(self, views, owner):
         live = [i for i in range(len(views)) if i != owner and views[i].replicas]
         return self.rng.choice([*live, None])
+
+    def recall(self, views, seats):
+        held = [s.index for s in seats if s.pipeline is not None and not s.home]
+        return self.rng.choice([*held, None, None])
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +219,9 @@ def test_random_moves_finish_every_request_once_in_its_own_weights_and_keep_noth
             make_admission=FCFS,
             reward_fn=lambda r, c: 0.0,
             emit=groups[p].append,
+            migration=make_migration_policy(  # recalled replicas emptied, joined ones spread to
+                MigrationConfig(policy="tail", on_demand=True), consumer=True
+            ),
         )
         sampler.set_params(engines[0].load_params(models[p]), VERSIONS[p])
         pool.attach(p, sampler, engines, claimed)
@@ -290,3 +305,67 @@ def test_pipelines_take_turns_on_the_learner_in_the_policys_order():
     assert order == [0, 2, 1]  # the policy's pick first, not the first come
     assert pool.stats[1].learner_wait_s > pool.stats[2].learner_wait_s > 0
     assert all(s.learner_s > 0 for s in pool.stats)
+
+
+def test_a_waiting_queue_recalls_a_replica_whose_rollout_moves_off_it(models, engines):
+    """Pipeline 0 holds replicas 0 and 2, a long group running on each; pipeline 1's queue waits
+    on its one replica. The pool recalls replica 2: pipeline 0's on-demand `tail` moves its
+    group to replica 0, and the emptied replica goes to pipeline 1. Each pipeline's tokens are
+    its solo run's. The samplers are stepped here, pipeline 1's only once the move is done, so
+    its queue waits whatever the machine's speed."""
+    reqs = [workload([(2, 40), (2, 40)], 0), workload([(2, 30)] * 6, 1)]
+    solo = []
+    for p in (0, 1):
+        groups = []
+        alone = ReplicaSampler(
+            [engines[0]], make_admission=FCFS, reward_fn=lambda r, c: 0.0, emit=groups.append
+        )
+        alone.set_params(engines[0].load_params(models[p]), VERSIONS[p])
+        alone.submit(reqs[p])
+        alone.run_until_idle(max_steps=2000)
+        alone.close()
+        solo.append(tokens(groups))
+    pool = ReplicaPool(["a", "b"], replicas=REPLICAS)
+    groups, samplers = ([], []), []
+    for p in (0, 1):
+        claimed = pool.claim(p)
+        sampler = ReplicaSampler(
+            [engines[r] for r in claimed],
+            spare=[e for r, e in enumerate(engines) if r not in claimed],
+            make_admission=FCFS,
+            reward_fn=lambda r, c: 0.0,
+            emit=groups[p].append,
+            migration=make_migration_policy(
+                MigrationConfig(policy="tail", on_demand=True), consumer=True
+            ),
+        )
+        sampler.set_params(engines[0].load_params(models[p]), VERSIONS[p])
+        pool.attach(p, sampler, engines, claimed)
+        samplers.append(sampler)
+    assert pool.holder == [0, 1, 0]
+
+    def until(done, step=lambda: None):
+        deadline = time.monotonic() + 60
+        while not done():
+            assert time.monotonic() < deadline and pool.error is None
+            step()
+            time.sleep(0.005)
+
+    try:
+        samplers[0].submit(reqs[0])
+        samplers[0].step()  # one group running on each of its replicas
+        samplers[1].submit(reqs[1])  # 12 sequences for its 4 slots: its queue waits
+        until(lambda: samplers[0].leaving == {1})  # replica 2 is pipeline 0's replica 1
+        until(lambda: pool.holder[2] == 1, samplers[0].step)
+        for sampler in samplers:
+            sampler.run_until_idle(max_steps=2000)
+        pool.close()
+        assert [tokens(g) for g in groups] == solo
+        assert pool.stats[0].recalls == 1 and samplers[0].stats.migrations == 1
+        assert pool.stats[0].moves_out == 1 and pool.stats[1].moves_in == 1
+        assert pool.holder == [0, 1, 1] and pool.error is None
+    finally:
+        pool.close()
+        for p, sampler in enumerate(samplers):
+            sampler.close()
+            pool.leave(p)

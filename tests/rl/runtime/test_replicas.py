@@ -235,6 +235,46 @@ def test_a_full_round_cut_aborts_the_rest_on_every_replica(model, engines, polic
     assert (stats.migrations > 0) == (policy == "always")
 
 
+def test_a_recalled_replica_is_emptied_into_the_others_and_released(model, engines):
+    """A multiplexed pool's recall (on-demand `tail`): replica 1 stops taking work, its queue
+    goes to replica 0 and its running group moves there once replica 0 has the slots; it is then
+    idle and released. Tokens stay one engine's; `keep` undoes a recall."""
+    lengths = [30, 30, 4, 30]  # round-robin: uids 0, 2 on replica 0; 1, 3 on replica 1
+    ref, _, _ = sample(model, engines, [0], lengths=lengths)
+    groups, timeline = [], Timeline()
+    sampler = ReplicaSampler(
+        [engines(1), engines(2)],
+        make_admission=FCFS,
+        reward_fn=lambda r, c: 0.0,
+        emit=groups.append,
+        migration=make_migration_policy(
+            MigrationConfig(policy="tail", on_demand=True), consumer=True
+        ),
+        timeline=timeline,
+    )
+    sampler.set_params(engines(1).load_params(model), 0)
+    reqs = requests(lengths=lengths)
+    sampler.submit(reqs[:3])
+    sampler.step()
+    assert sampler.recall(1) and sampler.leaving == {1}
+    assert not sampler.recall(1) and not sampler.recall(0)  # once; and one replica stays
+    sampler.submit(reqs[3:])  # routed to replica 0 only
+    assert sampler.routed[1] == 1 and sampler.routing.owner(reqs[3].key) == 0
+    sampler.run_until_idle(max_steps=200)
+    got = {
+        g.request.key: [(c.tokens, c.logprobs, c.versions) for c in g.completions] for g in groups
+    }
+    assert got == ref
+    moves = [s for s in timeline.spans("sampler/") if s.name == "migrate"]
+    assert [(m.args["uid"], m.args["src"], m.args["dst"]) for m in moves] == [(1, 1, 0)]
+    assert sampler.release_idle(1) and sampler.leaving == frozenset()
+    assert sorted(sampler.loops) == [0]
+    sampler.add_replica(engines(2))  # replica 2
+    assert sampler.recall(2)
+    sampler.keep(2)
+    assert sampler.leaving == frozenset() and sampler.routing.alive == [0, 2]
+
+
 class RandomMoves:
     """Random executable migration decisions (a policy for the property test)."""
 
