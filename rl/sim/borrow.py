@@ -9,17 +9,19 @@ the runtime has to guess; the learner's queued work and the round's groups not y
   learner borrows   the rollout has drained and updates remain: a "borrow" span of the switch cost
                     on the learner lane, then the per-token learner work left in the round (queued
                     and future) runs L / (L + S) as long; back to 1 at the round's Publish.
-  sampler borrows   the learner is idle and sequences remain: `extra` replicas (learner devices /
-                    tp) join the sampler after half the switch cost and the learner's work waits;
-                    when the sampler drains they leave and the learner resumes after the other half
-                    ("lend" span on the "elastic" lane).
+  sampler borrows   decided at the round's Submit (`before_submit`), as the runtime's lender
+                    decides before it routes the round: `extra` replicas (learner devices / tp)
+                    join and the submission waits half the switch cost, so the round spreads over
+                    them; the learner's work waits; when the sampler drains they leave and the
+                    learner resumes after the other half ("lend" span on the "elastic" lane).
 
-Under async (BiDiRL's setting) only the sampler borrows, as in the runtime: once per update,
-while the learner waits for its next batch, the policy decides from that batch's groups still
-sampling and the sequences queued (PoolState.ahead); the extra replicas join after half the
+Under async (BiDiRL's setting) both directions borrow, as in the runtime. The sampler: once per
+update, while the learner waits for its next batch, the policy decides from that batch's groups
+still sampling and the sequences queued (PoolState.ahead); the extra replicas join after half the
 switch, and once the batch is complete (its update queued) they are taken back mid-rollout
 (SimSampler.evict_replicas: what ran there is re-queued and re-prefilled with the tokens it made)
-and the learner resumes after the other half.
+and the learner resumes after the other half. The learner: once the staleness bound has drained
+the sampler, for the update it trains (`_borrow_drained`), back at the publish.
 
 The switch cost is the policy's estimate (the configured prior; the simulator records each switch
 at that cost, so it stays the prior).
@@ -28,11 +30,13 @@ at that cost, so it stays the prior).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from rl.elastic.borrowing import BorrowPolicy, Decision, PoolState
 from rl.sim.learner import LearnerOp
 from rl.sim.simulator import PoolHooks, Simulator
+from rl.types import Request
 
 
 class SimBorrower(PoolHooks):
@@ -57,6 +61,7 @@ class SimBorrower(PoolHooks):
         self._decided: set[tuple[int, str]] = set()
         self._learner_round: int | None = None  # the round whose learner runs on borrowed devices
         self._lent: tuple[int, int, float] | None = None  # (round, extra replicas, since)
+        self._submitting = False  # lent before a round's submission, which has not come yet
 
     def attach(self, sim: Simulator) -> None:
         if sim.cfg.routing != "shared" and self.policy.cfg.allows("sampler"):
@@ -71,15 +76,16 @@ class SimBorrower(PoolHooks):
         open_rounds = sim.open_rounds()
         return open_rounds[0] if open_rounds else None
 
-    def _state(self, r: int, waiting: bool) -> PoolState:
+    def _state(self, r: int, waiting: bool, submitting: Sequence[Request] = ()) -> PoolState:
+        """The pool now; `submitting`: requests about to be submitted (counted as pending)."""
         sim = self.sim
         assert sim is not None
         m, cfg = sim.model, sim.cfg
-        seqs, tokens, longest, context = sim.sampler.remaining()
+        seqs, tokens, longest, context = sim.sampler.remaining(submitting=submitting)
         queued = sum(op.scalable for op in sim.learner.ops)
         per_token = m.learner_per_token * sim.learner.scale
         learner_tokens = (queued / per_token if per_token else 0.0) + sim.round_tokens_unadded(r)
-        learner_tokens += sim.sampler.remaining_learner_tokens()
+        learner_tokens += sim.sampler.remaining_learner_tokens(submitting)
         updates_left = max(sim.updates_planned - sim.updates_done(r), 0)
         rows = updates_left * cfg.groups_per_update * cfg.group_size
         return PoolState(
@@ -116,7 +122,7 @@ class SimBorrower(PoolHooks):
         if r is None:
             return
         if self._lent is not None:
-            if not sim.sampler.outstanding and not sim.sampler.busy:
+            if not self._submitting and not sim.sampler.outstanding and not sim.sampler.busy:
                 self._return_sampler(now)
             return
         if self._learner_round is not None:
@@ -130,18 +136,38 @@ class SimBorrower(PoolHooks):
             self._record(r, d)
             if d.move:
                 self._borrow_learner(r, d, now)
-        elif (
-            not drained
-            and not sim.learner.ops
-            and (r, "sampler") not in self._decided
-            and self.policy.cfg.allows("sampler")
+
+    def before_submit(self, round: int, requests: Sequence[Request], now: float) -> float:
+        """Round modes, as the runtime's lender (SamplerLender.maybe_lend, before it routes the
+        round): the sampler direction is decided once per round for the requests about to be
+        submitted; on a move the extra replicas join and the submission waits half the switch,
+        so the round spreads over them. Returns that wait."""
+        sim = self.sim
+        assert sim is not None
+        if (
+            sim.cfg.mode == "async"
+            or self._lent is not None
+            or self._learner_round is not None
+            or (round, "sampler") in self._decided
+            or not self.policy.cfg.allows("sampler")
         ):
-            self._decided.add((r, "sampler"))
-            d = self.policy.decide(self._state(r, waiting=True))
-            if d.direction == "sampler":
-                self._record(r, d)
-                if d.move:
-                    self._lend_to_sampler(r, d, now)
+            return 0.0
+        self._decided.add((round, "sampler"))
+        d = self.policy.decide(self._state(round, waiting=True, submitting=requests))
+        if d.direction != "sampler":
+            return 0.0
+        self._record(round, d)
+        if not d.move:
+            return 0.0
+        extra = d.devices // self.tp
+        sim.learner.blocked = True
+        sim.sampler.add_replicas(extra, now)  # idle until the round arrives
+        self._lent, self._submitting = (round, extra, now), True
+        self.moves["sampler"] += 1
+        return d.switch_cost_s / 2
+
+    def on_submit(self, now: float) -> None:
+        self._submitting = False
 
     def _check_ahead(self, now: float) -> None:
         """async: lend while the learner waits for its next batch; take back once it is complete.

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from rl.admission import AdmissionPolicy
@@ -437,10 +437,13 @@ class SimSampler:
         return len(self.pending)
 
     def remaining(
-        self, select: Callable[[Request], bool] | None = None
+        self,
+        select: Callable[[Request], bool] | None = None,
+        submitting: Sequence[Request] = (),
     ) -> tuple[int, int, int, float]:
         """(sequences, tokens, longest, mean context) still to decode, from the known lengths, of
-        the pending requests `select` accepts (default all)."""
+        the pending requests `select` accepts (default all) and of `submitting` (about to be
+        submitted: nothing made yet)."""
         k, seqs, tokens, longest, context = self.model.steps_per_call, 0, 0, 0, 0.0
         for p in self.pending.values():
             if select is not None and not select(p.request):
@@ -458,6 +461,10 @@ class SimSampler:
                 left = max(n - made, 0)
                 seqs, tokens, longest = seqs + 1, tokens + left, max(longest, left)
                 context += len(p.request.prompt) + made
+        for r in submitting:
+            for n in self.workload.lengths(r)[: r.kept]:
+                seqs, tokens, longest = seqs + 1, tokens + n, max(longest, n)
+                context += len(r.prompt)
         return seqs, tokens, longest, context / seqs if seqs else 0.0
 
     def add_replicas(self, count: int, now: float) -> None:
@@ -527,9 +534,9 @@ class SimSampler:
             raise RuntimeError(f"remove_replicas({count}): those replicas are not idle.")
         del self.replicas[len(self.replicas) - count :]
 
-    def remaining_learner_tokens(self) -> int:
-        """Prompt + response tokens the learner will train for the requests not yet emitted."""
-        return sum(
-            sum(len(p.request.prompt) + n for n in p.lengths[: p.request.kept])
-            for p in self.pending.values()
-        )
+    def remaining_learner_tokens(self, submitting: Sequence[Request] = ()) -> int:
+        """Prompt + response tokens the learner will train for the requests not yet emitted
+        (`submitting`, about to be submitted, included)."""
+        requests = [(p.request, p.lengths) for p in self.pending.values()]
+        requests += [(r, self.workload.lengths(r)) for r in submitting]
+        return sum(sum(len(r.prompt) + n for n in lengths[: r.kept]) for r, lengths in requests)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from rl.admission import AdmissionPolicy, make_policy
@@ -108,6 +108,11 @@ class PoolHooks:
 
     def before_publish(self, now: float) -> None:
         """A Publish is about to be queued on the learner."""
+
+    def before_submit(self, round: int, requests: Sequence[Request], now: float) -> float:
+        """A round's requests are about to be queued on the sampler; returns how long their
+        submission waits (seconds: the sampler changes first, as a lender's replicas join)."""
+        return 0.0
 
     def on_submit(self, now: float) -> None:
         """Requests were queued on the sampler."""
@@ -327,9 +332,13 @@ class Simulator:
         for a in actions:
             if isinstance(a, Submit):
                 self._starts.setdefault(a.round, now)
-                self.sampler.submit(a.requests, now, cut=a.cut)
-                if self.pool is not None:
-                    self.pool.on_submit(now)
+                hold = (
+                    0.0 if self.pool is None else self.pool.before_submit(a.round, a.requests, now)
+                )
+                if hold > 0:
+                    self.at(now + hold, lambda t, a=a: self._submit(a, t))
+                else:
+                    self._submit(a, now)
             elif isinstance(a, Begin):
                 self.updates_planned = a.updates  # the behaviour snapshot costs nothing here
             elif isinstance(a, Add):
@@ -347,6 +356,11 @@ class Simulator:
                 self._begin_next = a.plan.round + 1
             else:
                 raise TypeError(f"Unknown schedule action {a!r}.")
+
+    def _submit(self, a: Submit, now: float) -> None:
+        self.sampler.submit(a.requests, now, cut=a.cut)
+        if self.pool is not None:
+            self.pool.on_submit(now)
 
     def _on_group(self, group: Group, now: float) -> None:
         """A complete group (the sampler applied the round's cut)."""

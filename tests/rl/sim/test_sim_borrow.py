@@ -26,9 +26,9 @@ MODEL = StageModel(  # sampler throughput-bound at 2 replicas x 8 slots; a learn
 WORKLOAD = WorkloadConfig(max_new_tokens=512, median_tokens=150, runaway_fraction=0.0)
 
 
-def simulate(mode, borrowing, *, seed, cost=0.2, rounds=3):
+def simulate(mode, borrowing, *, seed, cost=0.2, rounds=3, slots=8):
     cfg = sim_config(
-        mode, groups_per_round=12, groups_per_update=2, group_size=4, replicas=2, slots=8
+        mode, groups_per_round=12, groups_per_update=2, group_size=4, replicas=2, slots=slots
     )
     borrow = None
     if borrowing != "off":
@@ -61,6 +61,23 @@ def test_borrowing_changes_timing_not_what_is_trained(mode, seed):
         lends = both.timeline.spans("elastic")
         assert len(lends) == 3 and all(s.args["replicas"] == 2 for s in lends)
     assert len(both.timeline.spans("learner")) >= len(static.timeline.spans("learner"))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sync_lending_spreads_a_round_that_fits_over_the_lent_replicas(seed):
+    """The lender decides at the round's Submit, as the runtime's does before it routes the round:
+    the round's 48 sequences would fit the sampler's 2 x 24 slots, and still spread over the 2
+    lent replicas, whose decode steps then read half the KV each (lent after the submission, they
+    found nothing queued and only cost the switch: 0.98x)."""
+    static, _ = simulate("sync", "off", seed=seed, slots=24)
+    lent, borrow = simulate("sync", "sampler", seed=seed, slots=24)
+    assert borrow.moves["sampler"] == 3
+    assert trained(lent) == trained(static)
+    replicas = {
+        int(s.lane.removeprefix("sampler/slot")) // 24 for s in lent.timeline.spans("sampler/slot")
+    }
+    assert replicas == {0, 1, 2, 3}
+    assert summarize(lent)["groups_per_s"] > summarize(static)["groups_per_s"]
 
 
 def test_a_switch_cost_no_gain_beats_leaves_the_static_run_unchanged():
