@@ -364,13 +364,6 @@ def check_config(config: Any) -> None:
                     "share every device)."
                 )
             mode = config.get("driver", {}).get("mode")
-            if mode == "async" and elastic.allows("sampler") and config.get("runtime") == "ray":
-                p.add(
-                    f"config.elastic.borrowing={elastic.borrowing!r} with config.driver.mode="
-                    "'async' and config.runtime='ray'; expected runtime='threads' or "
-                    "borrowing='learner': taking a lent replica back mid-rollout is built for "
-                    "the threaded runtime only."
-                )
             if mode == "async" and elastic.allows("sampler") and config.get("env", {}).get("name"):
                 p.add(
                     f"config.elastic.borrowing={elastic.borrowing!r} with config.driver.mode="

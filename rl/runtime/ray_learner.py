@@ -60,7 +60,7 @@ class LearnerWorker:
         self.learner = None
         self.ckpt = None
         self.sft = None  # the SFT warm start (learner.sft.SftTrainer), while it runs
-        self.lendable: list[ReplicaCore] = []  # replicas on its devices, built at the first lend
+        self.lendable: list[ReplicaCore] = []  # replicas on its devices, built at start (lend)
         self.transfer = False  # publishes stage for pulls (config.ray.weights); else object store
         self.weights: WeightServer | None = None  # rank 0's transfer server, with "transfer"
 

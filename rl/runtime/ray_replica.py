@@ -37,7 +37,7 @@ from rl.runtime.ray_process import job_devices, join_job, local_mesh, pin, worke
 from rl.runtime.ray_weights import Ticket, WeightPuller
 from rl.timeline import Timeline
 from sampler.loop import SamplerLoop
-from sampler.transfer import from_host, to_host
+from sampler.transfer import HostRun, from_host, run_from_host, run_to_host, to_host
 
 
 class ReplicaCore:
@@ -147,6 +147,30 @@ class ReplicaCore:
 
     def submit(self, requests: list[Any]) -> None:
         self.loop.submit(requests)
+
+    def waiting(self) -> int:
+        """Requests waiting for admission here."""
+        return self.loop.waiting()
+
+    def take_queued(self, slots: int) -> list[Any]:
+        """Removes requests waiting for admission here until their samples fill `slots` (a
+        replica that joins mid-rollout takes them)."""
+        return self.loop.take_queued(slots)
+
+    def evict(self) -> tuple[list[Any], list[HostRun], list[tuple[int, int]]]:
+        """Stops the loop and empties it (a lent replica taken back mid-rollout): returns the
+        requests waiting here, the runs admitted and not complete as host data (their tokens so
+        far, to `resume` on another replica) and the keys of the complete groups whose rewards
+        were still running, which are put on the queue here."""
+        self.loop.close()
+        queued, runs, scoring = self.loop.evict()
+        for complete in scoring:
+            self._emit(complete.group())
+        return queued, [run_to_host(run) for run in runs], [c.request.key for c in scoring]
+
+    def resume(self, runs: list[HostRun]) -> None:
+        """Takes over runs another replica evicted; each is re-prefilled with its tokens so far."""
+        self.loop.resume([run_from_host(run) for run in runs])
 
     def abort(self, keys: list[tuple[int, int]]) -> int:
         """Aborts requests by (round, uid), waiting or running (a key not here is a no-op);

@@ -7,8 +7,10 @@ second copy is dropped), applies tail batching's round cuts (rl.runtime.routing.
 where every replica's groups meet, and merges the replicas' timeline events into the driver's
 timeline (slot lanes numbered across replicas, args["replica"]) for per-replica metrics. Replicas
 join and leave between rounds (`add_replica`, `remove_replica`: the sampler borrowing the
-learner's devices), and with a migration policy a RayMigrator (rl.runtime.ray_migration) moves
-running requests between them; routing and the cuts are guarded by one lock for that thread.
+learner's devices) and, under async, mid-rollout (`add_replica(take_queued=True)`, `take_back`:
+what ran on a replica taken back resumes on the others), and with a migration policy a
+RayMigrator (rl.runtime.ray_migration) moves running requests between them; routing and the cuts
+are guarded by one lock for that thread.
 The Driver's Queue over the queue actor is rl.runtime.ray_queue.QueueClient.
 """
 
@@ -89,9 +91,11 @@ class ReplicaRouter:
     def num_slots(self) -> int:
         return sum(self.replica_slots)
 
-    def add_replica(self, handle: Any) -> int:
+    def add_replica(self, handle: Any, *, take_queued: bool = False) -> int:
         """Routes to another replica (a handle with SamplerReplica's methods); it gets the latest
-        weights and starts at once. Returns its index."""
+        weights and starts at once. Returns its index. With `take_queued` it takes requests still
+        waiting on the others, up to its slots' worth, the most loaded replica's first (async
+        borrowing's replica joins mid-rollout)."""
         slots = ray.get(handle.num_slots.remote())
         with self.lock:
             i = self.routing.add()
@@ -103,7 +107,66 @@ class ReplicaRouter:
         if self._params is not None:
             ray.get(handle.set_params.remote(*self._params))
         ray.get(handle.start.remote())
+        if take_queued:
+            with self.lock:
+                others = sorted(
+                    (j for j in self.alive if j != i), key=lambda j: (-self.routing.load[j], j)
+                )
+            room = slots
+            for j in others:
+                if room <= 0:
+                    break
+                taken = self.each("take_queued", room, replicas=[j]).get(j, [])
+                room -= sum(r.group_size for r in taken)
+                with self.lock:  # (a request a cut forgot meanwhile is dropped on delivery)
+                    for r in taken:
+                        self.routing.move(r.key, i)
+                if taken:
+                    ray.get(handle.submit.remote(taken))
         return i
+
+    def take_back(self, i: int) -> None:
+        """Stops replica i mid-rollout (async borrowing: the learner's devices go back): its
+        waiting requests go to the others, its running ones resume there, re-prefilled with their
+        tokens so far (ReplicaCore.evict / resume: host data through the object store), and its
+        complete groups are delivered; nothing is lost or sampled twice. A replica that dies
+        meanwhile has its requests re-sampled on the others."""
+        with self.lock:
+            if i not in self.alive:
+                raise ValueError(f"No live sampler replica {i}; live: {self.alive}.")
+            if len(self.alive) == 1:
+                raise ValueError(f"Replica {i} is the last one; a sampler needs one replica.")
+            self.routing.retire(i)  # groups it emits while stopping are still delivered
+        try:
+            queued, runs, emitted = ray.get(self.replicas[i].evict.remote())
+        except RayActorError:
+            queued, runs, emitted = [], [], []
+        self._collect([i])  # its evicted spans and last counters, before it is renewed
+        for err in self.each("close", replicas=[i]).values():
+            if err is not None:
+                raise err
+        resume: dict[int, list[Any]] = collections.defaultdict(list)
+        with self.lock:
+            lost = {r.key: r for r in self.routing.remove(i)}
+            del self._slots[i]
+            for key in emitted:  # on the queue: owned by a live replica until delivered
+                if (r := lost.pop(key, None)) is not None:
+                    self.routing.route(r)
+            for run in runs:
+                if (r := lost.pop(run.run.request.key, None)) is not None:
+                    resume[self.routing.route(r)].append(run)
+            rest = [lost.pop(r.key) for r in queued if r.key in lost] + list(lost.values())
+        for j, rs in resume.items():
+            try:
+                ray.get(self.replicas[j].resume.remote(rs))
+            except RayActorError as e:
+                self._lost(j, e)  # re-samples them with the rest of its requests
+        if rest:
+            self.submit(rest)
+
+    def waiting(self) -> int:
+        """Requests waiting for admission, over the live replicas."""
+        return sum(self.each("waiting").values())
 
     def remove_replica(self, i: int) -> None:
         """Stops routing to replica i and stops its loop; its undelivered requests are

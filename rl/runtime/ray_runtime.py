@@ -25,8 +25,10 @@ Elastic devices: long-tail migration (config.elastic.migration) moves running re
 replica actors, their decode state through the object store (rl.runtime.ray_migration: the same
 policy as the threaded runtime, asked from a thread of this process). Sampler borrowing
 (config.elastic.borrowing="sampler") lends the learner worker's devices to the sampler: the worker
-hosts extra replicas on them (LearnerWorker.lend; `LentReplica` is their handle) that the router
-adds while the learner waits for a round's groups and removes once the sampler drains. The
+hosts extra replicas on them (LearnerWorker.lend, built at start; `LentReplica` is their handle)
+that the router adds while the learner waits for a round's groups and removes once the sampler
+drains; under async it adds them while the learner waits for its next batch and takes them back
+mid-rollout once the batch is complete (ReplicaRouter.take_back). The
 learner borrows the replicas' devices (config.elastic.borrowing="learner"): the replicas are
 processes of the learner worker's jax.distributed job from the start (ranks 1..N), and while the
 rollout is drained the learner's mesh extends over their devices, each replica running the same
@@ -155,6 +157,8 @@ class RayRuntime:
         self.lend = build_lender(
             config, learner_devices=learner_devices, make_replicas=self._lent_replicas
         )
+        if self.lend is not None:  # built and compiled now: no switch pays for it
+            self.lend.prepare()
         self.borrow = None
         if lenders:
             ids = [i for r in self.replicas for i in ray.get(r.job_devices.remote())]

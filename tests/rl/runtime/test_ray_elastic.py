@@ -1,7 +1,8 @@
 """Elastic devices under the Ray runtime: long-tail migration between replica actors (through the
 object store) and the sampler borrowing the learner worker's devices leave the run's tokens and
-parameters those of the threaded runtime, bitwise; the migrator's stale and faulty paths lose no
-request and leak no slot."""
+parameters those of the threaded runtime, bitwise; under async a lent replica taken back
+mid-rollout loses and doubles nothing; the migrator's stale and faulty paths lose no request and
+leak no slot."""
 
 import jax
 import numpy as np
@@ -14,6 +15,9 @@ from rl.runtime.factory import build_driver
 from rl.runtime.ray_router import ReplicaRouter
 from rl.timeline import Timeline
 from rl.types import Request, SamplingParams
+from sampler.loop import SamplerStats
+from sampler.runs import Run
+from sampler.transfer import run_to_host
 
 
 def run(config, rounds=2):
@@ -169,6 +173,39 @@ def test_ray_async_learner_borrows_the_drained_replicas_and_the_run_is_unchanged
     updates = sum(len(r.groups) for r in borrowed) // 2
     assert names.count("borrow") == names.count("give_back") == updates
     assert not runtime.learner.borrowing and max(r.metrics["lag_max"] for r in borrowed) == 0
+
+
+@pytest.mark.slow  # end-to-end: a Ray run, 3 rounds
+def test_ray_async_lends_the_learner_workers_devices_and_takes_them_back_mid_rollout(ray_cluster):
+    """BiDiRL's setting under Ray: the learner worker's devices decode while the learner waits
+    for its next batch (the lent replicas take requests queued on the others) and are taken
+    back once the batch is complete, what ran there resuming on the replica actors, re-prefilled
+    with its tokens so far: every group is trained once, every token within the bound, versions
+    in order along each sequence (tests/rl/runtime/test_lending.py's threaded invariants)."""
+
+    def config(runtime, borrowing):
+        c = lend_config(runtime, borrowing)
+        c.driver.mode, c.driver.max_staleness = "async", 3
+        c.driver.groups_per_round, c.driver.groups_per_update = 8, 2
+        c.sampling.max_new_tokens = 40
+        c.engine.max_length = 64
+        return c
+
+    rounds = 3
+    static, _, _, _ = run(config("threads", "off"), rounds)
+    lent, _, runtime, driver = run(config("ray", "sampler"), rounds)
+    keys = lambda results: sorted(g.request.key for r in results for g in r.groups)
+    assert keys(lent) == keys(static) and len(keys(lent)) == 8 * rounds
+    assert len(driver.timeline.spans("elastic")) >= 1  # lent at least once
+    assert runtime.router.alive == [0, 1]  # the lent replicas went back
+    stats = driver.sampler.stats  # (the replicas' last counters: the run is closed)
+    assert stats.resumed_sequences == stats.evicted_sequences  # every one taken back resumed
+    assert stats.groups_emitted == 8 * rounds
+    versions = [c.versions for r in lent for g in r.groups for c in g.completions]
+    assert all(list(v) == sorted(v) for v in versions)
+    assert max(r.metrics["lag_max"] for r in lent) <= 3
+    lent_lanes = [s for s in driver.timeline.spans("sampler/slot") if s.args["replica"] >= 2]
+    assert sum(s.args["tokens"] for s in lent_lanes) > 0  # the lent replicas decoded
 
 
 @pytest.mark.slow
@@ -327,3 +364,64 @@ def test_a_state_lost_with_its_source_is_sampled_again(ray_cluster):
     assert router.migrator.resampled == 1
     assert a.key in src.submitted + dst.submitted  # routed afresh, owned by whoever took it
     assert router.routing.owner(a.key) in (0, 1)
+
+
+class Kept(FakeReplica):
+    """A replica that stays: it records what resumes on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.resumed = []
+
+    def resume(self, runs):
+        self.resumed.extend(runs)
+
+
+class Lent(FakeReplica):
+    """A lent replica taken back: `evict` answers what it held."""
+
+    def __init__(self, evicted):
+        super().__init__()
+        self.evicted, self.closed = evicted, False
+
+    def evict(self):
+        return self.evicted
+
+    def stats(self):
+        return SamplerStats(), [], []
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_replica_taken_back_hands_its_work_to_the_others(ray_cluster):
+    """Its running request resumes on the replica that stays (with its tokens so far), its queued
+    one is submitted there, its group already on the queue stays owned until delivered, and a
+    request forgotten meanwhile (a full round cut) is neither resumed nor sampled again."""
+    running_, queued, scoring, forgotten = request(0), request(1), request(2), request(3)
+    run = Run.of(running_)
+    run.samples[0].tokens.extend([5, 6])
+    evicted = (
+        [queued],
+        [run_to_host(run), run_to_host(Run.of(forgotten))],
+        [scoring.key],
+    )
+    kept, lent = Kept(), Lent(evicted)
+    router = ReplicaRouter(
+        [Handle(kept), Handle(lent)],
+        routing="round_robin",
+        on_failure="resample",
+        timeline=Timeline(),
+    )
+    for r in (running_, queued, scoring):
+        router.routing.outstanding[r.key] = (1, r)
+        router.routing.load[1] += 1
+    router.take_back(1)
+    assert router.alive == [0] and lent.closed and router.replica_slots == (8,)
+    assert [h.run.request.key for h in kept.resumed] == [running_.key]
+    assert kept.resumed[0].run.samples[0].tokens == [5, 6]
+    assert kept.submitted == [queued.key]
+    owners = {k: owner for k, (owner, _) in router.routing.outstanding.items()}
+    assert owners == {running_.key: 0, queued.key: 0, scoring.key: 0}
+    with pytest.raises(ValueError, match="is the last one"):
+        router.take_back(0)
