@@ -41,6 +41,7 @@ from rl.rewards.workers import CallTimeout, Job, ProcessWorker, ThreadWorker
 from rl.types import Completion, Request
 
 BACKENDS = ("thread", "process")
+COUNTERS = ("calls", "errors", "timeouts", "stuck", "replaced")  # RewardRunner.stats' keys
 
 
 class RewardRunner:
@@ -160,13 +161,9 @@ class RewardRunner:
     def stats(self) -> dict[str, int]:
         """Counters: calls, errors, timeouts, stuck (stopped calls still running), replaced."""
         with self._lock:
-            return {
-                "calls": self._calls,
-                "errors": self._errors,
-                "timeouts": self._timeouts,
-                "stuck": self._stuck(),
-                "replaced": self._replaced,  # workers started to stand in for stuck/killed ones
-            }
+            values = (self._calls, self._errors, self._timeouts, self._stuck(), self._replaced)
+            # replaced: workers started to stand in for stuck/killed ones
+            return dict(zip(COUNTERS, values, strict=True))
 
     def close(self) -> None:
         """Stops the workers once queued calls finish (each within its timeout) and waits for

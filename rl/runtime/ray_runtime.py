@@ -54,6 +54,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from rl.driver import Driver
+from rl.rewards.runner import COUNTERS
 from rl.runtime.compose import (
     borrow_config_from,
     build_borrower,
@@ -233,10 +234,11 @@ class RayRuntime:
         self.learner.export_hf(path)
 
     def reward_stats(self) -> tuple[dict[str, int], dict[str, int]]:
-        """Reward counters summed over the live replicas (rollouts, evaluation)."""
+        """Reward counters summed over the live replicas (rollouts, evaluation); zeros when none
+        is left to answer (a run whose replicas died)."""
         out: tuple[collections.Counter, collections.Counter] = (
-            collections.Counter(),
-            collections.Counter(),
+            collections.Counter(dict.fromkeys(COUNTERS, 0)),
+            collections.Counter(dict.fromkeys(COUNTERS, 0)),
         )
         for i in self._live():
             for total, part in zip(
