@@ -1,7 +1,7 @@
 """Pipeline multiplexing on CPU: N tiny pipelines as one sweep on a pool of sampler replicas, vs the
 same pipelines back to back (each alone on the whole pool), in one run.
 
-    python -m launch.bench_sweep [--pipelines 3 --rounds 8 --migration tail --json PATH]
+    python -m launch.bench_sweep [--pipelines 3 --rounds 8 --migration off --json PATH]
 
 Each pipeline is configs/base.py:smoke with its own seed (the sweep `seed=0,1,...`): the addition
 task, no SFT, a held-out evaluation every round, the sampler on `--pipelines + 1` replicas of one
@@ -61,10 +61,11 @@ _GROUPS = flags.DEFINE_integer("groups", 16, "Groups per round.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 24, "Response length cap.")
 _MIGRATION = flags.DEFINE_enum(
     "migration",
-    "tail",
+    "off",
     ["off", "tail"],
     "config.elastic.migration: in the sweep `tail` runs on demand (recalled replicas emptied, "
-    "joining ones spread to); alone it is off.",
+    "joining ones spread to; each pipeline loads its export/import programs at start); alone "
+    "it is off. Off, a recalled replica drains.",
 )
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Back to back and multiplexed, alternating.")
 _WORKDIR = flags.DEFINE_string("workdir", "", "Where the runs write; empty: a temporary directory.")
