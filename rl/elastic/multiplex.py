@@ -3,7 +3,8 @@
 A pure, clock-free policy, carried out by the simulator (rl/sim/multiplex.py) and the threaded
 runtime's pool (rl/runtime/pool.py). The pool is a set of sampler replicas and one learner mesh;
 each pipeline (its own model, optimizer, data, schedule) is a graph of sub-stages on them: rollout
-waves and a tail on replicas, micro-steps, updates and publishes on the learner. Its gaps are where another pipeline's sub-stages go.
+waves and a tail on replicas, micro-steps, updates and publishes on the learner. Its gaps are
+where another pipeline's sub-stages go.
 
 Two decisions, each asked at a sub-stage boundary with a `PipelineView` of every pipeline:
 
@@ -20,9 +21,9 @@ Two decisions, each asked at a sub-stage boundary with a `PipelineView` of every
             what runs, so half the sequences step almost twice as fast). A replica is never
             taken from a pipeline with work on it; instead, while a queue waits and no replica
             is vacant or on its way, the caller recalls one (`recall`, described by
-            `ReplicaSeat`s): that rollout's migration moves what runs there to its other replicas (rl.elastic.migration's
-            `tail` with `on_demand`: long-tail consolidation exactly when a consumer waits),
-            and once vacant it goes where the queue waits.
+            `ReplicaSeat`s): that rollout's migration moves what runs there to its other
+            replicas (rl.elastic.migration's `tail` with `on_demand`: long-tail consolidation
+            exactly when a consumer waits), and once vacant it goes where the queue waits.
   learner   The learner mesh holds every pipeline's parameters and optimizer state (resident, so
             switching between them costs `learner_switch_s`, 0 by default) and runs one
             operation at a time. `learner_for(views, last)` picks whose next operation runs:

@@ -19,11 +19,11 @@ are disaggregated) and routing "shared". Their migration is `tail` with `on_dema
 (compare_multiplexing's default): a replica that joins a rollout nobody's queue needed takes
 half the running sequences of its busiest replica (spread), and while a pipeline's queue waits
 with no replica vacant or on its way, the pool recalls the replica of another rollout that runs
-fewest sequences (MultiplexPolicy.recall, Replica.leaving): its migration moves them to that rollout's other
-replicas and the vacant replica goes to the queue. Consolidating a tail only when a consumer
-waits measured better than consolidating every tail ahead (`tail` alone: sync 1.05x / 1.49x /
-1.43x the static partition at N = 2 / 3 / 4, rollout 70% of a step; on demand with spreading
-1.24x / 1.52x / 1.48x).
+fewest sequences (MultiplexPolicy.recall, Replica.leaving): its migration moves them to that
+rollout's other replicas and the vacant replica goes to the queue. Consolidating a tail only when
+a consumer waits measured better than consolidating every tail ahead (`tail` alone: sync 1.05x /
+1.49x / 1.43x the static partition at N = 2 / 3 / 4, rollout 70% of a step; on demand with
+spreading 1.24x / 1.52x / 1.48x).
 
 `compare_multiplexing` runs the same pipelines three ways: back to back (each alone on the whole
 pool), on a static partition (each on its share of the replicas and of the learner's devices) and
