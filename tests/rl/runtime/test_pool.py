@@ -92,8 +92,8 @@ def multiplexed(configs, policy=None):
 @pytest.mark.parametrize(
     "mode, pipelines, migration",
     [
-        ("cgp", 2, "tail"),
-        pytest.param("sync", 2, "off", marks=pytest.mark.slow),
+        ("cgp", 2, "off"),
+        pytest.param("sync", 2, "tail", marks=pytest.mark.slow),
         pytest.param("async", 2, "tail", marks=pytest.mark.slow),  # max_staleness 0
         pytest.param("cgp", 3, "off", marks=pytest.mark.slow),
     ],
