@@ -184,6 +184,22 @@ def tokens(groups):
 VERSIONS = (3, 7)  # each pipeline's weights' version
 
 
+def solo_tokens(models, engines, reqs):
+    """Each pipeline's requests sampled alone on one replica, in its own weights: their tokens."""
+    out = []
+    for p in (0, 1):
+        groups = []
+        alone = ReplicaSampler(
+            [engines[0]], make_admission=FCFS, reward_fn=lambda r, c: 0.0, emit=groups.append
+        )
+        alone.set_params(engines[0].load_params(models[p]), VERSIONS[p])
+        alone.submit(reqs[p])
+        alone.run_until_idle(max_steps=2000)
+        alone.close()
+        out.append(tokens(groups))
+    return out
+
+
 @settings(max_examples=8, deadline=None)
 @given(
     specs=st.lists(
@@ -197,17 +213,7 @@ def test_random_moves_finish_every_request_once_in_its_own_weights_and_keep_noth
     models, engines, specs, seed
 ):
     reqs = [workload(specs[p], p) for p in (0, 1)]
-    solo = []
-    for p in (0, 1):  # each pipeline alone on one replica
-        groups = []
-        alone = ReplicaSampler(
-            [engines[0]], make_admission=FCFS, reward_fn=lambda r, c: 0.0, emit=groups.append
-        )
-        alone.set_params(engines[0].load_params(models[p]), VERSIONS[p])
-        alone.submit(reqs[p])
-        alone.run_until_idle(max_steps=2000)
-        alone.close()
-        solo.append(tokens(groups))
+    solo = solo_tokens(models, engines, reqs)
 
     pool = ReplicaPool(["a", "b"], replicas=REPLICAS, policy=Random(seed))
     groups, samplers, seen = ([], []), [], []
@@ -314,17 +320,7 @@ def test_a_waiting_queue_recalls_a_replica_whose_rollout_moves_off_it(models, en
     its solo run's. The samplers are stepped here, pipeline 1's only once the move is done, so
     its queue waits whatever the machine's speed."""
     reqs = [workload([(2, 40), (2, 40)], 0), workload([(2, 30)] * 6, 1)]
-    solo = []
-    for p in (0, 1):
-        groups = []
-        alone = ReplicaSampler(
-            [engines[0]], make_admission=FCFS, reward_fn=lambda r, c: 0.0, emit=groups.append
-        )
-        alone.set_params(engines[0].load_params(models[p]), VERSIONS[p])
-        alone.submit(reqs[p])
-        alone.run_until_idle(max_steps=2000)
-        alone.close()
-        solo.append(tokens(groups))
+    solo = solo_tokens(models, engines, reqs)
     pool = ReplicaPool(["a", "b"], replicas=REPLICAS)
     groups, samplers = ([], []), []
     for p in (0, 1):
