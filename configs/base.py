@@ -96,6 +96,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # rows of the longest row length per micro-batch, a token budget: shorter rows come in more
     # rows of the same tokens (learner/batching.py); divisible by fsdp
     config.learner.micro_batch_rows = 16
+    # an update's last micro-batch may take 1/2 .. 1/2^k of that budget: k more compiled shapes
+    config.learner.flush_halvings = 1
     # row lengths: powers of two from here up to engine.max_length's bucket, each compiled at start
     config.learner.min_length_bucket = 32
     config.learner.packing = True  # several sequences per row, first-fit by length

@@ -2,19 +2,21 @@
 
     python -m launch.bench_learner --run_updates 200 --json /tmp/bench_learner.json  # runs it
 
-Two Learners of one model (the "tiny" preset widened to d_model 128, float32, one device), one with
-learner.packing (the default), one without (one sequence per row, padded to its power-of-two row
-length). Each compiles its programs at start (Learner.precompile: every micro-batch shape of the
-config's ladder, the optimizer update), timed, and runs one untimed update (the host's eager ops
-compile); then `updates` updates, each on fresh random groups
-(groups x group_size completions, prompts of 16-48 tokens, responses drawn from a lognormal of
-median `median` and sigma `sigma`, clipped to [1, max_response]: the long tail of RL responses),
-packed and unpacked alternating on the same groups so the machine's load falls on both.
+Three Learners of one model (the "tiny" preset widened to d_model 128, float32, one device):
+`packed` (the defaults: learner.packing, and an update's last micro-batch on a flush shape of half
+the token budget when that holds it), `no_flush` (packed, learner.flush_halvings 0: the last
+micro-batch takes the whole budget) and `unpacked` (one sequence per row, padded to its
+power-of-two row length). Each compiles its programs at start (Learner.precompile: every
+micro-batch shape of the config, the optimizer update), timed, and runs one untimed update (the
+host's eager ops compile); then `updates` updates, each on fresh random groups (groups x
+group_size completions, prompts of 16-48 tokens, responses drawn from a lognormal of median
+`median` and sigma `sigma`, clipped to [1, max_response]: the long tail of RL responses), the
+three in rotating order on the same groups so the machine's load falls on each.
 Reported: warm tokens/s (loss tokens over the updates' wall time) and over the whole run including
-the start compiles, as packed / unpacked ratios; compiles after start (must be 0) and the distinct
-programs of each learner; the padded fraction of the model positions; the spread of per-update
-ratios over the run (min / median / max of 10-update windows). Nothing may compile while the updates
-run (compiles timed, launch/bench_util.py).
+the start compiles, as packed / unpacked and packed / no_flush ratios; compiles after start (must
+be 0) and the distinct programs of each learner; the padded fraction of the model positions; the
+spread of the ratios over the run (min / median / max of 10-update windows). Nothing may compile
+while the updates run (compiles timed, launch/bench_util.py).
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ from rl.models import create_model, get_preset
 from rl.types import Completion, Group, Request, SamplingParams
 
 PROMPT_TOKENS = (16, 48)  # prompt lengths are drawn uniformly from this range
+# each learner's LearnerConfig beyond the workload's (module docstring)
+CONTESTANTS = {
+    "packed": {},
+    "no_flush": {"flush_halvings": 0},
+    "unpacked": {"packing": False},
+}
 
 
 def long_tail_groups(
@@ -106,8 +114,8 @@ def run_workload(
         old_logprobs="sampler",
     )
     learners, start_s = {}, {}
-    for name, packing in (("packed", True), ("unpacked", False)):
-        learner = Learner(model, dataclasses.replace(cfg, packing=packing), mesh=mesh)
+    for name, overrides in CONTESTANTS.items():
+        learner = Learner(model, dataclasses.replace(cfg, **overrides), mesh=mesh)
         t = time.perf_counter()
         learner.precompile(updates_per_round=1)
         start_s[name] = time.perf_counter() - t
@@ -131,17 +139,17 @@ def run_workload(
         learner.add_groups(warm)
         learner.update()
     rng = np.random.default_rng(seed)
-    seconds: dict[str, list[float]] = {"packed": [], "unpacked": []}
+    seconds: dict[str, list[float]] = {n: [] for n in CONTESTANTS}
     tokens: list[float] = []
-    positions = {"packed": 0, "unpacked": 0}
+    positions = dict.fromkeys(CONTESTANTS, 0)
     real = 0
     timed_before = watch.compiles_timed if watch else 0
+    names = list(CONTESTANTS)
     for k in range(updates):
         batch = draw(rng, k * groups)
         lengths = [len(c.prompt) + len(c.tokens) - 1 for g in batch for c in g.completions]
         real += sum(lengths)
-        order = ("packed", "unpacked") if k % 2 == 0 else ("unpacked", "packed")
-        for name in order:
+        for name in names[k % 3 :] + names[: k % 3]:  # rotating order
             learner = learners[name]
             with watch.timed() if watch else contextlib.nullcontext():
                 t = time.perf_counter()
@@ -153,21 +161,26 @@ def run_workload(
     total_tokens = sum(tokens)
     warm = {n: total_tokens / sum(s) for n, s in seconds.items()}
     whole = {n: total_tokens / (sum(s) + start_s[n]) for n, s in seconds.items()}
-    windows = [
-        sum(seconds["unpacked"][i : i + 10]) / sum(seconds["packed"][i : i + 10])
-        for i in range(0, updates - 9, 10)
-    ]
+
+    def windows(baseline: str) -> dict[str, float]:
+        """packed / baseline tokens/s over each 10 updates: min / median / max."""
+        ratios = [
+            sum(seconds[baseline][i : i + 10]) / sum(seconds["packed"][i : i + 10])
+            for i in range(0, updates - 9, 10)
+        ]
+        if not ratios:
+            return dict.fromkeys(("min", "median", "max"), float("nan"))
+        return {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios)}
+
     programs = {
         n: sum(v for k, v in learner.compile_counts().items()) for n, learner in learners.items()
     }
     return {
         "packing_speedup": warm["packed"] / warm["unpacked"],
         "packing_speedup_with_compiles": whole["packed"] / whole["unpacked"],
-        "packing_speedup_windows": {
-            "min": min(windows, default=float("nan")),
-            "median": statistics.median(windows) if windows else float("nan"),
-            "max": max(windows, default=float("nan")),
-        },
+        "packing_speedup_windows": windows("unpacked"),
+        "flush_speedup": warm["packed"] / warm["no_flush"],
+        "flush_speedup_windows": windows("no_flush"),
         "compiles_after_start": int(
             sum(sum(lr.compiles.after_start().values()) for lr in learners.values())
         ),
@@ -208,7 +221,7 @@ def print_table(r: dict[str, Any]) -> None:
         f"{'learner':<10}{'start compile s':>16}{'updates s':>11}{'tokens/s':>10}"
         f"{'with compiles':>15}{'padded':>8}{'programs':>10}"
     )
-    for n in ("packed", "unpacked"):
+    for n in CONTESTANTS:
         print(
             f"{n:<10}{r['start_compile_s'][n]:>16.1f}{r['updates_s'][n]:>11.1f}"
             f"{r['tokens_per_s'][n]:>10.0f}{r['tokens_per_s_with_compiles'][n]:>15.0f}"
@@ -218,7 +231,12 @@ def print_table(r: dict[str, Any]) -> None:
     print(
         f"packed / unpacked: {r['packing_speedup']:.2f}x warm (10-update windows: min "
         f"{w['min']:.2f} / median {w['median']:.2f} / max {w['max']:.2f}), "
-        f"{r['packing_speedup_with_compiles']:.2f}x with the start compiles; compiles after "
+        f"{r['packing_speedup_with_compiles']:.2f}x with the start compiles"
+    )
+    w = r["flush_speedup_windows"]
+    print(
+        f"packed / no_flush: {r['flush_speedup']:.2f}x warm (10-update windows: min "
+        f"{w['min']:.2f} / median {w['median']:.2f} / max {w['max']:.2f}); compiles after "
         f"start: {r['compiles_after_start']} (learners' counters), compiles timed: "
         f"{r['compiles_timed']} (any XLA program)"
     )

@@ -67,6 +67,10 @@ class LearnerConfig:
     # A micro-batch: this many rows of the longest row length, or as many more rows of a shorter
     # length as hold the same tokens (learner/batching.py); divisible by the mesh's batch shards.
     micro_batch_rows: int = 16
+    # An update's last micro-batch may take 1/2, ..., 1/2^k of the token budget (micro_batch_rows /
+    # 2^j rows of the longest length, when the mesh's batch shards divide them): k more compiled
+    # micro-steps, less padding where an update's tokens end partway through a micro-batch.
+    flush_halvings: int = 1
     min_length_bucket: int = 32  # row lengths: powers of two from here up to max_length's bucket
     # the longest prompt + response the learner is given (a run sets it to engine.max_length):
     # each row length up to its bucket is one compiled micro-step
@@ -96,6 +100,12 @@ class LearnerConfig:
             )
         if not self.temperature > 0:
             raise ValueError(f"learner.temperature must be > 0; received {self.temperature}.")
+        if isinstance(self.flush_halvings, bool) or not isinstance(self.flush_halvings, int) or (
+            self.flush_halvings < 0
+        ):
+            raise ValueError(
+                f"learner.flush_halvings must be an int >= 0; received {self.flush_halvings!r}."
+            )
         if min(self.micro_batch_rows, self.min_length_bucket, self.max_length - 1) < 1:
             raise ValueError(
                 "learner.micro_batch_rows and min_length_bucket must be >= 1 and max_length >= 2; "

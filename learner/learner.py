@@ -93,6 +93,7 @@ class Learner:
             min_length_bucket=cfg.min_length_bucket,
             max_positions=cfg.max_length - 1,
             pack=cfg.packing,
+            halvings=cfg.flush_halvings,
         )
         self._pending: list[Seq] = []  # sequences not yet in a micro-batch, in arrival order
         self._behavior: Any = None
@@ -225,10 +226,11 @@ class Learner:
         planned = self.micro_batches.plan([len(x) for x in self._pending], final=final)
         if not planned:
             return
-        for length, bins in planned:
+        for shape, bins in planned:
             if before_batch is not None:
                 before_batch()
-            batch = self.micro_batches.batch(self._pending, length, bins)
+            shape = self.micro_batches.on(shape, self._steps.shards)
+            batch = self.micro_batches.batch(self._pending, shape, bins)
             self._tokens_in_update += batch.num_tokens
             self._positions_in_update += batch.segments.size
             self._filled_in_update += int((batch.segments > 0).sum())

@@ -46,6 +46,7 @@ class Programs:
     """The step functions of one mesh: the learner's own, or extended over borrowed devices."""
 
     mesh: Mesh
+    shards: int  # the mesh's batch shards (fsdp x data): they divide every micro-batch's rows
     shardings: Any  # TrainState of NamedShardings
     frozen_shardings: Any  # the untrained parameters' (the LoRA base; empty without LoRA)
     acc_shardings: Accum
@@ -80,11 +81,11 @@ def build_programs(
         sums=dict.fromkeys(keys, rep),
         maxes=dict.fromkeys(MAX_KEYS, rep),
     )
-    check_rows(cfg, mesh)  # every micro-batch's rows divide over the mesh's batch shards
     kw = dict(graphdef=graphdef, cfg=cfg)
     jit = compiles.jit
     return Programs(
         mesh=mesh,
+        shards=check_rows(cfg, mesh),
         shardings=shardings,
         frozen_shardings=frozen_shardings,
         acc_shardings=acc_shardings,
@@ -161,8 +162,8 @@ def precompile(
         ref = params if with_ref else None
         programs.zero.precompile(params)
         programs.copy.precompile(params)  # a round's behaviour snapshot, set_params
-        for length in micro_batches.lengths:
-            shapes = micro_batches.abstract(length)
+        for shape in micro_batches.shapes(programs.shards):
+            shapes = micro_batches.abstract(shape)
             batch = abstract(shapes, batch_shardings(shapes, programs.mesh, rules))
             for behavior in (None, params) if snapshot else (None,):
                 programs.accumulate.precompile(

@@ -143,7 +143,7 @@ def test_bench_tunix_compiles_nothing_while_timed(tmp_path):
     assert set(out["ratio_pairs"]) == {"tunix", "tunix_step"}
 
 
-@pytest.mark.slow  # about 1 minute: two learners' start compiles
+@pytest.mark.slow  # about 1 minute: three learners' start compiles
 def test_packing_run_compiles_nothing_after_its_start():
     with bench_util.CompileWatch() as watch:
         bench_util.release()  # as bench_learner before its run: jax's caches empty
@@ -153,6 +153,9 @@ def test_packing_run_compiles_nothing_after_its_start():
     assert r["compiles_timed"] == 0, watch.timed_names()  # the eager ops too: warmed up
     assert r["compiles_after_start"] == 0
     assert r["padded_fraction"]["packed"] <= r["padded_fraction"]["unpacked"]
+    assert r["padded_fraction"]["packed"] <= r["padded_fraction"]["no_flush"]
+    # the flush shape (half the budget: 1 row of the longest length) is one more program
+    assert r["learner_programs"]["packed"] == r["learner_programs"]["no_flush"] + 1
 
 
 @pytest.mark.slow  # about 1 minute: a warm-up, two pipelines back to back, then multiplexed
