@@ -66,7 +66,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # learner: the learner trains on sampler devices too once the rollout has drained;
     # sampler: extra engine replicas (mesh.sampler_devices each) on the learner's devices while the
     # learner waits for a round's groups (both runtimes; under Ray the learner worker hosts
-    # them); both: either, as predicted (threads runtime)
+    # them); both: either, as predicted (both runtimes)
     config.elastic.borrowing = "off"  # off | learner | sampler | both
     config.elastic.switch_cost_s = 1.0  # prior cost of one switch (there and back); then measured
     config.elastic.margin = 1.0  # borrow only when predicted gain > margin x switch cost

@@ -28,7 +28,8 @@ optimizer step per update on the whole update. Contestants, timed per update, in
   tunix_step  the same example through Tunix's jitted train step alone (a second Trainer's
               `jit_train_and_eval_step`), loss and grad norm fetched: Tunix minus its Python loop.
 `--micro_batch_rows` sets ours' micro-batch (rows of up to 128 positions; LearnerConfig's default
-16: 2,048 positions, two micro-batches an update), `--tunix_accumulation k` splits Tunix's update
+16: 2,048 positions, two micro-batches an update, the second of half the budget when what is left
+fits: `--flush_halvings`, LearnerConfig's default 1), `--tunix_accumulation k` splits Tunix's update
 into k micro-steps of 8 / k groups (gradient accumulation, as RLCluster's train_micro_batch_size
 does; seq_mean_token_mean only, where the micro-steps' mean loss is the update's): on XLA:CPU both
 sides run faster on smaller micro-batches, so compare them at the same granularity too.
@@ -88,6 +89,12 @@ _ROWS = flags.DEFINE_integer(
     0,
     "Ours: learner.micro_batch_rows (a micro-batch holds this many rows of the longest row "
     "length, 128 here); 0: LearnerConfig's default.",
+)
+_FLUSH = flags.DEFINE_integer(
+    "flush_halvings",
+    -1,
+    "Ours: learner.flush_halvings (an update's last micro-batch may take 1/2 .. 1/2^k of the "
+    "budget); -1: LearnerConfig's default.",
 )
 _ACCUMULATION = flags.DEFINE_integer(
     "tunix_accumulation",
@@ -213,14 +220,13 @@ def tunix_example(tx: SimpleNamespace, groups: list[Group]) -> Any:
     )
 
 
-def our_learner(model: Any, mesh: Any, aggregation: str, micro_batch_rows: int = 0) -> Learner:
-    """Our Learner for the workload: PPO-clip, no KL, the sampler's log-probs, packed rows
-    (`micro_batch_rows` per micro-batch; 0: LearnerConfig's default)."""
-    rows = dict(micro_batch_rows=micro_batch_rows) if micro_batch_rows else {}
+def our_learner(model: Any, mesh: Any, aggregation: str, **overrides: Any) -> Learner:
+    """Our Learner for the workload: PPO-clip, no KL, the sampler's log-probs, packed rows; any
+    other LearnerConfig field in `overrides` (micro_batch_rows, flush_halvings; else defaults)."""
     return Learner(
         model,
         LearnerConfig(
-            **rows,
+            **overrides,
             optimizer=OptimizerConfig(lr=LR, grad_clip_norm=CLIP_NORM),
             loss=LossConfig(ppo_clip=PpoClipOptions(clip_low=EPSILON, clip_high=EPSILON)),
             policy_loss="ppo_clip",
@@ -285,7 +291,7 @@ def run(
     seed: int = 0,
     aggregation: str = "seq_mean_token_mean",
     tunix_step: bool = True,
-    micro_batch_rows: int = 0,
+    ours: dict[str, Any] | None = None,
     tunix_accumulation: int = 1,
 ) -> dict[str, Any]:
     """Builds every side, runs `warmup` + `updates` updates in rotating order, returns figures.
@@ -297,7 +303,8 @@ def run(
       aggregation: "seq_mean_token_mean" or "token_mean" (Tunix's loss_agg_mode of the same math).
       tunix_step: also time Tunix's jitted train step called without its Trainer loop (one
         step per update: not with tunix_accumulation > 1).
-      micro_batch_rows: ours, rows per micro-batch (0: LearnerConfig's default).
+      ours: LearnerConfig fields of ours beyond the workload's (micro_batch_rows, flush_halvings;
+        None: the defaults).
       tunix_accumulation: Tunix's micro-steps per update (gradient accumulation), each on
         GROUPS / tunix_accumulation whole groups.
 
@@ -357,7 +364,7 @@ def run(
 
     clock.label = "ours"
     t = time.perf_counter()
-    learner = our_learner(model, mesh, aggregation, micro_batch_rows)
+    learner = our_learner(model, mesh, aggregation, **(ours or {}))
     learner.precompile(updates_per_round=1)
     start_s["ours"] = time.perf_counter() - t
     first: dict[str, dict[str, float]] = {}
@@ -478,6 +485,7 @@ def run(
             epsilon=EPSILON,
             ours_row_lengths=list(learner.micro_batches.lengths),
             ours_micro_batch_rows=learner.cfg.micro_batch_rows,
+            ours_flush_halvings=learner.cfg.flush_halvings,
             tunix_accumulation=tunix_accumulation,
             backend=jax.default_backend(),
         ),
@@ -493,7 +501,7 @@ def print_table(r: dict[str, Any]) -> None:
         f"responses 1-{c['max_response']}; tiny qwen3 (rope 1e6), ppo-clip {c['epsilon']}, "
         f"{c['aggregation']} / {c['tunix_aggregation']}, AdamW {c['lr']:g}, {c['backend']}; "
         f"ours {c['ours_micro_batch_rows']} rows of up to {c['ours_row_lengths'][-1]} per "
-        f"micro-batch, Tunix {c['tunix_accumulation']} micro-step(s) per update"
+        f"micro-batch (flush_halvings {c['ours_flush_halvings']}), Tunix {c['tunix_accumulation']} micro-step(s) per update"
     )
     print(
         f"{'side':<11}{'compiles':>9}{'compile s':>10}{'start s':>8}{'median ms':>10}"
@@ -520,13 +528,18 @@ def print_table(r: dict[str, Any]) -> None:
 
 def main(argv: list[str]) -> None:
     del argv
+    ours = {}
+    if _ROWS.value:
+        ours["micro_batch_rows"] = _ROWS.value
+    if _FLUSH.value >= 0:
+        ours["flush_halvings"] = _FLUSH.value
     r = run(
         updates=_UPDATES.value,
         warmup=_WARMUP.value,
         seed=_SEED.value,
         aggregation=_AGGREGATION.value,
         tunix_step=_TUNIX_STEP.value and _ACCUMULATION.value == 1,
-        micro_batch_rows=_ROWS.value,
+        ours=ours,
         tunix_accumulation=_ACCUMULATION.value,
     )
     print_table(r)

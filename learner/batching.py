@@ -288,7 +288,9 @@ class MicroBatches:
     def on(self, shape: Shape, shards: int) -> Shape:
         """`shape` on a mesh of `shards` batch shards: a flush shape whose rows they do not
         divide (a borrowed mesh's) takes the full budget's rows of that length, the same bins."""
-        return shape if shape.rows % shards == 0 else Shape(shape.length, self.rows_for(shape.length))
+        return (
+            shape if shape.rows % shards == 0 else Shape(shape.length, self.rows_for(shape.length))
+        )
 
     def sequences(self, shape: Shape) -> int:
         """Sequences a micro-batch of `shape` holds at most (the loss layout's rows): unpacked,

@@ -100,8 +100,10 @@ class LearnerConfig:
             )
         if not self.temperature > 0:
             raise ValueError(f"learner.temperature must be > 0; received {self.temperature}.")
-        if isinstance(self.flush_halvings, bool) or not isinstance(self.flush_halvings, int) or (
-            self.flush_halvings < 0
+        if (
+            isinstance(self.flush_halvings, bool)
+            or not isinstance(self.flush_halvings, int)
+            or (self.flush_halvings < 0)
         ):
             raise ValueError(
                 f"learner.flush_halvings must be an int >= 0; received {self.flush_halvings!r}."

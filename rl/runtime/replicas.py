@@ -55,12 +55,11 @@ from rl.round_planner import RoundCut
 from rl.runtime.routing import RoutedCuts, Routing
 from rl.timeline import SLOT_PREFIX, replica_lane
 from rl.types import Group, Request
+from sampler.loop import SamplerLoop, SamplerStats
 
 if TYPE_CHECKING:
     from rl.admission import AdmissionPolicy
     from sampler.engine import Engine
-    from sampler.loop import SamplerLoop, SamplerStats
-from sampler.loop import SamplerLoop, SamplerStats
 
 
 class ReplicaTimeline:

@@ -138,7 +138,9 @@ def test_flush_shapes_are_those_the_mesh_shards_divide():
     # on a mesh whose shards do not divide a flush shape, the full budget's rows, same length
     assert shapes.on(Shape(128, 2), 4) == Shape(128, 8) and shapes.on(Shape(128, 4), 4) == (128, 4)
     with pytest.raises(ValueError, match="halvings >= 0"):
-        MicroBatches.from_config(rows=8, min_length_bucket=32, max_positions=127, pack=True, halvings=-1)
+        MicroBatches.from_config(
+            rows=8, min_length_bucket=32, max_positions=127, pack=True, halvings=-1
+        )
 
 
 def _padded(shapes, lengths, group):
@@ -178,16 +180,18 @@ def test_a_flush_micro_batch_cuts_the_padding_where_an_update_ends():
         for _ in range(50)
     ]
     padded = {
-        k: np.mean([
-            _padded(
-                MicroBatches.from_config(
-                    rows=8, min_length_bucket=32, max_positions=83, pack=True, halvings=k
-                ),
-                lengths,
-                8,
-            )
-            for lengths in updates
-        ])
+        k: np.mean(
+            [
+                _padded(
+                    MicroBatches.from_config(
+                        rows=8, min_length_bucket=32, max_positions=83, pack=True, halvings=k
+                    ),
+                    lengths,
+                    8,
+                )
+                for lengths in updates
+            ]
+        )
         for k in (0, 1)
     }
     assert padded[0] > 0.16 and padded[1] < 0.13, padded

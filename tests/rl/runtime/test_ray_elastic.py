@@ -208,6 +208,38 @@ def test_ray_async_lends_the_learner_workers_devices_and_takes_them_back_mid_rol
     assert sum(s.args["tokens"] for s in lent_lanes) > 0  # the lent replicas decoded
 
 
+@pytest.mark.slow  # end-to-end: a Ray run, 3 rounds
+def test_ray_async_borrows_in_both_directions_within_the_bound(ray_cluster):
+    """Both directions under Ray (tests/rl/runtime/test_lending.py's threaded case): the learner
+    worker's devices decode while the learner waits for its next batch and go back once it is
+    complete, and the learner borrows the replicas' devices once the bound has drained them (the
+    run's last updates): every group trained once, within the bound, versions in order."""
+
+    def config(runtime, borrowing):
+        c = lend_config(runtime, borrowing)
+        c.driver.mode, c.driver.max_staleness = "async", 3
+        c.driver.groups_per_round, c.driver.groups_per_update = 8, 2
+        c.sampling.max_new_tokens = 40
+        c.engine.max_length = 64
+        return c
+
+    rounds = 3
+    both, _, runtime, driver = run(config("ray", "both"), rounds)
+    keys = sorted(g.request.key for r in both for g in r.groups)
+    assert len(keys) == len(set(keys)) == 8 * rounds
+    versions = [c.versions for r in both for g in r.groups for c in g.completions]
+    assert all(list(v) == sorted(v) for v in versions)
+    assert max(r.metrics["lag_max"] for r in both) <= 3
+    names = [s.name for s in driver.timeline.spans("learner")]
+    assert names.count("borrow") == names.count("give_back") >= 1  # the drained last updates
+    assert not runtime.learner.borrowing
+    assert len(driver.timeline.spans("elastic")) >= 1  # the sampler borrowed at least once
+    assert runtime.router.alive == [0, 1]  # lent replicas went back
+    stats = driver.sampler.stats
+    assert stats.resumed_sequences == stats.evicted_sequences
+    assert stats.groups_emitted == 8 * rounds
+
+
 @pytest.mark.slow
 def test_planner_picks_the_open_split_and_the_ray_workers_are_built_on_it(ray_cluster):
     from rl.runtime.compose import Setup
