@@ -140,18 +140,26 @@ def test_token_logprobs_match_log_softmax(chunk):
     np.testing.assert_allclose(ent, ref_ent, atol=TOL, rtol=0)
 
 
-def test_chunked_logprob_gradients_match_dense():
-    h = jax.random.normal(jax.random.key(0), (2, 9, 8))
+@pytest.mark.parametrize("chunk", [4, 16])  # chunks under jax.checkpoint; one chunk, kept
+@pytest.mark.parametrize("with_entropy", [False, True])  # the log-probs of the entropy path too
+def test_chunked_logprob_gradients_match_dense(chunk, with_entropy):
+    h = 3 * jax.random.normal(jax.random.key(0), (2, 9, 8))
     w = jax.random.normal(jax.random.key(1), (8, 11))
     tgt = jax.random.randint(jax.random.key(2), (2, 9), 0, 11)
 
     def dense(h, w):
         lp = jax.nn.log_softmax(jnp.einsum("btd,dv->btv", h, w))
-        return jnp.take_along_axis(lp, tgt[:, :, None], axis=-1).sum()
+        return jnp.take_along_axis(lp, tgt[:, :, None], axis=-1)[:, :, 0]
 
-    chunked = lambda h, w: chunked_logprobs(h, w, tgt, chunk=4).sum()
+    def chunked(h, w):
+        out = chunked_logprobs(h, w, tgt, chunk=chunk, with_entropy=with_entropy)
+        return out[0] if with_entropy else out
+
+    np.testing.assert_allclose(chunked(h, w), dense(h, w), atol=1e-5, rtol=0)
     for got, ref in zip(
-        jax.grad(chunked, (0, 1))(h, w), jax.grad(dense, (0, 1))(h, w), strict=True
+        jax.grad(lambda h, w: chunked(h, w).sum(), (0, 1))(h, w),
+        jax.grad(lambda h, w: dense(h, w).sum(), (0, 1))(h, w),
+        strict=True,
     ):
         np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
 
