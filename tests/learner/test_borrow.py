@@ -16,6 +16,8 @@ TOL = 1e-5
 
 
 def _run(borrow_at: set[int], seed: int, kl: float = 0.0):
+    # micro_batch_rows 8: the flush shape's 4 rows divide the learner's 4 batch shards, not the
+    # extended mesh's 8, where an update's last micro-batch takes the full 8 (MicroBatches.on)
     cfg = LearnerConfig(optimizer=WELL_CONDITIONED, micro_batch_rows=8, old_logprobs="snapshot")
     if kl:
         import dataclasses
