@@ -363,6 +363,7 @@ def shrink_for_smoke(config: ml_collections.ConfigDict) -> None:
     config.mesh.colocated = True
     config.mesh.learner_devices = 1  # smoke runs use one device even where more exist
     config.mesh.sampler_devices = 1
+    config.mesh.sampler_replicas = 1
     config.learner.micro_batch_rows = 8
     config.learner.optimizer.lr = 1e-3
     config.rounds = 2

@@ -5,12 +5,14 @@ Inputs are local (the run downloads nothing): the model as a Hugging Face direct
 and GSM8K as JSONL rows {"question", "answer": "... #### 72"} (the openai/gsm8k "main" files, e.g.
 `datasets.load_dataset("openai/gsm8k", "main")["train"].to_json("/data/gsm8k/train.jsonl")`).
 
-Launch (8 GPUs: the learner fsdp=4 on 4 of them, the sampler data=4 on the other 4):
+Launch (8 GPUs: the learner fsdp=4 on 4 of them, 4 sampler replicas of one GPU each on the
+other 4: a paged KV pool per GPU; one replica of data=4 would hold its whole pool on each of them):
   python -m launch.train --config=configs/gsm8k_qwen.py \
       --config.model.hf_path=/models/Qwen2.5-1.5B-Instruct \
       --config.data.train_path=/data/gsm8k/train.jsonl \
       --config.data.heldout_path=/data/gsm8k/test.jsonl --config.workdir=runs/gsm8k_qwen
-  One GPU: add --config.mesh.colocated=True (sampler and learner time-share it). Without a
+  One GPU: add --config.mesh.colocated=True --config.mesh.sampler_replicas=1 (sampler and
+  learner time-share it). Without a
   held-out file add --config.eval.heldout_size=500 (500 seeded train rows are held out).
 Smoke (CPU, about a minute; a tiny random model and the byte tokenizer, any GSM8K-format file):
   python -m launch.train --config=configs/gsm8k_qwen.py:smoke --config.data.train_path=...
@@ -49,7 +51,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     config.mesh.colocated = False  # disjoint halves of the host's devices
     config.mesh.learner_devices = 0  # 0: half the devices (8 GPUs: fsdp=4)
-    config.mesh.sampler_devices = 0  # 0: the other half (8 GPUs: data=4)
+    config.mesh.sampler_devices = 0  # 0: the other half, split over the replicas
+    config.mesh.sampler_replicas = 4  # 8 GPUs: one GPU (a page pool) each
 
     config.task.name = "gsm8k"
     config.task.reward = "gsm8k"  # the number after the last "####", else the last number
@@ -76,7 +79,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.sampling.temperature = 1.0
     config.sampling.top_p = 1.0
     config.sampling.max_new_tokens = 1024
-    config.engine.max_slots = 256  # two waves of 512 responses; divisible by the data axis
+    config.engine.max_slots = 256  # per replica: 4 x 256 take a round's 512 responses at once
     config.engine.max_prefill_length = 512  # longer prompts are dropped at load (counted)
     config.engine.max_length = 1536  # prompt + response
     config.engine.steps_per_call = 16

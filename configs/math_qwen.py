@@ -7,12 +7,12 @@ MATH-500 as the held-out file). Every row is kept: answers that are not one numb
 ("\\sqrt{2}", "(1, 2)") are checked symbolically by the "math" verifier (math-verify). Use an
 Instruct checkpoint: its eos is the chat turn's end, where a base model's would be <|endoftext|>.
 
-Launch (8 GPUs: learner fsdp=4, sampler data=4):
+Launch (8 GPUs: learner fsdp=4, 4 sampler replicas of one GPU each):
   python -m launch.train --config=configs/math_qwen.py \
       --config.model.hf_path=/models/Qwen2.5-Math-1.5B-Instruct \
       --config.data.train_path=/data/math/train.jsonl \
       --config.data.heldout_path=/data/math/math500.jsonl --config.workdir=runs/math_qwen
-  One GPU: add --config.mesh.colocated=True.
+  One GPU: add --config.mesh.colocated=True --config.mesh.sampler_replicas=1.
 Smoke (CPU, about a minute): python -m launch.train --config=configs/math_qwen.py:smoke
   --config.data.train_path=/data/math/train.jsonl (a tiny random model, the byte tokenizer).
 
@@ -38,7 +38,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.data.numeric_answers_only = False  # non-numeric answers are verified symbolically
     config.sampling.max_new_tokens = 2048
     config.engine.max_length = 2560  # within Qwen2.5-Math's 4096 positions
-    config.engine.max_slots = 128  # 512 responses in four waves (KV cache of longer responses)
+    config.engine.max_slots = 128  # per replica (longer responses): 512 in one wave on 4
     config.rounds = 100
 
     if arg == "smoke":

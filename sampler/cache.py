@@ -10,7 +10,8 @@ pages a slot holds is sampler/paged.py's).
 Memory: 2 * n_layers * n_kv_heads * head_dim * itemsize bytes per position (`bytes_per_token`):
 dense, `length` positions per slot (max_length rounded up to whole attention blocks, if any);
 paged, `page` positions per page of the pool. Slots are sharded over `data`, kv heads over `tp`
-(a page pool is replicated over `data`: a paged replica wants a mesh without a data axis).
+(a page pool is replicated over `data`: a paged replica wants a mesh without a data axis, and
+`check_memory` warns when it has one; the GPU recipes run one replica per GPU).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 from jax.sharding import Mesh, NamedSharding
 
 from rl.models.config import DTYPES, ModelConfig
@@ -194,7 +196,20 @@ def check_memory(
     mesh: Mesh | None,
     rules: Rules,
 ) -> None:
-    """Raises, with the sizes, if the parameters and the KV cache do not fit a device."""
+    """Raises, with the sizes, if the parameters and the KV cache do not fit a device; warns when
+    a page pool is held whole by every data shard of the mesh."""
+    data = 1 if mesh is None else mesh.shape.get("data", 1)
+    if layout.page and data > 1:
+        logging.warning(
+            "A paged KV cache on a sampler replica of data=%d: each of its %d data shards holds "
+            "the whole page pool (%.2f GiB, replicated, not split); %d replicas of data=1 "
+            "(mesh.sampler_replicas) would hold %dx the sequences in the same memory.",
+            data,
+            data,
+            layout.bytes / 2**30 / layout.shards(mesh, rules),
+            data,
+            data,
+        )
     devices = mesh.devices.flatten() if mesh is not None else jax.devices()[:1]
     stats = devices[0].memory_stats() or {}
     limit = config.memory_budget_bytes or stats.get("bytes_limit")

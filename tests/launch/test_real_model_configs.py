@@ -8,13 +8,16 @@ exactly as on a GPU pod, through the configs' chat template.
 import json
 import pathlib
 
+import jax
 import pytest
 import torch  # in setup.py's [test] extras: if missing or broken, fail (never skip)
 import transformers  # in setup.py's [test] extras: if missing or broken, fail (never skip)
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from configs import gsm8k_qwen, math_qwen
+from learner.mesh import MeshConfig, make_meshes, replica_meshes
 from rl.run import train
+from rl.sections import from_section
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -134,3 +137,15 @@ def test_jsonl_task_rejects_a_malformed_row_with_file_and_line(tmp_path):
 def test_jsonl_task_needs_a_train_path():
     with pytest.raises(ValueError, match="config.data.train_path is empty"):
         train(gsm8k_qwen.get_config("smoke"), stdout=False)
+
+
+@pytest.mark.parametrize("module", [gsm8k_qwen, math_qwen], ids=["gsm8k", "math"])
+def test_gpu_recipes_run_one_paged_replica_per_sampler_gpu(module):
+    """On 8 GPUs the sampler's 4 are 4 replicas of data=1: a replica of data=4 would hold its
+    whole page pool on each of its GPUs (sampler/cache.py). The smoke variant runs one."""
+    config = module.get_config()
+    mesh = from_section(MeshConfig, config.mesh, name="mesh")
+    _, sampler = make_meshes(mesh, jax.devices()[:8])
+    replicas = replica_meshes(sampler, mesh.sampler_replicas)
+    assert config.engine.page_size > 0 and [r.shape["data"] for r in replicas] == [1, 1, 1, 1]
+    assert module.get_config("smoke").mesh.sampler_replicas == 1
