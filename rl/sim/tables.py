@@ -9,6 +9,7 @@ rl.device_split.format_table).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -83,19 +84,25 @@ def format_borrowing(rows: Mapping[str, Rows]) -> str:
     each way, and the static split's pooling bound on its first row."""
     lines = [
         f"  {'mode':<26}{'borrowing':<16}{'groups/s':>9}{'vs static':>10}{'moves L/S':>10}"
-        f"{'bound':>7}"
+        f"{'bound':>7}{'pre-drain':>10}"
     ]
     for mode, by in rows.items():
         for i, (b, x) in enumerate(by.items()):
             bound = f"{x['pooling_bound']:>6.2f}x" if i == 0 else ""
+            pre = x.get("predrain_bound", math.nan) if i == 0 else math.nan
             lines.append(
                 f"  {mode:<26}{b:<16}{x['groups_per_s']:>9.3f}"
                 f"{x['throughput_vs_static']:>9.2f}x"
                 f"{x['moves_learner']:>6.0f}/{x['moves_sampler']:<4.0f}{bound}"
+                + (f"{pre:>9.3f}x" if math.isfinite(pre) else "")
             )
     lines.append(
         "  bound (on the static row): its device-seconds over the device-seconds its "
         "devices worked, the most any borrowing can gain there with free switches"
+    )
+    lines.append(
+        "  pre-drain (round modes): the most a learner borrowing each replica as it goes idle "
+        "before the rollout drains could add to one borrowing them all after (predrain_bound)"
     )
     return "\n".join(lines)
 

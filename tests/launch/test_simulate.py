@@ -1,6 +1,7 @@
 """launch.simulate writes the comparison JSON; validation against a run reproduces itself."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -123,7 +124,10 @@ def test_simulate_borrowing_alone_writes_the_comparison(tmp_path):
         assert list(by) == ["off", "both"] and by["off"]["throughput_vs_static"] == 1.0
         assert by["both"]["groups_per_s"] > 0 and by["off"]["moves_learner"] == 0
         assert by["off"]["pooling_bound"] >= 1.0
-    assert "BiDiRL reports up to 1.94x" in stdout
+    assert rows["sync"]["off"]["predrain_bound"] == 1.0  # sync trains after the drain
+    assert rows["cgp+frontier+fifo"]["off"]["predrain_bound"] >= 1.0
+    assert math.isnan(rows["async+frontier+s4+fill"]["off"]["predrain_bound"])
+    assert "BiDiRL reports up to 1.94x" in stdout and "pre-drain" in stdout
 
 
 def test_simulate_multiplex_alone_writes_each_pipeline_count(tmp_path):

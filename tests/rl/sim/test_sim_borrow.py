@@ -2,6 +2,7 @@
 groups are trained; a switch cost no gain beats leaves the static split's run unchanged."""
 
 import dataclasses
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -10,9 +11,10 @@ from hypothesis import strategies as st
 from rl.elastic.borrowing import BorrowConfig, BorrowPolicy
 from rl.elastic.stage import StageModel
 from rl.sim.borrow import SimBorrower
-from rl.sim.compare import sim_config, summarize
-from rl.sim.simulator import Simulator
+from rl.sim.compare import predrain_bound, sim_config, summarize
+from rl.sim.simulator import SimConfig, SimResult, Simulator
 from rl.sim.workload import Workload, WorkloadConfig
+from rl.timeline import Timeline
 
 MODEL = StageModel(  # sampler throughput-bound at 2 replicas x 8 slots; a learner of 2 devices
     decode_a=0.005,
@@ -167,3 +169,33 @@ def test_async_learner_borrows_the_sampler_the_bound_drained(seed):
     assert borrowed.counters["tokens"] == static.counters["tokens"] == decoded(borrowed)
     assert max(r["lag_max"] for r in borrowed.rounds) <= 1
     assert summarize(borrowed)["groups_per_s"] > 1.05 * summarize(static)["groups_per_s"]
+
+
+def _one_round(mode, learner_spans):
+    """A round on 2 replicas: replica 0 idles at 10 s, replica 1 (the drain) at 20 s; the
+    round's publish ends at 27 s."""
+    timeline = Timeline()
+    timeline.span("sampler/prefill", "prefill", 0.0, 0.5, round=0, uid=0)
+    timeline.span("sampler/slot0", "0/0", 0.5, 10.0, round=0, uid=0)  # replica 0's slot 0
+    timeline.span("sampler/slot4", "1/0", 0.5, 20.0, round=0, uid=1)  # replica 1's slot 0
+    for start, end in learner_spans:
+        timeline.span("learner", "micro_step", start, end, round=0)
+    timeline.span("publish", "v1", 26.0, 27.0, version=1, round=0)
+    batching = "ordered" if mode == "async" else "fifo"
+    config = SimConfig(mode=mode, batching=batching, replicas=2, slots=4, group_size=4)
+    return SimResult(config, [{}], timeline, {}, 27.0)
+
+
+def test_the_predrain_bound_counts_what_idle_replicas_could_take_off_the_drained_learner():
+    # the learner works 12-26 s: 8 s of it while replica 0 idles, 6 s after the drain. Lending
+    # that replica (L = 2 -> 3 devices) saves 8 x 1/3 s of learner work, which after the drain
+    # (on 2 + 2 devices) is 8/3 x 2/4 s of wall time, under the 6 x 2/4 s left there: the
+    # round's 27 s could be 27 - 4/3.
+    cgp = _one_round("cgp", [(12.0, 26.0)])
+    assert predrain_bound(cgp, learner_devices=2) == pytest.approx(27 / (27 - 4 / 3))
+    # capped by what is left after the drain: 1 s there, at most 1 x 2/4 s saved
+    short = _one_round("cgp", [(12.0, 21.0)])
+    assert predrain_bound(short, learner_devices=2) == pytest.approx(27 / (27 - 0.5))
+    # nothing runs on the learner before the drain (sync): nothing to gain
+    assert predrain_bound(_one_round("sync", [(20.0, 26.0)]), learner_devices=2) == 1.0
+    assert math.isnan(predrain_bound(_one_round("async", [(12.0, 26.0)]), learner_devices=2))
