@@ -233,13 +233,15 @@ class MicroBatches:
         max_positions (the longest sequence a run can give the learner: prompt + response - 1).
       pack: several sequences per row.
       halvings: an update's last micro-batch may take `rows` / 2^j rows of the longest length,
-        j <= halvings (config.learner.flush_halvings; while `rows` / 2^j is a whole number).
+        j <= halvings (config.learner.flush_halvings), where that is a whole multiple of
+        `row_multiple` (the learner's own mesh's batch shards).
     """
 
     rows: int
     lengths: tuple[int, ...]
     pack: bool
     halvings: int = 0
+    row_multiple: int = 1
 
     @classmethod
     def from_config(
@@ -250,20 +252,27 @@ class MicroBatches:
         max_positions: int,
         pack: bool,
         halvings: int = 0,
+        row_multiple: int = 1,
     ) -> MicroBatches:
         """`max_positions`: the longest sequence's model positions (max prompt + response - 1)."""
-        if min(rows, min_length_bucket, max_positions) < 1 or halvings < 0:
+        if min(rows, min_length_bucket, max_positions, row_multiple) < 1 or halvings < 0:
             raise ValueError(
-                "MicroBatches: rows, min_length_bucket and max_positions must be >= 1 and "
-                f"halvings >= 0; received {rows}, {min_length_bucket}, {max_positions}, "
-                f"{halvings}."
+                "MicroBatches: rows, min_length_bucket, max_positions and row_multiple must be "
+                f">= 1 and halvings >= 0; received {rows}, {min_length_bucket}, {max_positions}, "
+                f"{row_multiple}, {halvings}."
             )
         top = length_bucket(max_positions, min_length_bucket)
         lengths, b = [], min_length_bucket
         while b <= top:
             lengths.append(b)
             b *= 2
-        return cls(rows=rows, lengths=tuple(lengths), pack=pack, halvings=halvings)
+        return cls(
+            rows=rows,
+            lengths=tuple(lengths),
+            pack=pack,
+            halvings=halvings,
+            row_multiple=row_multiple,
+        )
 
     def rows_for(self, length: int) -> int:
         """Model rows of a micro-batch of rows of `length`: as many as make `rows` x the longest
@@ -272,11 +281,14 @@ class MicroBatches:
 
     def flush_rows(self, shards: int = 1) -> list[int]:
         """The last micro-batch's smaller row counts in rows of the longest length, smallest
-        first: `rows` / 2^j for j = halvings .. 1, those a whole multiple of `shards`."""
+        first: `rows` / 2^j for j = halvings .. 1, those whole multiples of `row_multiple` (what
+        the plan uses) and of `shards` (a mesh's batch shards: what runs there)."""
         return [
             self.rows >> j
             for j in range(self.halvings, 0, -1)
-            if self.rows % ((1 << j) * shards) == 0
+            if self.rows % (1 << j) == 0
+            and (self.rows >> j) % self.row_multiple == 0
+            and (self.rows >> j) % shards == 0
         ]
 
     def shapes(self, shards: int = 1) -> list[Shape]:

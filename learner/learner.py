@@ -65,7 +65,7 @@ class Learner:
             )
         self.cfg = cfg
         self.rules = current_rules() if rules is None else rules
-        check_rows(cfg, mesh)
+        shards = check_rows(cfg, mesh)
         self.graphdef, params = nnx.split(model)
         # LoRA (rl/models/lora.py): the TrainState holds the adapters, `frozen` the base
         trainable, frozen = split_trainable(params)
@@ -94,6 +94,7 @@ class Learner:
             max_positions=cfg.max_length - 1,
             pack=cfg.packing,
             halvings=cfg.flush_halvings,
+            row_multiple=shards,
         )
         self._pending: list[Seq] = []  # sequences not yet in a micro-batch, in arrival order
         self._behavior: Any = None

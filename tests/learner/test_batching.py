@@ -134,6 +134,13 @@ def test_flush_shapes_are_those_the_mesh_shards_divide():
         rows=8, min_length_bucket=32, max_positions=127, pack=True, halvings=3
     )
     assert shapes.flush_rows() == [1, 2, 4] and shapes.flush_rows(shards=2) == [2, 4]
+    # the learner's own mesh of 2 batch shards: the plan never forms a 1-row flush
+    on_two = MicroBatches.from_config(
+        rows=8, min_length_bucket=32, max_positions=127, pack=True, halvings=3, row_multiple=2
+    )
+    assert on_two.flush_rows() == [2, 4] and on_two.flush_rows(shards=4) == [4]
+    plan = on_two.plan([100], final=True)  # one sequence: the 2-row flush, not 1 row
+    assert [shape for shape, _ in plan] == [Shape(128, 2)]
     assert shapes.shapes(shards=4)[-1:] == [Shape(128, 4)]
     # on a mesh whose shards do not divide a flush shape, the full budget's rows, same length
     assert shapes.on(Shape(128, 2), 4) == Shape(128, 8) and shapes.on(Shape(128, 4), 4) == (128, 4)

@@ -54,7 +54,8 @@ def test_learner_compiles_nothing_after_start_over_varied_lengths():
     assert learner.micro_batches.lengths == (16, 32, 64)
     learner.precompile(updates_per_round=2, shared_params=True)
     programs = sum(learner.compile_counts().values())
-    # zero, copy, apply, apply_keep_params, and accumulate per length x {current, snapshot}
+    # zero, copy, apply, apply_keep_params, and accumulate per length x {current, snapshot} (no
+    # flush shape: its 1 row would not divide over the mesh's 2 batch shards)
     assert programs == 4 + 3 * 2
     learner.compiles.start()
     rng = np.random.default_rng(0)
