@@ -85,6 +85,17 @@ def main(argv: list[str]) -> None:
         where = f"traceback in {log_file()}" if log_file() else "--verbose prints the traceback"
         message = failure or str(e).strip() or type(e).__name__
         sys.exit(f"launch.train: {message} [{type(e).__name__}; {where}]")
+    if summary.get("stopped_at") == 0:
+        again = (
+            "rerun the same command to start over"
+            if config.resume
+            else "rerun with --config.overwrite=True to start over"
+        )
+        print(
+            f"stopped by SIGTERM during the SFT warm start (step {summary['sft_steps']}); nothing "
+            f"is saved before round 0's checkpoint: {again}"
+        )
+        return
     if summary.get("stopped_at") is not None:
         print(
             f"stopped by SIGTERM after round {summary['stopped_at'] - 1} of {config.rounds}; "

@@ -99,22 +99,34 @@ def _reward_counts(stats: dict[str, int], seen: dict[str, int]) -> dict[str, flo
     return out
 
 
-def _sft(config: Any, sft: Any, learner: Any, heldout_accuracy: Any, writer: MetricsWriter) -> int:
+def _sft(
+    config: Any,
+    sft: Any,
+    learner: Any,
+    heldout_accuracy: Any,
+    writer: MetricsWriter,
+    stop: threading.Event | None,
+) -> tuple[int, bool]:
     """Supervised warm start until held-out accuracy reaches config.sft.target_accuracy.
 
     Args:
       sft: the runtime's SFT trainer (learner.sft.SftTrainer, or its Ray learner worker proxy);
         this loop, its progress bar and metrics are the same in both runtimes.
       learner: the runtime's learner; its params are the SFT's after each evaluation.
+      stop: set (SIGTERM): the warm start ends after the step that runs (nothing is saved before
+        round 0's checkpoint, so a rerun starts it over and reproduces it).
 
     Returns:
-      The SFT steps run.
+      The SFT steps run, and whether `stop` ended them.
     """
     done = 0
     bar = writer.progress(config.sft.max_steps, desc="sft steps")
     for done in range(1, config.sft.max_steps + 1):
         sft.step()
         bar.update(1)
+        if stop is not None and stop.is_set():
+            bar.close()
+            return done, True
         # The last step is always evaluated: the learner ends with the SFT params.
         if done % config.sft.eval_every == 0 or done == config.sft.max_steps:
             loss = sft.loss()  # waits for the steps: their time is SFT's, not evaluation's
@@ -124,7 +136,7 @@ def _sft(config: Any, sft: Any, learner: Any, heldout_accuracy: Any, writer: Met
             if acc >= config.sft.target_accuracy:
                 break
     bar.close()
-    return done
+    return done, False
 
 
 def train(
@@ -139,7 +151,8 @@ def train(
     `stop` (launch.train sets it on SIGTERM, a preempted pod) ends the run early at its next safe
     point: the end of the current round (`async`: of the next checkpoint barrier), where it saves
     a checkpoint (with checkpoint_every > 0) and returns with `stopped_at` set; a rerun resumes
-    there. The final evaluation and the pictures are skipped.
+    there. The final evaluation and the pictures are skipped. During the SFT warm start it ends
+    after the running step, with `stopped_at` 0 and nothing saved (a rerun starts over).
 
     The components come from the composition root (rl.runtime.compose) for config.runtime:
     `threads` (one process) or `ray` (a learner worker and sampler replica actors). `pool`: the
@@ -244,8 +257,24 @@ def _train(
     sft_steps = 0
     if config.sft.max_steps and first_round == 0:
         t = time.perf_counter()
-        sft_steps = _sft(config, runtime.sft(data.train), learner, heldout_accuracy, writer)
+        sft_steps, stopped = _sft(
+            config, runtime.sft(data.train), learner, heldout_accuracy, writer, stop
+        )
         phases["sft_s"] = time.perf_counter() - t - phases["eval_s"]
+        if stopped:
+            logging.warning(
+                "Stopped on request during the SFT warm start (step %d); nothing saved: a rerun "
+                "starts the run over.",
+                sft_steps,
+            )
+            writer.close()
+            return {
+                "rounds": [],
+                "first_round": 0,
+                "state": learner.state,
+                "stopped_at": 0,
+                "sft_steps": sft_steps,
+            }
     eval_before = heldout_eval(learner.params)
     acc_before = eval_before["accuracy"]
     driver = runtime.driver(

@@ -216,7 +216,9 @@ def result_rows(results: Sequence[PipelineResult]) -> list[tuple[str, ...]]:
         if r.error is not None:
             status = f"failed: {type(r.error).__name__}"
         elif s.get("stopped_at") is not None:
-            status = f"stopped at round {s['stopped_at']}"
+            status = (
+                f"stopped at round {s['stopped_at']}" if s["stopped_at"] else "stopped in its SFT"
+            )
         elif "mode" not in s:
             status = "finished earlier"
         else:

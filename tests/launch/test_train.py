@@ -263,3 +263,24 @@ def test_train_ends_every_thread_and_process_it_started_when_it_returns_or_raise
         run.train(c, stdout=False)
     assert started_threads_end(), threading.enumerate()
     assert multiprocessing.active_children() == []
+
+
+@pytest.mark.slow  # two smoke runs
+def test_a_stop_during_the_sft_warm_start_ends_it_at_once_and_a_rerun_starts_over(tmp_path):
+    """SIGTERM (launch.train's stop) during the warm start ends it after the running step, with
+    nothing saved; the plain rerun starts the run over and finishes it."""
+    import threading
+
+    from rl.run import train
+
+    config = smoke.get_config()
+    config.workdir = str(tmp_path)
+    config.resume = True  # as the default recipe: a rerun continues (or, with no save, restarts)
+    stop = threading.Event()
+    stop.set()
+    summary = train(config, stdout=False, stop=stop)
+    assert summary["stopped_at"] == 0 and summary["sft_steps"] == 1 and summary["rounds"] == []
+    assert not (tmp_path / "summary.json").exists() and not list(tmp_path.glob("ckpt/[0-9]*"))
+    again = train(config, stdout=False)
+    assert again["sft_steps"] > 1 and len(again["rounds"]) == config.rounds
+    assert (tmp_path / "summary.json").is_file()
