@@ -70,6 +70,16 @@ def test_typed_sections_report_their_own_checks():
     ]
 
 
+def test_a_negative_flush_halvings_is_refused():
+    config = smoke.get_config()
+    config.learner.flush_halvings = -1
+    with pytest.raises(ConfigError) as e:
+        check_config(config)
+    assert e.value.problems == [
+        "config.learner: learner.flush_halvings must be an int >= 0; received -1."
+    ]
+
+
 def test_a_misspelled_field_names_the_closest_one():
     config = smoke.get_config()
     with config.unlocked():
