@@ -94,7 +94,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.learner.overlong_filter = False  # DAPO: truncated responses get no loss (rl/overlong.py)
     config.learner.old_logprobs = "snapshot"  # later updates of a round: snapshot | sampler
     # rows of the longest row length per micro-batch, a token budget: shorter rows come in more
-    # rows of the same tokens (learner/batching.py); divisible by fsdp
+    # rows of the same tokens (learner/micro_batches.py); divisible by fsdp
     config.learner.micro_batch_rows = 16
     # an update's last micro-batch may take 1/2 .. 1/2^k of that budget: k more compiled shapes
     config.learner.flush_halvings = 1

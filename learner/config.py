@@ -65,7 +65,7 @@ class LearnerConfig:
     # log-probs are of softmax(logits / T); a run sets it from config.sampling.temperature
     temperature: float = 1.0
     # A micro-batch: this many rows of the longest row length, or as many more rows of a shorter
-    # length as hold the same tokens (learner/batching.py); divisible by the mesh's batch shards.
+    # length as hold the same tokens (learner/micro_batches.py); divisible by the mesh's batch shards.
     micro_batch_rows: int = 16
     # An update's last micro-batch may take 1/2, ..., 1/2^k of the token budget (micro_batch_rows /
     # 2^j rows of the longest length, when the mesh's batch shards divide them): k more compiled

@@ -6,7 +6,7 @@
     metrics = learner.update()              # after U groups: one optimizer update
     params = learner.params                 # publish to the sampler (learner/publish.py)
 
-Groups are turned into micro-batches (learner/batching.py: `cfg.micro_batch_rows` rows of a few
+Groups are turned into micro-batches (learner/micro_batches.py: `cfg.micro_batch_rows` rows of a few
 fixed lengths) as soon as enough sequences have arrived to fill one, and their gradients are
 accumulated at once; `update` folds in the remainder and applies. `precompile` compiles every
 program a run will call (each micro-batch shape, the optimizer update) ahead, at start
@@ -32,10 +32,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from learner.batching import Batch, MicroBatches, Seq, sequences_of
+from learner.batching import Batch, Seq, sequences_of
 from learner.borrow import Arrays, BorrowSnapshot, extended_mesh, from_host, gather_home, move
 from learner.config import LearnerConfig
 from learner.distributed import put_global
+from learner.micro_batches import MicroBatches
 from learner.programs import Programs, batch_shardings, build_programs, check_rows, precompile
 from learner.state import create_train_state, make_lr_schedule, make_optimizer, state_shardings
 from learner.step import Accum, float_leaf_names

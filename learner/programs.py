@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from learner.batching import Batch, MicroBatches
+from learner.batching import Batch
 from learner.config import LearnerConfig
+from learner.micro_batches import MicroBatches
 from learner.step import MAX_KEYS, Accum, accumulate, apply, sum_keys, zero_accum
 from rl.compiles import CompileCounter
 from rl.models.sharding import Rules, axis_rules, logical_to_spec

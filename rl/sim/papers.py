@@ -30,11 +30,11 @@ from typing import Any
 from rl.elastic.migration import MigrationConfig
 from rl.elastic.stage import StageModel
 from rl.round_planner import TailConfig
+from rl.sim.bounds import overlap_bound
 from rl.sim.compare import (
     balance_learner,
     compare_borrowing,
     compare_migration,
-    overlap_bound,
     run_modes,
 )
 from rl.sim.multiplex import compare_multiplexing
@@ -113,7 +113,7 @@ def rolloutpipe_cgp(p: PaperSetup) -> Headline:
             f"cgp+frontier+fifo vs sync, R = {p.groups_per_round}, U = {p.groups_per_update}, "
             f"G = {p.group_size}; learner x{scale:.1f} so that sync's trainer waits 50% (slime's "
             f"47-52%); bound {bound:.1%}: a trainer taking each group the moment it arrives, at "
-            "the mean learner time per group (rl.sim.compare.overlap_bound)"
+            "the mean learner time per group (rl.sim.bounds.overlap_bound)"
         ),
     )
 
@@ -157,7 +157,7 @@ def bidirl_borrowing(p: PaperSetup, mode: str = BORROW_MODE) -> Headline:
     """BiDiRL under bounded staleness on its 32-GPU split, twice: with the preset's learner (the
     learner's 24 GPUs idle most of the time: the static split BiDiRL's baselines leave) and with
     the learner slowed until sync's trainer waits 50% (a split balanced for sync). Each beside
-    its static split's pooling bound (rl.sim.compare.pooling_bound: what any borrowing could
+    its static split's pooling bound (rl.sim.bounds.pooling_bound: what any borrowing could
     gain there with free switches)."""
     workload = p.workload()
     fields = p.fields(p.borrow_groups) | dict(replicas=p.borrow_sampler_gpus)

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from learner.batching import MicroBatches, Shape, first_fit, make_batch
+from learner.batching import first_fit, make_batch
 from learner.config import LearnerConfig, OptimizerConfig
 from learner.learner import Learner
 from learner.mesh import MeshConfig, make_meshes
+from learner.micro_batches import MicroBatches, Shape
 from learner.step import accumulate, sum_keys, zero_accum
 from rl.losses import LossConfig
 from rl.models import create_model, get_preset

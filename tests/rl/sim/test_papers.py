@@ -8,7 +8,8 @@ import pytest
 
 from rl.elastic.migration import MigrationConfig
 from rl.sim import papers
-from rl.sim.compare import compare_migration, fill_factor, overlap_bound, run_modes, sim_config
+from rl.sim.bounds import overlap_bound
+from rl.sim.compare import compare_migration, fill_factor, run_modes, sim_config
 from rl.sim.presets import gpu_preset
 from rl.sim.simulator import Simulator
 from rl.sim.workload import Workload

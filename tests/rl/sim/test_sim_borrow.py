@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from rl.elastic.borrowing import BorrowConfig, BorrowPolicy
 from rl.elastic.stage import StageModel
 from rl.sim.borrow import SimBorrower
-from rl.sim.compare import predrain_bound, sim_config, summarize
+from rl.sim.bounds import predrain_bound
+from rl.sim.compare import sim_config, summarize
 from rl.sim.simulator import SimConfig, SimResult, Simulator
 from rl.sim.workload import Workload, WorkloadConfig
 from rl.timeline import Timeline
