@@ -135,6 +135,19 @@ def test_tail_consolidates_and_frees_a_replica(model, engines):
             assert later == []
 
 
+def test_a_replica_that_frees_up_takes_the_requests_queued_on_another(model, engines):
+    """Round-robin routing puts 4 long groups on replica 0 (2 fit its 4 slots; 2 wait) and 4
+    short ones on replica 1, which is done long before: it takes replica 0's queued requests
+    (work stealing at its step boundary, their routing moving with them), as a replica freed by
+    migration does, and the tokens stay one engine's."""
+    lengths = [40, 4] * 4  # uid i -> lengths[i]: even uids (replica 0's) long
+    ref, _, _ = sample(model, engines, [0], lengths=lengths)
+    got, sampler, timeline = sample(model, engines, [1, 2], lengths=lengths)
+    assert got == ref
+    on_1 = {s.args["uid"] for s in timeline.spans("sampler/slot") if s.args["replica"] == 1}
+    assert on_1 & {0, 2, 4, 6}  # long requests routed to replica 0 ran on replica 1
+
+
 @pytest.mark.slow  # ~16 s cold; the lent-replica take-back test stays quick
 def test_add_and_remove_replicas_between_steps(model, engines):
     first = [engines(1)]
