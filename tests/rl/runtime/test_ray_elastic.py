@@ -114,6 +114,17 @@ def test_ray_sampler_borrows_the_learner_workers_devices_and_the_run_is_unchange
     assert {0, 1} <= lanes <= {0, 1, 2, 3, 4, 5} and lanes & {2, 3, 4, 5}
 
 
+def async_lend_config(runtime, borrowing):
+    """async s = 3, U = 2, 8 groups a round of up to 40 tokens: a window of 32 samples, more
+    than the 2 replicas' slots, so requests queue while the learner waits for its next batch."""
+    c = lend_config(runtime, borrowing)
+    c.driver.mode, c.driver.max_staleness = "async", 3
+    c.driver.groups_per_round, c.driver.groups_per_update = 8, 2
+    c.sampling.max_new_tokens = 40
+    c.engine.max_length = 64
+    return c
+
+
 TOL = 1e-5  # float32; the gradient reduced across 3 processes' 8 devices instead of over 4
 
 
@@ -183,17 +194,9 @@ def test_ray_async_lends_the_learner_workers_devices_and_takes_them_back_mid_rol
     with its tokens so far: every group is trained once, every token within the bound, versions
     in order along each sequence (tests/rl/runtime/test_lending.py's threaded invariants)."""
 
-    def config(runtime, borrowing):
-        c = lend_config(runtime, borrowing)
-        c.driver.mode, c.driver.max_staleness = "async", 3
-        c.driver.groups_per_round, c.driver.groups_per_update = 8, 2
-        c.sampling.max_new_tokens = 40
-        c.engine.max_length = 64
-        return c
-
     rounds = 3
-    static, _, _, _ = run(config("threads", "off"), rounds)
-    lent, _, runtime, driver = run(config("ray", "sampler"), rounds)
+    static, _, _, _ = run(async_lend_config("threads", "off"), rounds)
+    lent, _, runtime, driver = run(async_lend_config("ray", "sampler"), rounds)
     keys = lambda results: sorted(g.request.key for r in results for g in r.groups)
     assert keys(lent) == keys(static) and len(keys(lent)) == 8 * rounds
     assert len(driver.timeline.spans("elastic")) >= 1  # lent at least once
@@ -215,16 +218,8 @@ def test_ray_async_borrows_in_both_directions_within_the_bound(ray_cluster):
     complete, and the learner borrows the replicas' devices once the bound has drained them (the
     run's last updates): every group trained once, within the bound, versions in order."""
 
-    def config(runtime, borrowing):
-        c = lend_config(runtime, borrowing)
-        c.driver.mode, c.driver.max_staleness = "async", 3
-        c.driver.groups_per_round, c.driver.groups_per_update = 8, 2
-        c.sampling.max_new_tokens = 40
-        c.engine.max_length = 64
-        return c
-
     rounds = 3
-    both, _, runtime, driver = run(config("ray", "both"), rounds)
+    both, _, runtime, driver = run(async_lend_config("ray", "both"), rounds)
     keys = sorted(g.request.key for r in both for g in r.groups)
     assert len(keys) == len(set(keys)) == 8 * rounds
     versions = [c.versions for r in both for g in r.groups for c in g.completions]
