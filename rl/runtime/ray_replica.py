@@ -111,6 +111,7 @@ class ReplicaCore:
             environment=self.environment,
         )
         self.loop = self._new_loop()
+        self._emitted: list[tuple[int, int]] = []  # keys this loop put on the queue
 
     def renew(self) -> None:
         """A fresh loop (no weights, nothing queued) on the same engine: a lent replica's next
@@ -119,11 +120,13 @@ class ReplicaCore:
             self._asked.clear()
             self._outbox.clear()
         self.loop = self._new_loop()
+        self._emitted = []
 
     def _emit(self, group: Any) -> None:
         error = ray.get(self.queue.put.remote(group))
         if error is not None:
             raise error
+        self._emitted.append(group.request.key)
 
     def pin(self, cores: list[int]) -> list[int]:
         return pin(cores)
@@ -160,13 +163,14 @@ class ReplicaCore:
     def evict(self) -> tuple[list[Any], list[HostRun], list[tuple[int, int]]]:
         """Stops the loop and empties it (a lent replica taken back mid-rollout): returns the
         requests waiting here, the runs admitted and not complete as host data (their tokens so
-        far, to `resume` on another replica) and the keys of the complete groups whose rewards
-        were still running, which are put on the queue here."""
+        far, to `resume` on another replica) and the keys of every group this loop put on the
+        queue (those whose rewards were still running are put there now): the driver may not
+        have taken them off it yet, and they must not be sampled again."""
         self.loop.close()
         queued, runs, scoring = self.loop.evict()
         for complete in scoring:
             self._emit(complete.group())
-        return queued, [run_to_host(run) for run in runs], [c.request.key for c in scoring]
+        return queued, [run_to_host(run) for run in runs], list(self._emitted)
 
     def resume(self, runs: list[HostRun]) -> None:
         """Takes over runs another replica evicted; each is re-prefilled with its tokens so far."""

@@ -149,7 +149,7 @@ class ReplicaRouter:
         with self.lock:
             lost = {r.key: r for r in self.routing.remove(i)}
             del self._slots[i]
-            for key in emitted:  # on the queue: owned by a live replica until delivered
+            for key in emitted:  # on the queue (maybe not yet taken off): delivered from there
                 if (r := lost.pop(key, None)) is not None:
                     self.routing.route(r)
             for run in runs:

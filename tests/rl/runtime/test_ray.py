@@ -346,7 +346,7 @@ def sft_run(runtime_name, workdir):
             published = runtime.weight_sync.publish(params, -1).params
             return runtime.evaluate(published, data.heldout)["accuracy"]
 
-        steps = _sft(config, runtime.sft(data.train), runtime.learner, accuracy, writer)
+        steps, _ = _sft(config, runtime.sft(data.train), runtime.learner, accuracy, writer, None)
         writer.close()
         rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
         return steps, jax.device_get(runtime.learner.state.params), rows

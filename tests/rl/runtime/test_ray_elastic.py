@@ -81,6 +81,38 @@ def test_ray_migration_at_every_chance_equals_threads_bitwise(ray_cluster):
     assert runtime.router.stats.migrations == moves  # the sources counted every handoff
 
 
+@pytest.mark.slow  # end-to-end: a threaded run and a Ray run of 2 replicas, 1 round
+def test_ray_a_replica_taken_back_while_its_group_waits_on_the_queue_samples_nothing_twice(
+    ray_cluster,
+):
+    """A replica is taken back when a group it emitted sits on the queue, not yet taken off by
+    the driver: the group is delivered from there, its request not sampled again (once it was,
+    and the second copy was dropped on delivery). The run's tokens are the one-replica run's."""
+    one, _, _, _ = run(migration_config("threads", 1), rounds=1)
+    runtime, driver = build_driver(migration_config("ray", 2), rounds=1)
+    router, taken = runtime.router, []
+    accept = driver.queue.accept
+
+    def take_back_then_accept(group):
+        if not taken:  # the first group off the queue: its replica still owns the request
+            taken.append(router.routing.owner(group.request.key))
+            router.take_back(taken[0])
+        return accept(group)
+
+    driver.queue.accept = take_back_then_accept
+    try:
+        try:
+            two = [driver.run_round(0)]
+        finally:
+            driver.close()
+        stats = router.stats
+    finally:
+        runtime.close()
+    assert taken[0] in (0, 1) and router.alive == [1 - taken[0]]
+    assert tokens_of(two) == tokens_of(one)
+    assert stats.groups_emitted == len(two[0].groups) and stats.groups_cut == 0
+
+
 def lend_config(runtime, borrowing):
     """sync; a learner of 4 devices and 2 sampler replicas of 2; any predicted gain moves."""
     config = base.get_config("smoke")
