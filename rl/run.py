@@ -99,7 +99,7 @@ def _reward_counts(stats: dict[str, int], seen: dict[str, int]) -> dict[str, flo
     return out
 
 
-def _sft(
+def warm_start(
     config: Any,
     sft: Any,
     learner: Any,
@@ -257,7 +257,7 @@ def _train(
     sft_steps = 0
     if config.sft.max_steps and first_round == 0:
         t = time.perf_counter()
-        sft_steps, stopped = _sft(
+        sft_steps, stopped = warm_start(
             config, runtime.sft(data.train), learner, heldout_accuracy, writer, stop
         )
         phases["sft_s"] = time.perf_counter() - t - phases["eval_s"]

@@ -1,13 +1,19 @@
 """The Ray runtime equals the threaded one bitwise; a dead replica or learner loses nothing."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
 
 from configs import base
 from rl.losses import LOSS_OPTIONS, POLICY_LOSSES, PpoClipOptions, register_policy_loss
+from rl.metrics_writer import MetricsWriter
 from rl.rewards import REWARDS, register_reward
-from rl.runtime.factory import build_driver
+from rl.run import warm_start
+from rl.runtime.compose import Setup
+from rl.runtime.factory import build_driver, make_runtime
+from rl.tasks.data import load_task
 
 ROUNDS = 3
 
@@ -325,14 +331,6 @@ def test_a_learner_of_two_worker_processes_trains_as_one(ray_cluster, threads_ru
 def sft_run(runtime_name, workdir):
     """rl.run's SFT stage (3 steps, evaluated after 2 and 3) on a runtime built by the
     composition root: the learner's params after it, and the sft metrics rows."""
-    import json
-
-    from rl.metrics_writer import MetricsWriter
-    from rl.run import _sft
-    from rl.runtime.compose import Setup
-    from rl.runtime.factory import make_runtime
-    from rl.tasks.data import load_task
-
     config = tiny_config(runtime_name)
     config.sft.max_steps, config.sft.eval_every, config.sft.batch_size = 3, 2, 4
     config.sft.target_accuracy = 1.0  # not reached: every step runs
@@ -346,7 +344,9 @@ def sft_run(runtime_name, workdir):
             published = runtime.weight_sync.publish(params, -1).params
             return runtime.evaluate(published, data.heldout)["accuracy"]
 
-        steps, _ = _sft(config, runtime.sft(data.train), runtime.learner, accuracy, writer, None)
+        steps, _ = warm_start(
+            config, runtime.sft(data.train), runtime.learner, accuracy, writer, None
+        )
         writer.close()
         rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
         return steps, jax.device_get(runtime.learner.state.params), rows
