@@ -369,6 +369,7 @@ def _ray_round(actors: list[Any], queue: Any, params: Any, requests: list[Reques
         routing="round_robin",
         on_failure="stop",
         timeline=Timeline(),
+        queue=queue,
         migration=migration,
         migration_poll_s=0.005,
     )

@@ -111,7 +111,6 @@ class ReplicaCore:
             environment=self.environment,
         )
         self.loop = self._new_loop()
-        self._emitted: list[tuple[int, int]] = []  # keys this loop put on the queue
 
     def renew(self) -> None:
         """A fresh loop (no weights, nothing queued) on the same engine: a lent replica's next
@@ -120,13 +119,11 @@ class ReplicaCore:
             self._asked.clear()
             self._outbox.clear()
         self.loop = self._new_loop()
-        self._emitted = []
 
     def _emit(self, group: Any) -> None:
         error = ray.get(self.queue.put.remote(group))
         if error is not None:
             raise error
-        self._emitted.append(group.request.key)
 
     def pin(self, cores: list[int]) -> list[int]:
         return pin(cores)
@@ -160,17 +157,16 @@ class ReplicaCore:
         replica that joins mid-rollout takes them)."""
         return self.loop.take_queued(slots)
 
-    def evict(self) -> tuple[list[Any], list[HostRun], list[tuple[int, int]]]:
+    def evict(self) -> tuple[list[Any], list[HostRun]]:
         """Stops the loop and empties it (a lent replica taken back mid-rollout): returns the
-        requests waiting here, the runs admitted and not complete as host data (their tokens so
-        far, to `resume` on another replica) and the keys of every group this loop put on the
-        queue (those whose rewards were still running are put there now): the driver may not
-        have taken them off it yet, and they must not be sampled again."""
+        requests waiting here and the runs admitted and not complete as host data (their tokens
+        so far, to `resume` on another replica). Groups whose rewards were still running are put
+        on the queue now (the router delivers every group there: QueueActor.keys)."""
         self.loop.close()
         queued, runs, scoring = self.loop.evict()
         for complete in scoring:
             self._emit(complete.group())
-        return queued, [run_to_host(run) for run in runs], list(self._emitted)
+        return queued, [run_to_host(run) for run in runs]
 
     def resume(self, runs: list[HostRun]) -> None:
         """Takes over runs another replica evicted; each is re-prefilled with its tokens so far."""

@@ -8,7 +8,8 @@ where every replica's groups meet, and merges the replicas' timeline events into
 timeline (slot lanes numbered across replicas, args["replica"]) for per-replica metrics. Replicas
 join and leave between rounds (`add_replica`, `remove_replica`: the sampler borrowing the
 learner's devices) and, under async, mid-rollout (`add_replica(take_queued=True)`, `take_back`:
-what ran on a replica taken back resumes on the others), and with a migration policy a
+what ran on a replica taken back resumes on the others; a group it put on the queue actor
+is delivered from there), and with a migration policy a
 RayMigrator (rl.runtime.ray_migration) moves running requests between them; routing and the cuts
 are guarded by one lock for that thread.
 The Driver's Queue over the queue actor is rl.runtime.ray_queue.QueueClient.
@@ -51,6 +52,9 @@ class ReplicaRouter:
       routing: "round_robin" or "least_loaded" (fewest requests submitted and not delivered).
       on_failure: "resample" (a dead replica's requests go to the others) or "stop".
       timeline: the driver's Timeline; replicas' events are merged into it.
+      queue: the QueueActor the replicas put into: a request of a replica that leaves or dies
+        whose group is there (QueueActor.keys) stays owned and is delivered from it, not
+        sampled again; None: every such request is sampled again (its second copy dropped).
       migration: a long-tail migration policy (rl.elastic.migration), or None.
       migration_poll_s: seconds between the policy's looks at the replicas.
     """
@@ -62,14 +66,18 @@ class ReplicaRouter:
         routing: str,
         on_failure: str,
         timeline: Timeline,
+        queue: Any = None,
         migration: Any = None,
         migration_poll_s: float = 0.01,
     ):
         self.replicas, self.on_failure = list(replicas), on_failure
-        self.timeline = timeline
+        self.timeline, self.queue = timeline, queue
         self._slots = dict(enumerate(ray.get([r.num_slots.remote() for r in replicas])))
-        self._offset = [sum(list(self._slots.values())[:i]) for i in range(len(replicas))]
-        self._next_offset = sum(self._slots.values())
+        self._lanes: dict[int, int] = {}  # id(handle) -> its first slot lane
+        self._next_offset = 0
+        self._offset = [
+            self._first_lane(r, n) for r, n in zip(replicas, self.replica_slots, strict=True)
+        ]
         self.routing = Routing(routing, len(replicas))
         # Routing is shared with the migrator's thread (rl.runtime.ray_migration)
         self.lock = threading.RLock()
@@ -81,6 +89,15 @@ class ReplicaRouter:
         self.migrator = None
         if migration is not None and not isinstance(migration, Off):
             self.migrator = RayMigrator(self, migration, poll_s=migration_poll_s)
+
+    def _first_lane(self, handle: Any, slots: int) -> int:
+        """`handle`'s first slot lane: a replica added again (a lent one, lent once more) writes
+        on its own lanes, so the lanes never outnumber the most slots routed to at once."""
+        offset = self._lanes.get(id(handle))
+        if offset is None:
+            offset = self._lanes[id(handle)] = self._next_offset
+            self._next_offset += slots
+        return offset
 
     @property
     def replica_slots(self) -> tuple[int, ...]:
@@ -102,8 +119,7 @@ class ReplicaRouter:
             self.replicas.append(handle)
             assert len(self.replicas) == i + 1
             self._slots[i] = slots
-            self._offset.append(self._next_offset)
-            self._next_offset += slots
+            self._offset.append(self._first_lane(handle, slots))
         if self._params is not None:
             ray.get(handle.set_params.remote(*self._params))
         ray.get(handle.start.remote())
@@ -138,20 +154,17 @@ class ReplicaRouter:
                 raise ValueError(f"Replica {i} is the last one; a sampler needs one replica.")
             self.routing.retire(i)  # groups it emits while stopping are still delivered
         try:
-            queued, runs, emitted = ray.get(self.replicas[i].evict.remote())
+            queued, runs = ray.get(self.replicas[i].evict.remote())
         except RayActorError:
-            queued, runs, emitted = [], [], []
+            queued, runs = [], []
         self._collect([i])  # its evicted spans and last counters, before it is renewed
         for err in self.each("close", replicas=[i]).values():
             if err is not None:
                 raise err
         resume: dict[int, list[Any]] = collections.defaultdict(list)
         with self.lock:
-            lost = {r.key: r for r in self.routing.remove(i)}
+            lost = {r.key: r for r in self._remove(i)}
             del self._slots[i]
-            for key in emitted:  # on the queue (maybe not yet taken off): delivered from there
-                if (r := lost.pop(key, None)) is not None:
-                    self.routing.route(r)
             for run in runs:
                 if (r := lost.pop(run.run.request.key, None)) is not None:
                     resume[self.routing.route(r)].append(run)
@@ -181,10 +194,23 @@ class ReplicaRouter:
             if err is not None:
                 raise err
         with self.lock:
-            lost = self.routing.remove(i)
+            lost = self._remove(i)
             del self._slots[i]
         if lost:
             self.submit(lost)
+
+    def _remove(self, i: int) -> list[Request]:
+        """Takes replica i out of routing (the lock held); returns its requests to sample again:
+        those whose groups are not on the queue (or in the driver's hands). Those that are stay
+        owned by a live replica, and are delivered from the queue."""
+        lost = self.routing.remove(i)
+        if not lost or self.queue is None or not self.alive:
+            return lost
+        held = ray.get(self.queue.keys.remote())
+        for r in lost:
+            if r.key in held:
+                self.routing.route(r)
+        return [r for r in lost if r.key not in held]
 
     @property
     def alive(self) -> list[int]:
@@ -216,7 +242,7 @@ class ReplicaRouter:
         with self.lock:
             if i not in self.alive:
                 return
-            lost = self.routing.remove(i)
+            lost = self._remove(i)
         why = f"sampler replica {i} died ({type(e).__name__}: {str(e).splitlines()[0]})"
         if self.on_failure == "stop" or not self.alive:
             if self._error is None:

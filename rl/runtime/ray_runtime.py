@@ -198,6 +198,7 @@ class RayRuntime:
             routing=self.config.mesh.sampler_routing,
             on_failure=r.on_replica_failure,
             timeline=timeline,
+            queue=self.queue_actor,
             migration=self.migration,
             migration_poll_s=r.migration_poll_s,
         )

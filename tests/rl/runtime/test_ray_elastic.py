@@ -11,8 +11,11 @@ import ray
 
 from configs import base
 from rl.elastic.migration import Always, ReplicaView, RunningView
+from rl.runtime.compose import Setup
 from rl.runtime.factory import build_driver
+from rl.runtime.mesh_plan import plan_mesh
 from rl.runtime.ray_router import ReplicaRouter
+from rl.runtime.ray_runtime import RayRuntime
 from rl.timeline import Timeline
 from rl.types import Request, SamplingParams
 from sampler.loop import SamplerStats
@@ -269,10 +272,6 @@ def test_ray_async_borrows_in_both_directions_within_the_bound(ray_cluster):
 
 @pytest.mark.slow
 def test_planner_picks_the_open_split_and_the_ray_workers_are_built_on_it(ray_cluster):
-    from rl.runtime.compose import Setup
-    from rl.runtime.mesh_plan import plan_mesh
-    from rl.runtime.ray_runtime import RayRuntime
-
     config = lend_config("ray", "off")
     config.mesh.split = "plan"
     config.mesh.learner_devices = config.mesh.sampler_devices = 0
@@ -446,11 +445,24 @@ class Lent(FakeReplica):
     def evict(self):
         return self.evicted
 
+    def start(self):
+        self.closed = False
+
     def stats(self):
         return SamplerStats(), [], []
 
     def close(self):
         self.closed = True
+
+
+class Held:
+    """A queue actor holding the groups of requests `keys` (QueueActor.keys)."""
+
+    def __init__(self, keys):
+        self._keys = set(keys)
+
+    def keys(self):
+        return set(self._keys)
 
 
 def test_a_replica_taken_back_hands_its_work_to_the_others(ray_cluster):
@@ -460,17 +472,14 @@ def test_a_replica_taken_back_hands_its_work_to_the_others(ray_cluster):
     running_, queued, scoring, forgotten = request(0), request(1), request(2), request(3)
     run = Run.of(running_)
     run.samples[0].tokens.extend([5, 6])
-    evicted = (
-        [queued],
-        [run_to_host(run), run_to_host(Run.of(forgotten))],
-        [scoring.key],
-    )
+    evicted = ([queued], [run_to_host(run), run_to_host(Run.of(forgotten))])
     kept, lent = Kept(), Lent(evicted)
     router = ReplicaRouter(
         [Handle(kept), Handle(lent)],
         routing="round_robin",
         on_failure="resample",
         timeline=Timeline(),
+        queue=Handle(Held({scoring.key})),
     )
     for r in (running_, queued, scoring):
         router.routing.outstanding[r.key] = (1, r)
@@ -484,3 +493,49 @@ def test_a_replica_taken_back_hands_its_work_to_the_others(ray_cluster):
     assert owners == {running_.key: 0, queued.key: 0, scoring.key: 0}
     with pytest.raises(ValueError, match="is the last one"):
         router.take_back(0)
+
+
+def test_a_replica_lent_again_writes_on_its_own_slot_lanes(ray_cluster):
+    """Lent, taken back and lent again within one round: its slots keep their lanes, so the
+    round's slot lanes never outnumber the most slots routed to at once (rl.metrics checks)."""
+    lent = Handle(Lent(([], [])))
+    router = ReplicaRouter(
+        [Handle(Kept())], routing="round_robin", on_failure="resample", timeline=Timeline()
+    )
+    first = router.add_replica(lent)
+    router.take_back(first)
+    again = router.add_replica(lent)
+    assert again != first and router.lane("sampler/slot0", again) == "sampler/slot8"
+    assert router.lane("sampler/slot0", first) == router.lane("sampler/slot0", again)
+    assert router.lane("sampler/slot7", 0) == "sampler/slot7"
+
+
+@ray.remote(num_cpus=0)
+class Doomed:
+    """A replica actor that dies (ray.kill) after the router is built."""
+
+    def num_slots(self):
+        return 8
+
+
+def test_a_dead_replicas_group_on_the_queue_is_delivered_not_sampled_again(ray_cluster):
+    """A replica dies with one group on the queue and one request unfinished: only the
+    unfinished one is sampled again; the other stays owned and is delivered from the queue."""
+    on_queue, unfinished = request(0), request(1)
+    kept, doomed = Kept(), Doomed.remote()
+    router = ReplicaRouter(
+        [Handle(kept), doomed],
+        routing="round_robin",
+        on_failure="resample",
+        timeline=Timeline(),
+        queue=Handle(Held({on_queue.key})),
+    )
+    for r in (on_queue, unfinished):
+        router.routing.outstanding[r.key] = (1, r)
+        router.routing.load[1] += 1
+    ray.kill(doomed)
+    assert router.each("num_slots") == {0: 8}  # the dead replica's call fails: it is lost
+    assert router.alive == [0] and router.resampled == 1
+    assert kept.submitted == [unfinished.key]
+    owners = {k: owner for k, (owner, _) in router.routing.outstanding.items()}
+    assert owners == {on_queue.key: 0, unfinished.key: 0}
