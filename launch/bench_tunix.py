@@ -96,6 +96,12 @@ _FLUSH = flags.DEFINE_integer(
     "Ours: learner.flush_halvings (an update's last micro-batch may take 1/2 .. 1/2^k of the "
     "budget); -1: LearnerConfig's default.",
 )
+_ENTROPY = flags.DEFINE_bool(
+    "entropy_metric",
+    True,
+    "Ours: learner.entropy_metric (the policy entropy per token, a metric; one more pass over "
+    "the vocabulary). Tunix's GRPO step computes no entropy: --noentropy_metric does equal work.",
+)
 _ACCUMULATION = flags.DEFINE_integer(
     "tunix_accumulation",
     1,
@@ -533,6 +539,8 @@ def main(argv: list[str]) -> None:
         ours["micro_batch_rows"] = _ROWS.value
     if _FLUSH.value >= 0:
         ours["flush_halvings"] = _FLUSH.value
+    if not _ENTROPY.value:
+        ours["entropy_metric"] = False
     r = run(
         updates=_UPDATES.value,
         warmup=_WARMUP.value,
