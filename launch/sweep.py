@@ -12,6 +12,9 @@ devices:
         --config=configs/default.py --sweep.values='seed=0,1' \
         --config.mesh.sampler_replicas=3 --config.workdir=runs/sweep
 
+With --config.runtime=ray each replica mesh is an actor holding a replica of every pipeline
+(rl/runtime/ray_host.py) and each pipeline has its own learner worker.
+
 Prints a line per pipeline round as it is logged, then a table (held-out accuracy before and after
 RL, wall time, share of the pool's replica time, replicas received/given, seconds on the learner's
 devices and waiting for them). A pipeline that fails stops alone: its error is printed with its

@@ -7,7 +7,9 @@ Each pipeline is the base config with the swept fields set and its own workdir,
 `<config.workdir>/<name>`, and runs as `rl.run.train` runs it alone: SFT warm start, evaluations,
 checkpoints and resume included. The pipelines run in threads of this process and share the
 sampler replicas through a `ReplicaPool` (rl/runtime/pool.py: each pipeline's tokens and parameters
-are bitwise its solo run's); a pipeline that fails stops alone, its error kept with its name.
+are bitwise its solo run's); under config.runtime='ray' the replicas are the pool's host actors
+(rl/runtime/ray_host.py), started here before the pipelines. A pipeline that fails stops alone,
+its error kept with its name.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from typing import Any
 
 import ml_collections
 
-from rl.config_check import check_config
+from rl.config_check import ConfigError, check_config
 from rl.elastic.multiplex import MultiplexPolicy
 from rl.run import train
+from rl.runtime.factory import share_pool
 from rl.runtime.pool import MemberStats, ReplicaPool
+from rl.runtime.ray_config import check_pooled
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 
@@ -148,12 +152,15 @@ def run_sweep(
     for name, c in configs:
         try:
             check_config(c)
+        except ConfigError as e:  # (one line per field, each naming the pipeline)
+            raise ConfigError([f"pipeline {name}: {p}" for p in e.problems]) from None
         except ValueError as e:
-            raise type(e)(f"pipeline {name}: {e}") from None
-        if c.get("runtime", "threads") != "threads":
-            raise ValueError(
-                f"pipeline {name}: config.runtime={c.runtime!r}; a sweep runs threads."
-            )
+            raise ValueError(f"pipeline {name}: {e}") from None
+        if c.get("runtime", "threads") == "ray":
+            try:
+                check_pooled(c)
+            except ValueError as e:
+                raise ValueError(f"pipeline {name}: {e}") from None
         if c.elastic.borrowing != "off":
             raise ValueError(
                 f"pipeline {name}: config.elastic.borrowing={c.elastic.borrowing!r}; a sweep's "
@@ -180,6 +187,7 @@ def run_sweep(
 
     threads = []
     try:
+        share_pool(configs[0][1], pool)
         for i, name in enumerate(names):
             threads.append(threading.Thread(target=run, args=(i,), name=f"pipeline {name}"))
             threads[-1].start()

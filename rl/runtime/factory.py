@@ -10,7 +10,7 @@ from typing import Any
 
 from rl.driver import Driver
 from rl.runtime.compose import Setup
-from rl.runtime.pool import Member
+from rl.runtime.pool import Member, ReplicaPool
 from rl.runtime.ray_config import check_ray_config
 from rl.runtime.threads import ThreadsRuntime
 from rl.tasks.data import load_task
@@ -34,18 +34,23 @@ def make_runtime(
 
     Args:
       pool: this pipeline's place in a pool of replicas several pipelines share
-        (rl.runtime.pool; launch.sweep), threads only; None: the run has its devices alone.
+        (rl.runtime.pool; launch.sweep); None: the run has its devices alone.
     """
     if config.get("runtime", "threads") == "ray":
-        if pool is not None:
-            raise ValueError(
-                "config.runtime='ray' in a multiplexed sweep: pipelines share a pool of replicas "
-                "in the threads runtime only; expected config.runtime='threads'."
-            )
         from rl.runtime.ray_runtime import RayRuntime  # Ray is imported only to use it
 
-        return RayRuntime(config, setup, total_updates=total_updates)
+        return RayRuntime(config, setup, total_updates=total_updates, pool=pool)
     return ThreadsRuntime(config, setup, total_updates=total_updates, pool=pool)
+
+
+def share_pool(config: Any, pool: ReplicaPool) -> None:
+    """Starts what the pipelines of `pool` share, on this thread, before they start: under Ray
+    the replica host actors (rl.runtime.ray_host; Ray started here if it is not), nothing in
+    threads."""
+    if config.get("runtime", "threads") == "ray":
+        from rl.runtime.ray_host import pool_hosts  # Ray is imported only to use it
+
+        pool_hosts(config, pool)
 
 
 def build_driver(config: Any, *, rounds: int) -> tuple[Any, Driver]:

@@ -1,6 +1,8 @@
-"""Several pipelines' sampler replicas on one pool of devices, moved between them as they run: the
-threaded runtime's pipeline multiplexing (JigsawRL). The decisions are rl/elastic/multiplex.py's
-`MultiplexPolicy`, the one the simulator's multiplexing (rl/sim/multiplex.py) carries out.
+"""Several pipelines' sampler replicas on one pool of devices, moved between them as they run:
+pipeline multiplexing (JigsawRL) in the threaded runtime, and under Ray with the replicas on the
+pool's host actors (rl/runtime/ray_host.py; the pipelines' routers answer as samplers do here).
+The decisions are rl/elastic/multiplex.py's `MultiplexPolicy`, the one the simulator's
+multiplexing (rl/sim/multiplex.py) carries out.
 
     pool = ReplicaPool(["seed=0", "seed=1"], replicas=4)
     rl.run.train(config0, pool=pool.member(0))   # each pipeline in a thread of its own
@@ -119,6 +121,11 @@ class Member:
         """The pipeline ended (or failed): its replicas are vacant."""
         self.pool.leave(self.index)
 
+    def shared(self, key: str, make: Callable[[], tuple[Any, Callable[[], None]]]) -> Any:
+        """What the pipelines' runtimes share (the Ray runtime's replica host actors), made by the
+        first to ask (`make` returns it and what ends it, at the pool's close)."""
+        return self.pool.shared(key, make)
+
     def learner_turn(self, kind: str) -> contextlib.AbstractContextManager[None]:
         """Holds the learner's devices for one of this pipeline's operations (Driver)."""
         return self.pool.learner_turn(self.index, kind)
@@ -173,6 +180,9 @@ class ReplicaPool:
         self._learner_waits: dict[int, tuple[float, str]] = {}  # pipeline -> (since, kind)
         self._running: tuple[float, str, float] | None = None  # (since, kind, start) of _learner's
         self._learner_est: dict[tuple[int, str], float] = {}  # (pipeline, kind) -> seconds
+        self._shared: dict[str, Any] = {}
+        self._ends: list[Callable[[], None]] = []
+        self._shared_lock = threading.Lock()  # (making one may take long: not the pool's lock)
         self._stop = threading.Event()
         self._last = clock()
         self.error: BaseException | None = None
@@ -265,10 +275,23 @@ class ReplicaPool:
         self._learner = pick
         self._turns.notify_all()
 
+    def shared(self, key: str, make: Callable[[], tuple[Any, Callable[[], None]]]) -> Any:
+        """Member.shared."""
+        with self._shared_lock:
+            if key not in self._shared:
+                self._shared[key], end = make()
+                self._ends.append(end)
+            return self._shared[key]
+
     def close(self) -> None:
-        """Stops moving replicas (the pipelines' runtimes close their own samplers). Idempotent."""
+        """Stops moving replicas (the pipelines' runtimes close their own samplers) and ends what
+        they shared. Idempotent."""
         self._stop.set()
         self._thread.join()
+        with self._shared_lock:
+            ends, self._ends = self._ends, []
+        for end in reversed(ends):
+            end()
 
     # ---------------------------------------------------------------------------- decisions
 

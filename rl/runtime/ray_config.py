@@ -89,3 +89,19 @@ def check_ray_config(config: Any) -> RayConfig:
             "config.ray.learner_workers=1, or config.sft.max_steps=0."
         )
     return r
+
+
+def check_pooled(config: Any) -> None:
+    """What a pipeline of a multiplexed sweep under Ray (rl.runtime.ray_host) does not run: an
+    error naming it."""
+    if config.elastic.migration != "off":
+        raise ValueError(
+            f"config.elastic.migration={config.elastic.migration!r} in a multiplexed sweep under "
+            "Ray: a recalled replica drains there (migration between pipelines' replicas runs in "
+            "the threads runtime); expected 'off', or config.runtime='threads'."
+        )
+    if config.mesh.split == "plan":
+        raise ValueError(
+            "config.mesh.split='plan' in a multiplexed sweep under Ray: the pool's replica "
+            "meshes are fixed; expected mesh.split='fixed'."
+        )

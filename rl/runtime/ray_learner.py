@@ -252,7 +252,7 @@ class LearnerWorker:
 
     def lend(self, queue: Any) -> int:
         """Builds a sampler replica (ReplicaCore) on each mesh.sampler_devices of this worker's
-        learner devices, putting groups on `queue`; returns how many (ray_learner_client.LentReplica
+        learner devices, putting groups on `queue`; returns how many (ray_host.HostedReplica
         addresses them by number). They are built once and kept, so a later lend compiles
         nothing. The driver holds the learner's work while they decode."""
 
@@ -265,7 +265,7 @@ class LearnerWorker:
         return len(self.lendable)
 
     def lent_call(self, j: int, method: str, *args: Any) -> Any:
-        """ReplicaCore `method` of lent replica j (what ray_learner_client.LentReplica's calls run)."""
+        """ReplicaCore `method` of lent replica j (what ray_host.HostedReplica's calls run)."""
         return getattr(self.lendable[j], method)(*args)
 
     def unlend(self, j: int) -> BaseException | None:

@@ -4,9 +4,9 @@
 (rl.runtime.ray_learner.LearnerWorker; one worker per host, rank 0 answers), and while the learner
 borrows the replicas' devices runs the same calls in them. Around it, what lives on the worker
 handled from here: its params (`RemoteParams`, published by rl.runtime.ray_weights.RaySync, a
-WeightSync), the SFT warm start (`RemoteSft`), checkpoints
-(`RemoteCheckpoints`) and the sampler replicas it hosts on its devices while it lends them
-(`LentReplica`). A dead worker raises `LearnerDied`, a lender dying while the learner trains on its
+WeightSync), the SFT warm start (`RemoteSft`) and checkpoints (`RemoteCheckpoints`); the sampler
+replicas it hosts on its devices while it lends them are rl.runtime.ray_host.HostedReplica
+handles. A dead worker raises `LearnerDied`, a lender dying while the learner trains on its
 devices `LenderDied`: the run stops, resume continues from the last checkpoint.
 """
 
@@ -178,30 +178,6 @@ class RemoteSft:
 
     def commit(self) -> None:
         self.learner._call("sft_commit")
-
-
-class LentReplica:
-    """A sampler replica the learner worker hosts on its own devices (LearnerWorker.lend), behind
-    the interface of a SamplerReplica actor handle: `handle.method.remote(*args)` runs
-    ReplicaCore.method there; `close` stops its loop and readies a fresh one for the next lend."""
-
-    def __init__(self, worker: Any, j: int):
-        self.worker, self.j = worker, j
-
-    def __getattr__(self, method: str) -> Any:
-        if method.startswith("_"):
-            raise AttributeError(method)
-        if method == "close":
-            return _Remote(lambda: self.worker.unlend.remote(self.j))
-        return _Remote(lambda *args: self.worker.lent_call.remote(self.j, method, *args))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Remote:
-    call: Any
-
-    def remote(self, *args: Any) -> Any:
-        return self.call(*args)
 
 
 class RemoteCheckpoints:

@@ -83,6 +83,8 @@ class ReplicaRouter:
         self.lock = threading.RLock()
         self._params: tuple[Any, int] | None = None  # the latest weights, for a replica added
         self._error: BaseException | None = None
+        self._leaving: set[int] = set()  # recalled by a multiplexed pool, not yet released
+        self.closed = False
         self._cuts = RoutedCuts(self.routing)  # tail batching: which groups of a short round train
         self._stats: dict[int, Any] = {}  # the last counters of each replica (a dead one's stay)
         self.resampled = 0  # requests re-submitted after their replica died
@@ -113,6 +115,8 @@ class ReplicaRouter:
         weights and starts at once. Returns its index. With `take_queued` it takes requests still
         waiting on the others, up to its slots' worth, the most loaded replica's first (async
         borrowing's replica joins mid-rollout)."""
+        if self.closed:
+            raise RuntimeError("The sampler is closed: no replica joins it.")
         slots = ray.get(handle.num_slots.remote())
         with self.lock:
             i = self.routing.add()
@@ -177,6 +181,103 @@ class ReplicaRouter:
         if rest:
             self.submit(rest)
 
+    # ------------------------------------- a multiplexed pool's moves (rl/runtime/pool.py)
+    # What the pool reads every few milliseconds is estimated here, from the routing alone (no
+    # call to the replicas): a replica's sequences are those of the requests it owns, undelivered.
+    # Only the policy's timing reads the estimates; no request depends on them.
+
+    def release_idle(self, i: int) -> bool:
+        """Stops replica i if it owns no undelivered request and is not the last; returns
+        whether it did (checked and removed under the routing lock: nothing is routed to it in
+        between). Its loop is stopped and a fresh one readied (HostedReplica.close)."""
+        with self.lock:
+            if i not in self._routed() or len(self._routed()) == 1 or self.routing.load[i]:
+                return False
+            self.routing.remove(i)
+            del self._slots[i]
+            self._leaving.discard(i)
+        self._collect([i])  # its last spans and counters
+        for err in self.each("close", replicas=[i]).values():
+            if err is not None and self._error is None:
+                self._error = err
+        return True
+
+    def recall(self, i: int) -> bool:
+        """Replica i is wanted by another pipeline: nothing is routed to it from now on and its
+        waiting requests go to the others; what runs there finishes (no migration), after which
+        `release_idle(i)` stops it. False for a replica not live, or when none would stay."""
+        with self.lock:
+            stay = [j for j in self.alive if j != i]
+            if i not in self.alive or not stay:
+                return False
+            self._leaving.add(i)
+            self.routing.retire(i)
+        taken = self.each("take_queued", 1 << 30, replicas=[i]).get(i, [])
+        by_replica: dict[int, list[Request]] = collections.defaultdict(list)
+        with self.lock:
+            for r in taken:
+                if self.routing.owner(r.key) is None:
+                    continue  # (a full round cut forgot it meanwhile)
+                j = min(stay, key=lambda j: (self.routing.load[j], j))
+                self.routing.move(r.key, j)
+                by_replica[j].append(r)
+        for j, rs in by_replica.items():
+            try:
+                ray.get(self.replicas[j].submit.remote(rs))
+            except RayActorError as e:
+                self._lost(j, e)
+        return True
+
+    def keep(self, i: int) -> None:
+        """Replica i, recalled, stays (nobody waits for it any more): it is routed to again."""
+        with self.lock:
+            if i in self._leaving and i in self._slots:
+                self._leaving.discard(i)
+                self.routing.rejoin(i)
+
+    @property
+    def leaving(self) -> frozenset[int]:
+        with self.lock:
+            return frozenset(self._leaving)
+
+    def pending(self) -> int:
+        """Requests routed and not delivered."""
+        with self.lock:
+            return len(self.routing.outstanding)
+
+    def _routed(self) -> list[int]:
+        """The replicas routed to and those recalled, not yet released (the lock held)."""
+        return sorted([*self.alive, *self._leaving])
+
+    def _sequences(self) -> dict[int, tuple[int, int]]:
+        """Each routed replica's (sequences it owns, its slots) (the lock held)."""
+        seqs: collections.Counter[int] = collections.Counter()
+        for j, r in self.routing.outstanding.values():
+            seqs[j] += r.kept
+        return {i: (seqs[i], self._slots[i]) for i in self._routed()}
+
+    def usage(self) -> dict[int, tuple[int, int]]:
+        """Each replica's (busy slots, free slots), estimated (see above)."""
+        with self.lock:
+            return {i: (min(q, n), max(n - q, 0)) for i, (q, n) in self._sequences().items()}
+
+    def free_slots(self) -> int:
+        leaving = self.leaving
+        return sum(free for i, (_, free) in self.usage().items() if i not in leaving)
+
+    def busy_slots(self) -> int:
+        return sum(busy for busy, _ in self.usage().values())
+
+    def waiting_sequences(self) -> int:
+        """Samples beyond their replicas' slots, estimated (see above)."""
+        with self.lock:
+            return sum(max(q - n, 0) for q, n in self._sequences().values())
+
+    def idle_replicas(self) -> list[int]:
+        """Replicas that own no undelivered request."""
+        with self.lock:
+            return [i for i in self._routed() if not self.routing.load[i]]
+
     def waiting(self) -> int:
         """Requests waiting for admission, over the live replicas."""
         return sum(self.each("waiting").values())
@@ -240,8 +341,9 @@ class ReplicaRouter:
 
     def _lost(self, i: int, e: BaseException) -> None:
         with self.lock:
-            if i not in self.alive:
+            if i not in self.alive and i not in self._leaving:
                 return
+            self._leaving.discard(i)
             lost = self._remove(i)
         why = f"sampler replica {i} died ({type(e).__name__}: {str(e).splitlines()[0]})"
         if self.on_failure == "stop" or not self.alive:
@@ -330,6 +432,7 @@ class ReplicaRouter:
         self.each("request_stop")
 
     def close(self) -> None:
+        self.closed = True
         if self.migrator is not None:
             self.migrator.stop()
         for err in self.each("close").values():

@@ -25,14 +25,21 @@ Elastic devices: long-tail migration (config.elastic.migration) moves running re
 replica actors, their decode state through the object store (rl.runtime.ray_migration: the same
 policy as the threaded runtime, asked from a thread of this process). Sampler borrowing
 (config.elastic.borrowing="sampler") lends the learner worker's devices to the sampler: the worker
-hosts extra replicas on them (LearnerWorker.lend, built at start; `LentReplica` is their handle)
-that the router adds while the learner waits for a round's groups and removes once the sampler
-drains; under async it adds them while the learner waits for its next batch and takes them back
-mid-rollout once the batch is complete (ReplicaRouter.take_back). The
-learner borrows the replicas' devices (config.elastic.borrowing="learner"): the replicas are
-processes of the learner worker's jax.distributed job from the start (ranks 1..N), and while the
-rollout is drained the learner's mesh extends over their devices, each replica running the same
-Learner calls on its shards (`LearnerClient`; learner.Learner.borrow across processes).
+hosts extra replicas on them (LearnerWorker.lend, built at start; their handles are
+rl.runtime.ray_host.HostedReplica) that the router adds while the learner waits for a round's
+groups and removes once the sampler drains; under async it adds them while the learner waits for
+its next batch and takes them back mid-rollout once the batch is complete
+(ReplicaRouter.take_back). The learner borrows the replicas' devices
+(config.elastic.borrowing="learner"): the replicas are processes of the learner worker's
+jax.distributed job from the start (ranks 1..N), and while the rollout is drained the learner's
+mesh extends over their devices, each replica running the same Learner calls on its shards
+(`LearnerClient`; learner.Learner.borrow across processes).
+
+A pipeline of a multiplexed sweep (`pool`: rl/runtime/pool.py, launch.sweep) has no replica
+actors of its own: its replicas live on the pool's ReplicaHost actors, one per replica mesh,
+each holding every pipeline's (rl.runtime.ray_host), and the pool moves the meshes between the
+pipelines' routers as it does between threaded samplers; its learner operations take turns with
+the other pipelines' (`learner_turn`).
 
 Faults: a replica that dies (RayActorError) has its unfinished requests re-sampled on the others
 (config.ray.on_replica_failure="resample"; per-request randomness makes their tokens identical, and
@@ -63,12 +70,13 @@ from rl.runtime.compose import (
 )
 
 # (connect and worker_env are imported from here too: launch/bench_elastic.py)
+from rl.runtime.pool import Member
 from rl.runtime.ray_cluster import actor_name, connect, planned_config, worker_env
-from rl.runtime.ray_config import check_ray_config
+from rl.runtime.ray_config import check_pooled, check_ray_config
+from rl.runtime.ray_host import HostedReplica, pool_hosts
 from rl.runtime.ray_learner import LearnerWorker
 from rl.runtime.ray_learner_client import (
     LearnerClient,
-    LentReplica,
     RemoteCheckpoints,
     RemoteSft,
     learner_died,
@@ -94,10 +102,14 @@ class RayRuntime:
       router: the ReplicaRouter of the last `driver()`.
     """
 
-    def __init__(self, config: Any, setup: Any, *, total_updates: int):
+    def __init__(self, config: Any, setup: Any, *, total_updates: int, pool: Member | None = None):
 
         check_ray_config(config)
-        self._owns_ray = connect(config.ray)
+        if pool is not None:
+            check_pooled(config)
+        self.pool = pool
+        hosts = [] if pool is None else pool_hosts(config, pool)
+        self._owns_ray = connect(config.ray)  # (False in a pool: its hosts connected)
         self.mesh_plan = None
         if config.mesh.split == "plan":
             config, self.mesh_plan = planned_config(config)
@@ -132,17 +144,24 @@ class RayRuntime:
         )
         coordinator = ray.get(workers[0].coordinator.remote()) if group > 1 or lenders else ""
         built = [w.build.remote(coordinator, group, lenders) for w in workers]
-        self.replicas = [
-            SamplerReplica.options(
-                name=actor_name(config, f"replica{i}"),
-                num_cpus=r.replica_cpus,
-                num_gpus=r.replica_gpus,
-                runtime_env=env,
-            ).remote(
-                cfg, self.queue_actor, None, (coordinator, 1 + lenders, 1 + i) if lenders else None
-            )
-            for i in range(config.mesh.sampler_replicas)
-        ]
+        if pool is None:
+            self.replicas = [
+                SamplerReplica.options(
+                    name=actor_name(config, f"replica{i}"),
+                    num_cpus=r.replica_cpus,
+                    num_gpus=r.replica_gpus,
+                    runtime_env=env,
+                ).remote(
+                    cfg,
+                    self.queue_actor,
+                    None,
+                    (coordinator, 1 + lenders, 1 + i) if lenders else None,
+                )
+                for i in range(config.mesh.sampler_replicas)
+            ]
+        else:  # this pipeline's replica on every host of the pool's (rl.runtime.ray_host)
+            ray.get([h.build.remote(pool.name, cfg, self.queue_actor) for h in hosts])
+            self.replicas = [HostedReplica(h, pool.name) for h in hosts]
         try:
             ray.get(built)  # the job forms once every replica has joined too
         except RayActorError as e:
@@ -179,22 +198,27 @@ class RayRuntime:
             ray.get([w.use_transfer.remote(False) for w in workers])
         return "object_store"
 
-    def _lent_replicas(self) -> list[LentReplica]:
+    def _lent_replicas(self) -> list[HostedReplica]:
         """Sampler replicas the learner worker hosts on its devices (SamplerLender's first move)."""
         worker = self.learner.workers[0]
         try:
             n = ray.get(worker.lend.remote(self.queue_actor))
         except RayActorError as e:
             raise learner_died(e) from None
-        return [LentReplica(worker, j) for j in range(n)]
+        return [HostedReplica(worker, j, call="lent_call", close="unlend") for j in range(n)]
 
     def driver(self, cfg: Any, **kwargs: Any) -> Any:
         """A Driver over the replicas (ReplicaRouter) and the queue actor; kwargs go to it."""
 
         timeline = kwargs.pop("timeline", None) or Timeline()
         r = self.config.ray
+        replicas, held = self.replicas, range(len(self.replicas))
+        if self.pool is not None:  # it starts on the replicas the pool gives it
+            held = self.pool.claim()
+            kwargs.setdefault("learner_turn", self.pool.learner_turn)  # the shared learner mesh
+            replicas = [self.replicas[i] for i in held]
         self.router = ReplicaRouter(
-            self.replicas,
+            replicas,
             routing=self.config.mesh.sampler_routing,
             on_failure=r.on_replica_failure,
             timeline=timeline,
@@ -208,7 +232,7 @@ class RayRuntime:
             kwargs.setdefault("borrower", self.borrow)
             router = self.router
             self.learner.usable = lambda: all(i in router.alive for i in range(len(self.replicas)))
-        return Driver(
+        driver = Driver(
             cfg,
             sampler=self.router,
             queue=QueueClient(self.queue_actor, self.router.accept),
@@ -217,17 +241,27 @@ class RayRuntime:
             timeline=timeline,
             **kwargs,
         )
+        if self.pool is not None:
+            self.pool.attach(self.router, self.replicas, held)
+            # slot occupancy is over every replica it may hold
+            driver.num_slots = sum(ray.get([h.num_slots.remote() for h in self.replicas]))
+        return driver
 
     def _live(self) -> list[int]:
-        return self.router.alive if self.router is not None else list(range(len(self.replicas)))
+        """Indices into `replicas` of those answering for this run: the router's live ones, or
+        in a pool every host's (this pipeline's replica on each, serving or not)."""
+        if self.router is None or self.pool is not None:
+            return list(range(len(self.replicas)))
+        return self.router.alive
 
     def sft(self, records: Any) -> RemoteSft:
         """The SFT warm start, run on the learner worker (rl.run drives its steps)."""
         return RemoteSft(self.learner, list(records))
 
     def evaluate(self, published: Any, records: Any, *, k: int = 1) -> dict[str, float]:
-        """Held-out accuracy (and pass@k, k > 1), evaluated on the first live replica."""
-        replica = self.replicas[self._live()[0]]
+        """Held-out accuracy (and pass@k, k > 1), evaluated on the first live replica (in a
+        pool: on its home, which only it uses)."""
+        replica = self.replicas[self._live()[0] if self.pool is None else self.pool.home]
         return ray.get(replica.evaluate.remote(published, list(records), k))
 
     def export_hf(self, path: str) -> None:
@@ -265,8 +299,19 @@ class RayRuntime:
         return RemoteCheckpoints(self.learner, directory)
 
     def close(self) -> None:
-        """Ends the workers (and the local cluster this runtime started)."""
-        for actor in (*self.learner.workers, *self.replicas, self.queue_actor):
+        """Ends the workers (and the local cluster this runtime started); in a pool, its
+        replicas on the hosts go, and the pool ends the hosts."""
+        if self.pool is not None:
+            self.pool.leave()
+            for h in self.replicas:
+                try:
+                    ray.get(h.actor.drop.remote(self.pool.name))
+                except RayActorError:
+                    pass  # (a dead host held nothing more)
+        for actor in (*self.learner.workers, self.queue_actor):
             ray.kill(actor)
+        if self.pool is None:
+            for actor in self.replicas:
+                ray.kill(actor)
         if self._owns_ray:
             ray.shutdown()

@@ -3,7 +3,7 @@
 import pytest
 
 from configs import smoke
-from rl.sweep import expand
+from rl.sweep import expand, run_sweep
 
 
 def test_values_give_the_product_of_typed_fields_each_in_its_own_workdir():
@@ -41,3 +41,25 @@ def test_values_give_the_product_of_typed_fields_each_in_its_own_workdir():
 def test_bad_values_are_one_error_naming_the_field(values, message):
     with pytest.raises(ValueError, match=message):
         expand(smoke.get_config(), values)
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("elastic.migration", "tail", "pipeline seed=0: config.elastic.migration='tail'.*Ray"),
+        ("mesh.split", "plan", "pipeline seed=0: config.mesh.split='plan'.*Ray"),
+        ("elastic.stage_model", "", "pipeline seed=0: config.mesh.split='plan' with no"),
+    ],
+)
+def test_a_ray_sweep_refuses_what_its_pool_does_not_run_before_anything_starts(
+    field, value, message
+):
+    """A planned split is checked first (the last case: a config error, named per pipeline)."""
+    base = smoke.get_config()
+    base.runtime, base.mesh.sampler_replicas = "ray", 2
+    base.mesh.split, base.elastic.stage_model = "plan", "preset:qwen3-1.7b:h100"
+    base.mesh.learner_devices = base.mesh.sampler_devices = 0
+    section, name = field.split(".")
+    base[section][name] = value
+    with pytest.raises(ValueError, match=message):
+        run_sweep(expand(base, "seed=0,1"))

@@ -121,9 +121,42 @@ def test_each_multiplexed_pipeline_trains_bitwise_its_solo_run(
         assert solo["rounds"][-1]["grad_norm"] > 0  # the parameters did move
 
 
+@pytest.mark.slow  # end-to-end: 2 learner workers, 3 replica hosts, then 2 threaded solo runs
+def test_multiplexed_under_ray_each_pipeline_trains_bitwise_its_solo_run(ray_cluster, tmp_path):
+    """Under Ray the pool's replica meshes are host actors holding a replica of every pipeline
+    (rl/runtime/ray_host.py), moved as in threads; each pipeline trains what it trains alone
+    (the threaded solo run: runtime=ray equals threads bitwise)."""
+    configs = [config(tmp_path / "mux" / str(s), s) for s in (0, 1)]
+    for c in configs:
+        c.runtime = "ray"
+    runs, pool = multiplexed(configs, policy=Restless(2))
+    assert pool.error is None
+    assert all(not isinstance(r, BaseException) for r in runs), runs
+    assert sum(s.moves_in for s in pool.stats) > 0  # replicas did switch pipelines
+    assert all(h is None for h in pool.holder)
+    for seed, mux in enumerate(runs):
+        solo = train(config(tmp_path / f"solo{seed}", seed), stdout=False)
+        assert_bitwise_equal(mux["state"], solo["state"])
+        assert [r["reward_mean"] for r in solo["rounds"]] == [
+            r["reward_mean"] for r in mux["rounds"]
+        ]
+
+
 def test_a_failing_pipeline_stops_alone_and_the_others_finish(tmp_path):
     ok, broken = config(tmp_path / "ok", 0), config(tmp_path / "broken", 1)
     broken.learner.optimizer.lr = 1e30  # the first update's parameters give a NaN loss
+    runs, pool = multiplexed([ok, broken], policy=Restless(2))
+    assert isinstance(runs[1], FloatingPointError), runs[1]
+    assert not isinstance(runs[0], BaseException) and len(runs[0]["rounds"]) == 3
+    assert pool.error is None and all(h is None for h in pool.holder)
+
+
+@pytest.mark.slow  # end-to-end under Ray: 2 learner workers, 3 replica hosts
+def test_under_ray_a_failing_pipeline_stops_alone_and_the_others_finish(ray_cluster, tmp_path):
+    ok, broken = config(tmp_path / "sweep" / "ok", 0), config(tmp_path / "sweep" / "broken", 1)
+    broken.learner.optimizer.lr = 1e30  # the first update's parameters give a NaN loss
+    for c in (ok, broken):
+        c.runtime = "ray"
     runs, pool = multiplexed([ok, broken], policy=Restless(2))
     assert isinstance(runs[1], FloatingPointError), runs[1]
     assert not isinstance(runs[0], BaseException) and len(runs[0]["rounds"]) == 3
