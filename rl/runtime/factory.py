@@ -48,9 +48,9 @@ def share_pool(config: Any, pool: ReplicaPool) -> None:
     the replica host actors (rl.runtime.ray_host; Ray started here if it is not), nothing in
     threads."""
     if config.get("runtime", "threads") == "ray":
-        from rl.runtime.ray_host import pool_hosts  # Ray is imported only to use it
+        from rl.runtime.ray_runtime import RayRuntime  # Ray is imported only to use it
 
-        pool_hosts(config, pool)
+        RayRuntime.share_pool(config, pool)
 
 
 def build_driver(config: Any, *, rounds: int) -> tuple[Any, Driver]:

@@ -185,6 +185,12 @@ class RayRuntime:
             self.borrow = build_borrower(config, self.learner, ids, learner_devices=learner_devices)
 
     @staticmethod
+    def share_pool(config: Any, pool: Any) -> None:
+        """Starts the replica host actors of a multiplexed sweep's `pool` (rl.runtime.ray_host)
+        on this thread, before its pipelines start (rl.runtime.factory.share_pool)."""
+        pool_hosts(config, pool)
+
+    @staticmethod
     def _serve_weights(workers: list[Any], weights: str) -> str:
         """Every learner worker learns how publishes go (rank 0 starts the transfer server)."""
         try:

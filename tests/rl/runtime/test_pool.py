@@ -122,11 +122,14 @@ def test_each_multiplexed_pipeline_trains_bitwise_its_solo_run(
 
 
 @pytest.mark.slow  # end-to-end: 2 learner workers, 3 replica hosts, then 2 threaded solo runs
-def test_multiplexed_under_ray_each_pipeline_trains_bitwise_its_solo_run(ray_cluster, tmp_path):
+@pytest.mark.parametrize("mode", ["cgp", "async"])  # async: max_staleness 0
+def test_multiplexed_under_ray_each_pipeline_trains_bitwise_its_solo_run(
+    ray_cluster, tmp_path, mode
+):
     """Under Ray the pool's replica meshes are host actors holding a replica of every pipeline
     (rl/runtime/ray_host.py), moved as in threads; each pipeline trains what it trains alone
     (the threaded solo run: runtime=ray equals threads bitwise)."""
-    configs = [config(tmp_path / "mux" / str(s), s) for s in (0, 1)]
+    configs = [config(tmp_path / "mux" / str(s), s, mode) for s in (0, 1)]
     for c in configs:
         c.runtime = "ray"
     runs, pool = multiplexed(configs, policy=Restless(2))
@@ -135,7 +138,7 @@ def test_multiplexed_under_ray_each_pipeline_trains_bitwise_its_solo_run(ray_clu
     assert sum(s.moves_in for s in pool.stats) > 0  # replicas did switch pipelines
     assert all(h is None for h in pool.holder)
     for seed, mux in enumerate(runs):
-        solo = train(config(tmp_path / f"solo{seed}", seed), stdout=False)
+        solo = train(config(tmp_path / f"solo{seed}", seed, mode), stdout=False)
         assert_bitwise_equal(mux["state"], solo["state"])
         assert [r["reward_mean"] for r in solo["rounds"]] == [
             r["reward_mean"] for r in mux["rounds"]
