@@ -308,16 +308,17 @@ class RayRuntime:
         """Ends the workers (and the local cluster this runtime started); in a pool, its
         replicas on the hosts go, and the pool ends the hosts."""
         if self.pool is not None:
-            self.pool.leave()
+            self.pool.leave()  # (first: the pool moves nothing to or from it any more)
+        for actor in (*self.learner.workers, self.queue_actor):
+            ray.kill(actor)  # (before the drops: a loop blocked on a full queue lets go)
+        if self.pool is None:
+            for actor in self.replicas:
+                ray.kill(actor)
+        else:
             for h in self.replicas:
                 try:
                     ray.get(h.actor.drop.remote(self.pool.name))
                 except RayActorError:
                     pass  # (a dead host held nothing more)
-        for actor in (*self.learner.workers, self.queue_actor):
-            ray.kill(actor)
-        if self.pool is None:
-            for actor in self.replicas:
-                ray.kill(actor)
         if self._owns_ray:
             ray.shutdown()
