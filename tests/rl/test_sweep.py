@@ -43,23 +43,25 @@ def test_bad_values_are_one_error_naming_the_field(values, message):
         expand(smoke.get_config(), values)
 
 
+PLANNED = {"mesh.split": "plan", "mesh.learner_devices": 0, "mesh.sampler_devices": 0}
+
+
 @pytest.mark.parametrize(
-    "field,value,message",
+    "fields,message",
     [
-        ("elastic.migration", "tail", "pipeline seed=0: config.elastic.migration='tail'.*Ray"),
-        ("mesh.split", "plan", "pipeline seed=0: config.mesh.split='plan'.*Ray"),
-        ("elastic.stage_model", "", "pipeline seed=0: config.mesh.split='plan' with no"),
+        ({"elastic.migration": "tail"}, "pipeline seed=0: config.elastic.migration='tail'.*Ray"),
+        (
+            {**PLANNED, "elastic.stage_model": "preset:qwen3-1.7b:h100"},
+            "pipeline seed=0: config.mesh.split='plan' in a multiplexed sweep under Ray",
+        ),
+        (PLANNED, "pipeline seed=0: config.mesh.split='plan' with no"),  # a ConfigError
     ],
 )
-def test_a_ray_sweep_refuses_what_its_pool_does_not_run_before_anything_starts(
-    field, value, message
-):
-    """A planned split is checked first (the last case: a config error, named per pipeline)."""
+def test_a_ray_sweep_refuses_what_its_pool_does_not_run_before_anything_starts(fields, message):
     base = smoke.get_config()
     base.runtime, base.mesh.sampler_replicas = "ray", 2
-    base.mesh.split, base.elastic.stage_model = "plan", "preset:qwen3-1.7b:h100"
-    base.mesh.learner_devices = base.mesh.sampler_devices = 0
-    section, name = field.split(".")
-    base[section][name] = value
+    for field, value in fields.items():
+        section, name = field.split(".")
+        base[section][name] = value
     with pytest.raises(ValueError, match=message):
         run_sweep(expand(base, "seed=0,1"))
