@@ -27,30 +27,34 @@ def check_runtime_config(config: Any) -> None:
         check_ray_config(config)
 
 
+def runtime_class(config: Any) -> type:
+    """The runtime class config.runtime names: ThreadsRuntime or
+    rl.runtime.ray_runtime.RayRuntime."""
+    if config.get("runtime", "threads") == "ray":
+        from rl.runtime.ray_runtime import RayRuntime  # Ray is imported only to use it
+
+        return RayRuntime
+    return ThreadsRuntime
+
+
 def make_runtime(
     config: Any, setup: Setup, *, total_updates: int, pool: Member | None = None
 ) -> Any:
-    """The runtime config.runtime names: ThreadsRuntime or rl.runtime.ray_runtime.RayRuntime.
+    """The runtime config.runtime names (`runtime_class`), built.
 
     Args:
       pool: this pipeline's place in a pool of replicas several pipelines share
         (rl.runtime.pool; launch.sweep); None: the run has its devices alone.
     """
-    if config.get("runtime", "threads") == "ray":
-        from rl.runtime.ray_runtime import RayRuntime  # Ray is imported only to use it
-
-        return RayRuntime(config, setup, total_updates=total_updates, pool=pool)
-    return ThreadsRuntime(config, setup, total_updates=total_updates, pool=pool)
+    return runtime_class(config)(config, setup, total_updates=total_updates, pool=pool)
 
 
 def share_pool(config: Any, pool: ReplicaPool) -> None:
     """Starts what the pipelines of `pool` share, on this thread, before they start: under Ray
-    the replica host actors (rl.runtime.ray_host; Ray started here if it is not), nothing in
+    the replica host actors (RayRuntime.share_pool; Ray started here if it is not), nothing in
     threads."""
     if config.get("runtime", "threads") == "ray":
-        from rl.runtime.ray_runtime import RayRuntime  # Ray is imported only to use it
-
-        RayRuntime.share_pool(config, pool)
+        runtime_class(config).share_pool(config, pool)
 
 
 def build_driver(config: Any, *, rounds: int) -> tuple[Any, Driver]:
