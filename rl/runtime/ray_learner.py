@@ -177,7 +177,7 @@ class LearnerWorker:
                 return [None, nbytes]
             ticket = Ticket(
                 address=self.weights.address,
-                uuid=self.weights.keep(leaves),
+                uuid=self.weights.keep(leaves, evaluation=version < 0),  # (run.py evaluates -1)
                 learner=ray.get_runtime_context().current_actor,
                 shapes=tuple((tuple(x.shape), str(x.dtype)) for x in leaves),
             )

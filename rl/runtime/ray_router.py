@@ -18,6 +18,7 @@ The Driver's Queue over the queue actor is rl.runtime.ray_queue.QueueClient.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 from collections.abc import Iterable
@@ -82,6 +83,7 @@ class ReplicaRouter:
         # Routing is shared with the migrator's thread (rl.runtime.ray_migration)
         self.lock = threading.RLock()
         self._params: tuple[Any, int] | None = None  # the latest weights, for a replica added
+        self._publishing = threading.Lock()  # a publish, or a replica's first weights and start
         self._error: BaseException | None = None
         self._leaving: set[int] = set()  # recalled by a multiplexed pool, not yet released
         self.closed = False
@@ -118,15 +120,24 @@ class ReplicaRouter:
         if self.closed:
             raise RuntimeError("The sampler is closed: no replica joins it.")
         slots = ray.get(handle.num_slots.remote())
-        with self.lock:
-            i = self.routing.add()
-            self.replicas.append(handle)
-            assert len(self.replicas) == i + 1
-            self._slots[i] = slots
-            self._offset.append(self._first_lane(handle, slots))
-        if self._params is not None:
-            ray.get(handle.set_params.remote(*self._params))
-        ray.get(handle.start.remote())
+        # Weights and a running loop before any request is routed to it, and no publish between
+        # its weights and its routing (set_params holds the same lock): a replica that fails
+        # to start is never routed to, and one that starts has the latest weights.
+        with self._publishing:
+            try:
+                if self._params is not None:
+                    ray.get(handle.set_params.remote(*self._params))
+                ray.get(handle.start.remote())
+            except BaseException:
+                with contextlib.suppress(RayActorError):  # (a later add starts it afresh)
+                    ray.get(handle.close.remote())
+                raise
+            with self.lock:
+                i = self.routing.add()
+                self.replicas.append(handle)
+                assert len(self.replicas) == i + 1
+                self._slots[i] = slots
+                self._offset.append(self._first_lane(handle, slots))
         if take_queued:
             with self.lock:
                 others = sorted(
@@ -138,7 +149,8 @@ class ReplicaRouter:
                     break
                 taken = self.each("take_queued", room, replicas=[j]).get(j, [])
                 room -= sum(r.group_size for r in taken)
-                with self.lock:  # (a request a cut forgot meanwhile is dropped on delivery)
+                with self.lock:  # (a request a full round cut forgot meanwhile is not sampled)
+                    taken = [r for r in taken if self.routing.owner(r.key) is not None]
                     for r in taken:
                         self.routing.move(r.key, i)
                 if taken:
@@ -396,8 +408,9 @@ class ReplicaRouter:
             self.migrator.start()
 
     def set_params(self, params: Any, version: int) -> None:
-        self._params = (params, version)
-        self.each("set_params", params, version)
+        with self._publishing:  # (a replica being added gets these or comes after them)
+            self._params = (params, version)
+            self.each("set_params", params, version)
 
     def submit(self, requests: Iterable[Request], cut: RoundCut | None = None) -> None:
         """Routes requests to replicas; with `cut` (one round's requests), the router keeps the

@@ -14,9 +14,10 @@ the object store (config.ray.weights).
   between decode steps), and a replica that joins later (the router's add_replica, a lent replica)
   pulls the same ticket; a collective would have every replica and the learner enter one program
   at the same instant. The socket transport stages through host memory inside PjRt on GPU (DCN on
-  TPU); what it removes is the object store's put, its copies and Python's pickling. The last two
-  staged versions are kept: one extra copy of the sampler-dtype params on the learner's first
-  device.
+  TPU); what it removes is the object store's put, its copies and Python's pickling. The sampler's
+  last two staged versions are kept: one extra copy of the sampler-dtype params on the learner's
+  first device. An evaluation's version is staged apart and dropped once offered (one replica
+  pulls it, once), so an evaluation never pushes out a version a replica still pulls.
 - "object_store": the params as host arrays, put in the object store once by the learner worker
   (rank 0, after a gather), got and placed by each replica.
 - "auto" (the default): transfer where the learner worker's server starts, else the object store,
@@ -92,18 +93,34 @@ class WeightServer:
         self.server = start_server(host)
         self.address = self.server.address()
         self._staged: dict[int, list[jax.Array]] = {}
+        self._once: set[int] = set()  # evaluation versions, dropped once offered
         self._next = 1
         self._lock = threading.Lock()
 
-    def keep(self, leaves: list[jax.Array]) -> int:
+    def keep(self, leaves: list[jax.Array], *, evaluation: bool = False) -> int:
         """Stages `leaves` (on one device, in buffers of their own: `one_device`) for pulling;
-        returns their id (a Ticket's). Versions older than the last KEEP are dropped."""
+        returns their id (a Ticket's). The sampler's versions older than its last KEEP are
+        dropped. An `evaluation` version is pulled once, by the replica that evaluates: it is
+        dropped once offered, and counts nowhere else, so evaluations never push out a version
+        the sampler's replicas (one joining late included: ReplicaRouter.add_replica) pull."""
         with self._lock:
             uuid, self._next = self._next, self._next + 1
             self._staged[uuid] = leaves
-            for old in sorted(self._staged)[:-KEEP]:
-                del self._staged[old]
+            if evaluation:  # (one not offered, its evaluation failed, goes with the next)
+                for old in self._once:
+                    del self._staged[old]
+                self._once = {uuid}
+            else:
+                sampler = sorted(u for u in self._staged if u not in self._once)
+                for old in sampler[:-KEEP]:
+                    del self._staged[old]
         return uuid
+
+    @property
+    def staged(self) -> list[int]:
+        """The ids of the versions staged now."""
+        with self._lock:
+            return sorted(self._staged)
 
     def offer(self, uuid: int) -> int:
         """Lets one replica pull staged version `uuid`: under a transfer id of its own, returned
@@ -113,10 +130,14 @@ class WeightServer:
             if leaves is None:
                 raise KeyError(
                     f"Weights transfer {uuid} is no longer staged on the learner worker (it keeps "
-                    f"the last {KEEP}: {sorted(self._staged)}); expected a replica to pull a "
-                    "version before two newer ones are published."
+                    f"the sampler's last {KEEP}: {sorted(self._staged)}; an evaluation's until "
+                    "it is offered once); expected a replica to pull a version before two newer "
+                    "ones are published."
                 )
             pull, self._next = self._next, self._next + 1
+            if uuid in self._once:  # (the server holds the leaves until they are pulled)
+                self._once.discard(uuid)
+                del self._staged[uuid]
         self.server.await_pull(pull, leaves)
         return pull
 

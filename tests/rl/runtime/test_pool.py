@@ -121,10 +121,6 @@ def test_each_multiplexed_pipeline_trains_bitwise_its_solo_run(
         assert solo["rounds"][-1]["grad_norm"] > 0  # the parameters did move
 
 
-@pytest.mark.skip(
-    reason="hung once in CI (a pipeline's driver waiting on its queue for 15 min); passed 3 times "
-    "here; under investigation (issue 31)"
-)
 @pytest.mark.slow  # end-to-end: 2 learner workers, 3 replica hosts, then 2 threaded solo runs
 @pytest.mark.parametrize("mode", ["cgp", "async"])  # async: max_staleness 0
 def test_multiplexed_under_ray_each_pipeline_trains_bitwise_its_solo_run(

@@ -2,7 +2,11 @@
 object store) and the sampler borrowing the learner worker's devices leave the run's tokens and
 parameters those of the threaded runtime, bitwise; under async a lent replica taken back
 mid-rollout loses and doubles nothing; the migrator's stale and faulty paths lose no request and
-leak no slot."""
+leak no slot; a replica that joins gets the latest weights before any request, or is never
+routed to."""
+
+import threading
+import time
 
 import jax
 import numpy as np
@@ -429,10 +433,13 @@ class Kept(FakeReplica):
 
     def __init__(self):
         super().__init__()
-        self.resumed = []
+        self.resumed, self.versions = [], []
 
     def resume(self, runs):
         self.resumed.extend(runs)
+
+    def set_params(self, params, version):
+        self.versions.append(version)
 
 
 class Lent(FakeReplica):
@@ -539,3 +546,58 @@ def test_a_dead_replicas_group_on_the_queue_is_delivered_not_sampled_again(ray_c
     assert kept.submitted == [unfinished.key]
     owners = {k: owner for k, (owner, _) in router.routing.outstanding.items()}
     assert owners == {on_queue.key: 0, unfinished.key: 0}
+
+
+class Unplaceable(Lent):
+    """A replica whose weights cannot be placed (a pull of a version no longer staged)."""
+
+    def set_params(self, params, version):
+        raise KeyError("Weights transfer 17 is no longer staged")
+
+
+def test_a_replica_that_fails_to_start_is_never_routed_to(ray_cluster):
+    """The pool's add (or a lend) fails at the joining replica's weights: it is stopped, never
+    routed to, and the requests go to the replicas there were."""
+    kept, bad = Kept(), Unplaceable(([], []))
+    router = ReplicaRouter(
+        [Handle(kept)], routing="round_robin", on_failure="resample", timeline=Timeline()
+    )
+    router.set_params("weights", 1)
+    with pytest.raises(KeyError, match="no longer staged"):
+        router.add_replica(Handle(bad))
+    assert router.alive == [0] and bad.closed
+    router.submit([request(0), request(1)])
+    assert kept.submitted == [(0, 0), (0, 1)]
+
+
+class Slow(Lent):
+    """A joining replica whose weights take a while to place."""
+
+    def __init__(self):
+        super().__init__(([], []))
+        self.entered, self.go, self.versions = threading.Event(), threading.Event(), []
+
+    def set_params(self, params, version):
+        self.entered.set()
+        assert self.go.wait(30)
+        self.versions.append(version)
+
+
+def test_a_publish_while_a_replica_joins_reaches_it_after_its_first_weights(ray_cluster):
+    """A publish that comes while a replica joins waits for it, then reaches it too: the replica
+    never samples with the weights it was given at the join once newer ones are out."""
+    kept, slow = Kept(), Slow()
+    router = ReplicaRouter(
+        [Handle(kept)], routing="round_robin", on_failure="resample", timeline=Timeline()
+    )
+    router.set_params("weights1", 1)
+    joining = threading.Thread(target=router.add_replica, args=(Handle(slow),))
+    joining.start()
+    assert slow.entered.wait(30)
+    publish = threading.Thread(target=router.set_params, args=("weights2", 2))
+    publish.start()
+    time.sleep(0.2)  # (time for the publish to overtake the join, were it not held)
+    slow.go.set()
+    joining.join(30)
+    publish.join(30)
+    assert kept.versions == [1, 2] and slow.versions == [1, 2]

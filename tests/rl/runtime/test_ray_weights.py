@@ -27,8 +27,22 @@ def test_the_server_keeps_the_last_versions_and_gives_each_pull_an_id_of_its_own
     ids = [server.keep(leaves) for _ in range(KEEP + 1)]
     pulls = [server.offer(ids[-1]), server.offer(ids[-1])]
     assert len(set(pulls) | set(ids)) == KEEP + 3  # two pulls of one version: two transfer ids
-    with pytest.raises(KeyError, match=r"no longer staged .* keeps the last 2"):
+    with pytest.raises(KeyError, match=r"no longer staged .* keeps the sampler's last 2"):
         server.offer(ids[0])
+
+
+def test_evaluations_never_push_out_a_version_the_sampler_still_pulls():
+    server = WeightServer("127.0.0.1")
+    leaves = [jnp.ones((3,))]
+    current = server.keep(leaves)
+    evaluations = [server.keep(leaves, evaluation=True) for _ in range(KEEP + 1)]
+    server.offer(current)  # (a replica joining late pulls the sampler's version)
+    with pytest.raises(KeyError, match="no longer staged"):
+        server.offer(evaluations[0])  # one not offered goes with the next evaluation's
+    server.offer(evaluations[-1])
+    with pytest.raises(KeyError, match="no longer staged"):
+        server.offer(evaluations[-1])  # pulled once
+    assert server.staged == [current]
 
 
 def test_a_ticket_of_another_model_is_refused_with_the_first_difference():
@@ -58,6 +72,11 @@ def test_a_pull_from_a_server_in_this_process_and_one_that_never_arrives(monkeyp
     puller = WeightPuller(params, mesh, "127.0.0.1", timeout_s=30)
     got = puller.pull(ticket)
     jax.tree.map(np.testing.assert_array_equal, got, params)
+    # an evaluation's version leaves the books as it is offered; the pull still gets it whole
+    once = server.keep([x + 1 for x in jax.tree.leaves(params)], evaluation=True)
+    got = puller.pull(Ticket(server.address, once, _Learner(server.offer), shapes))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b + 1), got, params)
+    assert once not in server.staged
     # a learner that hands out a pull and dies before serving it: an error, not a wait for ever
     ticket = Ticket(server.address, uuid, _Learner(lambda uuid: 10**6), shapes)
     puller = WeightPuller(params, mesh, "127.0.0.1", timeout_s=1)
