@@ -36,6 +36,8 @@ from jax.sharding import Mesh
 from rl.models.config import DTYPES
 from rl.models.sharding import Rules, current_rules, tree_shardings
 
+EVALUATION = -1  # the version of a publish made for a held-out evaluation, not the sampler
+
 
 @dataclasses.dataclass(frozen=True)
 class Published:

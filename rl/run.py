@@ -19,6 +19,7 @@ import numpy as np
 from absl import logging
 
 from learner.checkpoint import NoIntactCheckpointError, saved_steps
+from learner.publish import EVALUATION
 from rl.compiles import round_compiles
 from rl.config_check import check_config
 from rl.curves import read_metrics, write_learning_curve_png
@@ -247,7 +248,7 @@ def _train(
         """{"accuracy": greedy, "pass@k": unbiased from eval.pass_n samples (eval.pass_k > 1)}."""
         jax.block_until_ready(params)  # pending training steps are not billed to evaluation
         t = time.perf_counter()
-        out = runtime.evaluate(sync.publish(params, version=-1).params, heldout, k=k)
+        out = runtime.evaluate(sync.publish(params, version=EVALUATION).params, heldout, k=k)
         phases["eval_s"] += time.perf_counter() - t
         return out
 

@@ -30,6 +30,7 @@ import ray
 from learner.checkpoint import Checkpointer
 from learner.distributed import coordinator_address_here, gather_to_host, init_learner_group
 from learner.mesh import lent_meshes
+from learner.publish import EVALUATION
 from rl.models.config import DTYPES
 from rl.runtime.compose import (
     Setup,
@@ -177,7 +178,7 @@ class LearnerWorker:
                 return [None, nbytes]
             ticket = Ticket(
                 address=self.weights.address,
-                uuid=self.weights.keep(leaves, evaluation=version < 0),  # (run.py evaluates -1)
+                uuid=self.weights.keep(leaves, evaluation=version == EVALUATION),
                 learner=ray.get_runtime_context().current_actor,
                 shapes=tuple((tuple(x.shape), str(x.dtype)) for x in leaves),
             )
