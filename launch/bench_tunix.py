@@ -93,8 +93,8 @@ _ROWS = flags.DEFINE_integer(
 _FLUSH = flags.DEFINE_integer(
     "flush_halvings",
     -1,
-    "Ours: learner.flush_halvings (an update's last micro-batch may take 1/2 .. 1/2^k of the "
-    "budget); -1: LearnerConfig's default.",
+    "Ours: learner.flush_halvings k (an update's last micro-batch may take any multiple of "
+    "1/2^k of the budget); -1: LearnerConfig's default.",
 )
 _ENTROPY = flags.DEFINE_bool(
     "entropy_metric",

@@ -67,9 +67,10 @@ class LearnerConfig:
     # A micro-batch: this many rows of the longest row length, or as many more rows of a shorter
     # length as hold the same tokens (learner/micro_batches.py); divisible by the mesh's batch shards.
     micro_batch_rows: int = 16
-    # An update's last micro-batch may take 1/2, ..., 1/2^k of the token budget (micro_batch_rows /
-    # 2^j rows of the longest length, when the mesh's batch shards divide them): k more compiled
-    # micro-steps, less padding where an update's tokens end partway through a micro-batch.
+    # An update's last micro-batch may take any whole multiple of 1/2^k of the token budget (1/2
+    # for k = 1; 1/4, 1/2, 3/4 for k = 2: rows of the longest length, when a whole number of
+    # them that the mesh's batch shards divide): 2^k - 1 more compiled micro-steps, less padding
+    # where an update's tokens end partway through a micro-batch.
     flush_halvings: int = 1
     min_length_bucket: int = 32  # row lengths: powers of two from here up to max_length's bucket
     # the longest prompt + response the learner is given (a run sets it to engine.max_length):

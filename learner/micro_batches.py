@@ -6,9 +6,10 @@ longest length, in rows of a length L from the ladder `lengths` (powers of two f
 `min_length_bucket` up to the bucket of the longest prompt + response a run can give), `rows` x
 longest / L of them (rows double as L halves); it is formed once the pending sequences fill it, in
 rows of the smallest L that holds the longest of them. An update's last micro-batch holds what is
-left, often far less than the budget: with `halvings` k it may take 1/2, ..., 1/2^k of the budget
-instead, in `rows` / 2^j rows of the longest length (the smallest that holds it): k more compiled
-programs, a smaller padded area. Unpacked (`pack=False`) a row holds one sequence, packed several
+left, often far less than the budget: with `halvings` k it may take any whole multiple of 1/2^k of
+the budget instead (1/2 for k = 1; 1/4, 1/2, 3/4 for k = 2), in rows of the longest length (the
+smallest that holds it): 2^k - 1 more compiled programs, its padding under 1/2^k of the budget
+where a whole number of rows holds what is left. Unpacked (`pack=False`) a row holds one sequence, packed several
 (learner/batching.py lays them out).
 
 The learner plans after every group it is given, so what a micro-batch holds depends only on the
@@ -45,8 +46,9 @@ class MicroBatches:
       lengths: the row lengths, ascending: powers of two from min_length_bucket up to the bucket of
         max_positions (the longest sequence a run can give the learner: prompt + response - 1).
       pack: several sequences per row.
-      halvings: an update's last micro-batch may take `rows` / 2^j rows of the longest length,
-        j <= halvings (config.learner.flush_halvings), where that is a whole multiple of
+      halvings: an update's last micro-batch may take m x `rows` / 2^halvings rows of the
+        longest length, 0 < m < 2^halvings (config.learner.flush_halvings: the budget halved that
+        many times is the step), where that is a whole number of rows and a multiple of
         `row_multiple` (the learner's own mesh's batch shards).
     """
 
@@ -94,14 +96,16 @@ class MicroBatches:
 
     def flush_rows(self, shards: int = 1) -> list[int]:
         """The last micro-batch's smaller row counts in rows of the longest length, smallest
-        first: `rows` / 2^j for j = halvings .. 1, those whole multiples of `row_multiple` (what
-        the plan uses) and of `shards` (a mesh's batch shards: what runs there)."""
+        first: m x `rows` / 2^halvings for 0 < m < 2^halvings, those whole numbers and whole
+        multiples of `row_multiple` (what the plan uses) and of `shards` (a mesh's batch shards:
+        what runs there)."""
+        parts = 1 << self.halvings
         return [
-            self.rows >> j
-            for j in range(self.halvings, 0, -1)
-            if self.rows % (1 << j) == 0
-            and (self.rows >> j) % self.row_multiple == 0
-            and (self.rows >> j) % shards == 0
+            m * self.rows // parts
+            for m in range(1, parts)
+            if m * self.rows % parts == 0
+            and (m * self.rows // parts) % self.row_multiple == 0
+            and (m * self.rows // parts) % shards == 0
         ]
 
     def shapes(self, shards: int = 1) -> list[Shape]:

@@ -122,17 +122,21 @@ def test_each_multiplexed_pipeline_trains_bitwise_its_solo_run(
 
 
 @pytest.mark.slow  # end-to-end: 2 learner workers, 3 replica hosts, then 2 threaded solo runs
-@pytest.mark.parametrize("mode", ["cgp", "async"])  # async: max_staleness 0
+@pytest.mark.parametrize(
+    "mode, policy",
+    [("cgp", "restless"), ("async", "restless"), ("cgp", "random")],  # async: max_staleness 0
+)
 def test_multiplexed_under_ray_each_pipeline_trains_bitwise_its_solo_run(
-    ray_cluster, tmp_path, mode
+    ray_cluster, tmp_path, mode, policy
 ):
     """Under Ray the pool's replica meshes are host actors holding a replica of every pipeline
-    (rl/runtime/ray_host.py), moved as in threads; each pipeline trains what it trains alone
-    (the threaded solo run: runtime=ray equals threads bitwise)."""
+    (rl/runtime/ray_host.py), moved as in threads (random: recalled mid-rollout too); each
+    pipeline trains what it trains alone (the threaded solo run: runtime=ray equals threads
+    bitwise)."""
     configs = [config(tmp_path / "mux" / str(s), s, mode) for s in (0, 1)]
     for c in configs:
         c.runtime = "ray"
-    runs, pool = multiplexed(configs, policy=Restless(2))
+    runs, pool = multiplexed(configs, policy=Restless(2) if policy == "restless" else Random(0))
     assert pool.error is None
     assert all(not isinstance(r, BaseException) for r in runs), runs
     assert sum(s.moves_in for s in pool.stats) > 0  # replicas did switch pipelines
