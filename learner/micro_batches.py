@@ -9,8 +9,8 @@ rows of the smallest L that holds the longest of them. An update's last micro-ba
 left, often far less than the budget: with `halvings` k it may take any whole multiple of 1/2^k of
 the budget instead (1/2 for k = 1; 1/4, 1/2, 3/4 for k = 2), in rows of the longest length (the
 smallest that holds it): 2^k - 1 more compiled programs, its padding under 1/2^k of the budget
-where a whole number of rows holds what is left. Unpacked (`pack=False`) a row holds one sequence, packed several
-(learner/batching.py lays them out).
+where a whole number of rows holds what is left. Unpacked (`pack=False`) a row holds one
+sequence, packed several (learner/batching.py lays them out).
 
 The learner plans after every group it is given, so what a micro-batch holds depends only on the
 order of the groups, never on how they were handed over (one at a time or all at once): pipelined
