@@ -93,7 +93,7 @@ class WeightServer:
         self.server = start_server(host)
         self.address = self.server.address()
         self._staged: dict[int, list[jax.Array]] = {}
-        self._once: set[int] = set()  # evaluation versions, dropped once offered
+        self._evaluation: int | None = None  # the evaluation's version, dropped once offered
         self._next = 1
         self._lock = threading.Lock()
 
@@ -107,11 +107,10 @@ class WeightServer:
             uuid, self._next = self._next, self._next + 1
             self._staged[uuid] = leaves
             if evaluation:  # (one not offered, its evaluation failed, goes with the next)
-                for old in self._once:
-                    del self._staged[old]
-                self._once = {uuid}
+                self._staged.pop(self._evaluation, None)
+                self._evaluation = uuid
             else:
-                sampler = sorted(u for u in self._staged if u not in self._once)
+                sampler = sorted(u for u in self._staged if u != self._evaluation)
                 for old in sampler[:-KEEP]:
                     del self._staged[old]
         return uuid
@@ -135,8 +134,8 @@ class WeightServer:
                     "ones are published."
                 )
             pull, self._next = self._next, self._next + 1
-            if uuid in self._once:  # (the server holds the leaves until they are pulled)
-                self._once.discard(uuid)
+            if uuid == self._evaluation:  # (the server holds the leaves until they are pulled)
+                self._evaluation = None
                 del self._staged[uuid]
         self.server.await_pull(pull, leaves)
         return pull
