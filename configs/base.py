@@ -315,7 +315,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Decode attention reads only the live blocks of this many positions (paged: a multiple of
     # page_size; 0: 64 positions); dense with 0: the whole cache (faster on CPU).
     config.engine.attention_block = 0
-    config.engine.attention_kernel = "xla"  # decode attention: xla | pallas (paged cache only)
+    config.engine.attention_kernel = "xla"  # decode attention: xla | pallas | pallas_tpu (paged)
     config.sampler_dtype = (
         "bfloat16"  # dtype of the weights published to the sampler; "": as trained
     )

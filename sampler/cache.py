@@ -4,8 +4,9 @@ Layout (issue 19): the cache is head-major, keys (.., kv heads, head dim, positi
 (.., kv heads, positions, head dim) per layer, so a decode step attends without transposing it
 (rl/models/kv_cache.py). Cache index == token position. Dense (`page_size` 0): a row of `length`
 positions per slot, (slots, K, H, length); paged: a pool of `pages` pages of `page` positions,
-(pages, K, H, page), and a block table (slots, length / page) naming each slot's pages (which
-pages a slot holds is sampler/paged.py's).
+(pages, K, H, page) (kv-major, for JAX's TPU paged-attention kernel: (K, pages, page, H)), and a
+block table (slots, length / page) naming each slot's pages (which pages a slot holds is
+sampler/paged.py's).
 
 Memory: 2 * n_layers * n_kv_heads * head_dim * itemsize bytes per position (`bytes_per_token`):
 dense, `length` positions per slot (max_length rounded up to whole attention blocks, if any);
@@ -28,6 +29,7 @@ from rl.models.config import DTYPES, ModelConfig
 from rl.models.kv_cache import (
     HEAD_MAJOR_K_AXES,
     HEAD_MAJOR_V_AXES,
+    KV_MAJOR_AXES,
     PAGED_K_AXES,
     PAGED_V_AXES,
     TABLE_AXES,
@@ -35,6 +37,7 @@ from rl.models.kv_cache import (
     KVCacheLike,
     PagedKVCache,
 )
+from rl.models.paged_attention import KV_MAJOR_KERNELS
 from rl.models.sharding import Rules, logical_to_spec
 from sampler.config import EngineConfig
 
@@ -84,6 +87,7 @@ class CacheLayout:
     max_stop_tokens: int
     page: int = 0
     pages: int = 0
+    kv_major: bool = False  # paged pools laid out (K, P, page, H), as the attention kernel reads
 
     @classmethod
     def of(cls, config: EngineConfig, model: ModelConfig) -> CacheLayout:
@@ -99,10 +103,13 @@ class CacheLayout:
             max_stop_tokens=config.max_stop_tokens,
             page=config.page_size,
             pages=config.pool_pages if config.page_size else 0,
+            kv_major=bool(config.page_size) and config.attention_kernel in KV_MAJOR_KERNELS,
         )
 
     def axes(self, kind: str) -> tuple[str | None, ...]:
         """Logical axes of a key ("k") or value ("v") cache array (a pool's, when paged)."""
+        if self.page and self.kv_major:
+            return KV_MAJOR_AXES
         if self.page:
             return PAGED_K_AXES if kind == "k" else PAGED_V_AXES
         return HEAD_MAJOR_K_AXES if kind == "k" else HEAD_MAJOR_V_AXES
@@ -110,6 +117,8 @@ class CacheLayout:
     def shape(self, kind: str) -> tuple[int, ...]:
         """A key ("k") or value ("v") cache array's shape (a pool's, when paged)."""
         heads = (self.n_kv_heads, self.head_dim)
+        if self.page and self.kv_major:
+            return (self.n_kv_heads, self.pages, self.page, self.head_dim)
         if self.page:
             kv = (*heads, self.page) if kind == "k" else (self.n_kv_heads, self.page, self.head_dim)
             return (self.pages, *kv)
@@ -142,7 +151,7 @@ class CacheLayout:
         v = tuple(zeros("v") for _ in range(self.n_layers))
         if self.page:
             table = jnp.full((b, self.length // self.page), self.pages, jnp.int32)
-            cache = PagedKVCache(k=k, v=v, table=table)
+            cache = PagedKVCache(k=k, v=v, table=table, kv_major=self.kv_major)
         else:
             cache = HeadMajorKVCache(k=k, v=v)
         return DecodeState(
@@ -168,7 +177,8 @@ class CacheLayout:
         k = tuple(named(x, self.axes("k")) for x in abstract.cache.k)
         v = tuple(named(x, self.axes("v")) for x in abstract.cache.v)
         if self.page:
-            cache = PagedKVCache(k=k, v=v, table=named(abstract.cache.table, TABLE_AXES))
+            table = named(abstract.cache.table, TABLE_AXES)
+            cache = PagedKVCache(k=k, v=v, table=table, kv_major=self.kv_major)
         else:
             cache = HeadMajorKVCache(k=k, v=v)
         per_slot = {

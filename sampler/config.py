@@ -42,6 +42,7 @@ class EngineConfig:
     kv_pages: int = 0  # pages in the pool; 0: as many as the dense cache's positions would fill
     attention_kernel: str = "xla"  # decode attention (rl/models/paged_attention.py): "xla" (gather
     # the live blocks, runs everywhere) | "pallas" (reads the pages in place; a paged cache only)
+    # | "pallas_tpu" (JAX's TPU paged-attention kernel on the same pools; a paged cache only)
 
     def __post_init__(self):
         for name in (
@@ -91,10 +92,11 @@ class EngineConfig:
                 f"EngineConfig.attention_kernel={self.attention_kernel!r}; expected one of "
                 f"{sorted(DECODE_ATTENTION)}."
             )
-        if self.attention_kernel == "pallas" and not self.page_size:
+        if self.attention_kernel in ("pallas", "pallas_tpu") and not self.page_size:
             raise ValueError(
-                "EngineConfig.attention_kernel='pallas' reads a paged cache's pages; received "
-                "page_size=0 (a dense cache). Expected page_size > 0 or attention_kernel 'xla'."
+                f"EngineConfig.attention_kernel={self.attention_kernel!r} reads a paged cache's "
+                "pages; received page_size=0 (a dense cache). Expected page_size > 0 or "
+                "attention_kernel 'xla'."
             )
         if not 0 <= self.seed < 2**31:
             raise ValueError(f"EngineConfig.seed must be in [0, 2**31); received {self.seed}.")

@@ -14,11 +14,14 @@ decode, extend, export and import of running slots) are written once:
 `HeadMajorKVCache` reserves max_length positions for every slot: (B, K, H, S) and (B, K, S, H) per
 layer. `PagedKVCache` keeps a pool of P pages of `page` positions per layer, (P, K, H, page) and
 (P, K, page, H), and a block table (B, M): slot b's position p lives at offset p % page of page
-table[b, p // page]. Table entries of pages a slot does not hold are P (out of range): writes there
-are dropped and reads give zeros, so a free slot's writes never land in another's page. Which
-pages a slot holds, and which slots share a page (a group's prompt), is the host's business
-(sampler/paged.py). A view gathers a slot's pages into the dense layout: the attention that reads
-it, and so every token and log-prob, is bitwise the dense cache's at equal block size.
+table[b, p // page]. A kv-major paged cache (`kv_major`: for a decode attention that reads pools
+so, JAX's TPU paged-attention kernel, rl/models/paged_attention.py) lays both pools out
+(K, P, page, H) instead; what it holds, and every operation's result, is the same. Table entries
+of pages a slot does not hold are P (out of range): writes there are dropped and reads give zeros,
+so a free slot's writes never land in another's page. Which pages a slot holds, and which slots
+share a page (a group's prompt), is the host's business (sampler/paged.py). A view gathers a
+slot's pages into the dense layout: the attention that reads it, and so every token and log-prob,
+is bitwise the dense cache's at equal block size.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ HEAD_MAJOR_V_AXES = ("batch", "kv_heads", "cache_length", "head_dim")
 # A page pool's axes: pages replicated (the table's gathers and scatters are global), heads on tp.
 PAGED_K_AXES = (None, "kv_heads", "head_dim", None)
 PAGED_V_AXES = (None, "kv_heads", None, "head_dim")
+KV_MAJOR_AXES = ("kv_heads", None, None, "head_dim")  # a kv-major pool's, keys' and values' alike
 TABLE_AXES = ("batch", None)
 
 
@@ -158,19 +162,38 @@ def _pages_of(table_BxM: jax.Array, slots_N: jax.Array, positions_T: jax.Array) 
     return jnp.where((slots_N < b)[:, None], pages, jnp.iinfo(jnp.int32).max)
 
 
-def _gather(pool: jax.Array, pages: jax.Array) -> jax.Array:
-    """pool[pages] with out-of-range pages read as zeros."""
-    return jnp.take(pool, pages, axis=0, mode="fill", fill_value=0)
+def _gather(pool: jax.Array, pages: jax.Array, kv_major: bool, kind: str) -> jax.Array:
+    """The pool's `pages` (out-of-range pages read as zeros) page-major: keys ("k") (..., K, H,
+    page), values (..., K, page, H), ... = pages.shape."""
+    if not kv_major:
+        return jnp.take(pool, pages, axis=0, mode="fill", fill_value=0)
+    x = jnp.moveaxis(jnp.take(pool, pages, axis=1, mode="fill", fill_value=0), 0, -3)
+    return x.swapaxes(-1, -2) if kind == "k" else x
+
+
+def _put(
+    pool: jax.Array, pages: jax.Array, offsets: jax.Array, x: jax.Array, kv_major: bool, kind: str
+) -> jax.Array:
+    """The pool with x (*index, K, H) written at offsets of pages (broadcast to `index`; pages out
+    of range: dropped)."""
+    x = _cast(x, pool)
+    if kv_major:
+        return pool.at[:, pages, offsets].set(jnp.moveaxis(x, -2, 0), mode="drop")
+    if kind == "k":
+        return pool.at[pages, :, :, offsets].set(x, mode="drop")
+    return pool.at[pages, :, offsets].set(x, mode="drop")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PagedLayer:
-    """One layer of a paged cache: pools (P, K, H, page) and (P, K, page, H), the table (B, M)."""
+    """One layer of a paged cache: pools (P, K, H, page) and (P, K, page, H) (kv-major: both
+    (K, P, page, H)), the table (B, M)."""
 
     k: jax.Array
     v: jax.Array
     table: jax.Array
+    kv_major: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def page(self) -> int:
@@ -181,16 +204,16 @@ class PagedLayer:
         column = (pos_B // self.page)[:, None]
         pages_B = jnp.take_along_axis(self.table, column, axis=1, mode="clip")[:, 0]
         off_B = pos_B % self.page
-        return PagedLayer(
-            k=self.k.at[pages_B, :, :, off_B].set(_cast(k_BxKxH, self.k), mode="drop"),
-            v=self.v.at[pages_B, :, off_B].set(_cast(v_BxKxH, self.v), mode="drop"),
-            table=self.table,
+        return dataclasses.replace(
+            self,
+            k=_put(self.k, pages_B, off_B, k_BxKxH, self.kv_major, "k"),
+            v=_put(self.v, pages_B, off_B, v_BxKxH, self.kv_major, "v"),
         )
 
     def view(self) -> tuple[jax.Array, jax.Array]:
         """Every slot's positions (all its table's), gathered from its pages: keys (B, K, H, S),
         values (B, K, S, H), S = the table's width x page."""
-        return _rows(self.k, self.v, self.table, self.table.shape[1] * self.page)
+        return _rows(self, self.table, self.table.shape[1] * self.page)
 
     def blocks(self, n: int, block: int) -> tuple[jax.Array, jax.Array]:
         """Every slot's first `n` blocks of `block` positions (a multiple of the page), gathered
@@ -202,8 +225,9 @@ class PagedLayer:
                 f"{n} blocks of {block} positions do not fit whole pages of {self.page} in a "
                 f"table of {width}."
             )
-        k = _gather(self.k, self.table[:, : n * per])  # (B, n * per, K, H, page)
-        v = _gather(self.v, self.table[:, : n * per])  # (B, n * per, K, page, H)
+        pages = self.table[:, : n * per]
+        k = _gather(self.k, pages, self.kv_major, "k")  # (B, n * per, K, H, page)
+        v = _gather(self.v, pages, self.kv_major, "v")  # (B, n * per, K, page, H)
         if per == 1:
             return k, v
         b, _, kv, h, page = k.shape
@@ -212,17 +236,15 @@ class PagedLayer:
         return k.reshape(b, n, kv, h, block), v.reshape(b, n, kv, block, h)
 
 
-def _rows(
-    k_pool: jax.Array, v_pool: jax.Array, table_NxM: jax.Array, length: int
-) -> tuple[jax.Array, jax.Array]:
+def _rows(layer: PagedLayer, table_NxM: jax.Array, length: int) -> tuple[jax.Array, jax.Array]:
     """The rows of a table's slots, positions 0..length-1 (length a multiple of the page or at
     most the table's span), gathered from one layer's pools."""
-    page = v_pool.shape[2]
+    page = layer.page
     m = -(-length // page)
-    pages = _gather(k_pool, table_NxM[:, :m])  # (N, m, K, H, page)
+    pages = _gather(layer.k, table_NxM[:, :m], layer.kv_major, "k")  # (N, m, K, H, page)
     n, _, kh, h, _ = pages.shape
     k = pages.transpose(0, 2, 3, 1, 4).reshape(n, kh, h, m * page)[..., :length]
-    pages = _gather(v_pool, table_NxM[:, :m])  # (N, m, K, page, H)
+    pages = _gather(layer.v, table_NxM[:, :m], layer.kv_major, "v")  # (N, m, K, page, H)
     v = pages.transpose(0, 2, 1, 3, 4).reshape(n, kh, m * page, h)[:, :, :length]
     return k, v
 
@@ -231,11 +253,13 @@ def _rows(
 @dataclasses.dataclass
 class PagedKVCache:
     """The paged decode cache: per layer a pool of pages, keys (P, K, H, page) and values
-    (P, K, page, H); one block table (B, M) for every layer (module docstring)."""
+    (P, K, page, H) (kv-major: both (K, P, page, H)); one block table (B, M) for every layer
+    (module docstring)."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
     table: jax.Array  # (B, M) int32: page of each slot's positions [j * page, (j + 1) * page)
+    kv_major: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def page(self) -> int:
@@ -246,23 +270,20 @@ class PagedKVCache:
         return self.table.shape[1] * self.page
 
     def layer(self, i: int) -> PagedLayer:
-        return PagedLayer(k=self.k[i], v=self.v[i], table=self.table)
+        return PagedLayer(k=self.k[i], v=self.v[i], table=self.table, kv_major=self.kv_major)
 
     def with_layers(self, layers: list[PagedLayer]) -> PagedKVCache:
-        return PagedKVCache(
-            k=tuple(x.k for x in layers), v=tuple(x.v for x in layers), table=self.table
-        )
+        return dataclasses.replace(self, k=tuple(x.k for x in layers), v=tuple(x.v for x in layers))
 
     def _scatter(self, slots_N: jax.Array, t: int, k_NxTxKxH: Any, v_NxTxKxH: Any) -> PagedKVCache:
         positions = jnp.arange(t)
         pages_NxT = _pages_of(self.table, slots_N, positions // self.page)
-        off_T = positions % self.page
-        put_k = lambda c, x: c.at[pages_NxT, :, :, off_T[None]].set(_cast(x, c), mode="drop")
-        put_v = lambda c, x: c.at[pages_NxT, :, off_T[None]].set(_cast(x, c), mode="drop")
-        return PagedKVCache(
-            k=tuple(map(put_k, self.k, k_NxTxKxH)),
-            v=tuple(map(put_v, self.v, v_NxTxKxH)),
-            table=self.table,
+        off_T = positions[None] % self.page
+        put = lambda kind: lambda c, x: _put(c, pages_NxT, off_T, x, self.kv_major, kind)
+        return dataclasses.replace(
+            self,
+            k=tuple(map(put("k"), self.k, k_NxTxKxH)),
+            v=tuple(map(put("v"), self.v, v_NxTxKxH)),
         )
 
     def put(
@@ -281,7 +302,7 @@ class PagedKVCache:
         """Positions 0..length-1 of slots_N (clipped into range) gathered from their pages: keys
         (N, K, H, length) and values (N, K, length, H) per layer."""
         table = jnp.take(self.table, slots_N, axis=0, mode="clip")
-        out = [_rows(k, v, table, length) for k, v in zip(self.k, self.v, strict=True)]
+        out = [_rows(self.layer(i), table, length) for i in range(len(self.k))]
         return tuple(k for k, _ in out), tuple(v for _, v in out)
 
     def put_rows(

@@ -13,11 +13,12 @@ against a layer of the decode cache, rl/models/kv_cache.py); `EngineConfig.atten
     slower than "xla"); on GPU it is written for the Triton lowering, but has not been compiled
     or timed on a GPU yet. It equals "xla" to float32 rounding (an online softmax sums in another
     order), not bitwise.
-
-`jax.experimental.pallas.ops.tpu.paged_attention` is not wired: it wants keys and values both as
-(K, P, page, H) pools (kv heads first, positions before head_dim) and every table entry in range,
-while ours are (P, K, H, page) and (P, K, page, H) with out-of-range entries for pages a slot does
-not hold, so feeding it would transpose every layer's whole pool each step.
+  * "pallas_tpu": `jax.experimental.pallas.ops.tpu.paged_attention`, JAX's own TPU kernel, over
+    the pools in place: it wants both as (K, P, page, H), so an engine with this kernel lays its
+    pools out kv-major (kv_cache.py; `KV_MAJOR_KERNELS` names the kernels that read so); paged
+    layers only. Off a TPU it runs in Pallas's TPU interpret mode (a test vehicle: it rounds its
+    matmuls' inputs to bfloat16 as a TPU's default precision does, so it equals "xla" to about
+    1e-2, not 1e-5). It has not been compiled or timed on a TPU here (none was lent).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
 
 from rl.models.attention import MASKED, attend_blocks, attend_live
 from rl.models.kv_cache import HeadMajorLayer, PagedLayer
@@ -49,6 +52,9 @@ class DecodeAttention(Protocol):
 
 
 DECODE_ATTENTION: Registry[DecodeAttention] = Registry("decode attention")
+# The kernels that read kv-major pools (an engine with one lays its pools out so: sampler/cache.py);
+# a user who registers another such kernel adds its name.
+KV_MAJOR_KERNELS: set[str] = {"pallas_tpu"}
 
 
 @DECODE_ATTENTION.register("xla")
@@ -66,6 +72,27 @@ def xla_attention(
     return attend_live(q_BxNxH, *layer.view(), positions_B)
 
 
+def _paged_layer(name: str, layer: HeadMajorLayer | PagedLayer) -> PagedLayer:
+    if not isinstance(layer, PagedLayer):
+        raise ValueError(
+            f"Decode attention {name!r} reads a paged cache; received a {type(layer).__name__} "
+            "(a dense cache: page_size 0). Expected page_size > 0 or attention_kernel 'xla'."
+        )
+    if layer.kv_major != (name in KV_MAJOR_KERNELS):
+        want = "kv-major" if name in KV_MAJOR_KERNELS else "page-major"
+        raise ValueError(
+            f"Decode attention {name!r} reads {want} pools; received a layer with kv_major="
+            f"{layer.kv_major} (rl/models/kv_cache.py). Expected the engine's own cache (it lays "
+            "its pools out for its attention_kernel)."
+        )
+    return layer
+
+
+def _pages_read(layer: PagedLayer, blocks: int, block: int) -> int:
+    """Table columns the first `blocks` blocks of `block` positions span (0 blocks: all)."""
+    return blocks * block // layer.page if blocks else layer.table.shape[1]
+
+
 @DECODE_ATTENTION.register("pallas")
 def pallas_attention(
     q_BxNxH: jax.Array,
@@ -76,13 +103,43 @@ def pallas_attention(
     block: int,
 ) -> jax.Array:
     """`paged_attention` over the first `blocks * block` positions' pages (0: the table's)."""
-    if not isinstance(layer, PagedLayer):
-        raise ValueError(
-            f"Decode attention 'pallas' reads a paged cache; received a {type(layer).__name__} "
-            "(a dense cache: page_size 0). Expected page_size > 0 or attention_kernel 'xla'."
-        )
-    pages = blocks * block // layer.page if blocks else layer.table.shape[1]
+    layer = _paged_layer("pallas", layer)
+    pages = _pages_read(layer, blocks, block)
     return paged_attention(q_BxNxH, layer.k, layer.v, layer.table, positions_B, pages=pages)
+
+
+@DECODE_ATTENTION.register("pallas_tpu")
+def pallas_tpu_attention(
+    q_BxNxH: jax.Array,
+    layer: HeadMajorLayer | PagedLayer,
+    positions_B: jax.Array,
+    *,
+    blocks: int,
+    block: int,
+) -> jax.Array:
+    """JAX's TPU paged-attention kernel over the first `blocks * block` positions' pages (0: the
+    table's), `pages_per_compute_block` = the attention block's pages (0: up to 8).
+
+    The kernel takes unscaled scores and every table entry in [0, P): queries are scaled here,
+    and entries of pages a slot does not hold point at page 0, which the kernel reads only for a
+    row whose position reaches them: a free slot (its output is never used), never a live one.
+    """
+    layer = _paged_layer("pallas_tpu", layer)
+    pages = _pages_read(layer, blocks, block)
+    pool = layer.k.shape[1]
+    table = layer.table[:, :pages]
+    table = jnp.where((table >= 0) & (table < pool), table, 0)
+    lengths = jnp.clip(positions_B + 1, 1, pages * layer.page).astype(jnp.int32)
+    step = block // layer.page if blocks else 8
+    per_block = max(d for d in range(1, min(step, pages) + 1) if pages % d == 0)
+    q = q_BxNxH * jnp.asarray(q_BxNxH.shape[-1] ** -0.5, q_BxNxH.dtype)
+    call = functools.partial(
+        tpu_paged_attention, q, layer.k, layer.v, lengths, table, pages_per_compute_block=per_block
+    )
+    if jax.default_backend() == "tpu":
+        return call()
+    with pltpu.force_tpu_interpret_mode():
+        return call()
 
 
 def _kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *, pages: int, pool: int):

@@ -1,6 +1,10 @@
-"""The decode attention seam: the Pallas paged kernel (interpret mode on CPU) equals the gathered
-XLA reference, and a bad name is refused (an engine decoding with either: tests/sampler/test_paged.py)."""
+"""The decode attention seam: the Pallas paged kernels (ours, and JAX's TPU kernel on kv-major pools;
+interpret mode on CPU) equal the gathered XLA reference, a kv-major cache holds and reads exactly
+what a page-major one does, and a bad name is refused (an engine decoding with each:
+tests/sampler/test_paged.py)."""
 
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -8,11 +12,14 @@ import pytest
 from configs import smoke
 from rl.config_check import ConfigError, check_config
 from rl.models.attention import attend_blocks
-from rl.models.kv_cache import HeadMajorLayer, PagedLayer
+from rl.models.kv_cache import HeadMajorLayer, PagedKVCache, PagedLayer
 from rl.models.paged_attention import DECODE_ATTENTION, paged_attention
 from sampler.engine import EngineConfig
 
 TOL = 1e-5  # float32 attention outputs, absolute and relative: the kernel sums in another order
+# JAX's TPU kernel in TPU interpret mode rounds its matmuls' inputs to bfloat16 (a TPU's default
+# precision): queries and keys, then probabilities and values, 2^-8 relative each
+TPU_TOL = 3e-2
 
 C, M, POOL, H = 4, 4, 12, 8  # positions per page, table width, pages in the pool, head_dim
 # One row per case: its position (first page, mid-page, a page's last slot, the table's last
@@ -39,6 +46,42 @@ def _pools(n, kv, seed=0, dtype=jnp.float32):
     return q, PagedLayer(k=k, v=v, table=jnp.asarray(table)), jnp.asarray(POSITIONS, jnp.int32)
 
 
+def _kv_major(layer):
+    """The same pages laid out kv-major: both pools (K, P, page, H)."""
+    k, v = layer.k.transpose(1, 0, 3, 2), layer.v.transpose(1, 0, 2, 3)
+    return PagedLayer(k=k, v=v, table=layer.table, kv_major=True)
+
+
+def _same(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_kv_major_cache_holds_and_reads_what_a_page_major_one_does():
+    q, layer, pos = _pools(4, 2, seed=5)
+    major = _kv_major(layer)
+    _same(major.blocks(2, 2 * C), layer.blocks(2, 2 * C))
+    _same(major.blocks(3, C), layer.blocks(3, C))
+    _same(major.view(), layer.view())
+    rng = np.random.default_rng(6)
+    new = [jnp.asarray(rng.normal(size=(len(POSITIONS), 2, H)), jnp.float32) for _ in "kv"]
+    _same(major.write(*new, pos).view(), layer.write(*new, pos).view())
+    # a whole cache: prefill writes, rows out and back in (migration, swapping), any slots
+    one, two = (
+        PagedKVCache(k=(x.k,), v=(x.v,), table=x.table, kv_major=x.kv_major) for x in (layer, major)
+    )
+    slots = jnp.asarray([4, 0, len(POSITIONS)], jnp.int32)  # the last is out of range: dropped
+    kv = [(jnp.asarray(rng.normal(size=(3, 7, 2, H)), jnp.float32),) for _ in "kv"]
+    one, two = one.put(slots, *kv), two.put(slots, *kv)
+    _same(two.layer(0).view(), one.layer(0).view())
+    rows = one.rows(jnp.asarray([1, 3]), 2 * C)
+    _same(two.rows(jnp.asarray([1, 3]), 2 * C), rows)
+    _same(
+        two.put_rows(jnp.asarray([2, 5]), *rows).layer(0).view(),
+        one.put_rows(jnp.asarray([2, 5]), *rows).layer(0).view(),
+    )
+
+
 @pytest.mark.parametrize("n,kv", [(4, 2), (6, 2), (4, 4)])  # GQA; G = 3 pads to 4; MHA
 def test_pallas_kernel_equals_gathered_reference(n, kv):
     q, layer, pos = _pools(n, kv, seed=n + kv)
@@ -58,6 +101,18 @@ def test_pallas_seam_reads_the_blocks_the_xla_one_does(blocks, block):
     np.testing.assert_allclose(np.asarray(pallas), np.asarray(xla), atol=TOL, rtol=TOL)
 
 
+@pytest.mark.parametrize("n,kv", [(4, 2), (6, 2), (4, 4)])
+@pytest.mark.parametrize("blocks,block", [(0, 0), (2, 2 * C), (1, 2 * C), (3, C)])
+def test_the_tpu_kernel_reads_what_the_xla_seam_does(n, kv, blocks, block):
+    q, layer, pos = _pools(n, kv, seed=n + kv + blocks)
+    xla = DECODE_ATTENTION.get("xla")(q, layer, pos, blocks=blocks, block=block)
+    tpu = DECODE_ATTENTION.get("pallas_tpu")(q, _kv_major(layer), pos, blocks=blocks, block=block)
+    assert tpu.shape == xla.shape and tpu.dtype == xla.dtype
+    np.testing.assert_allclose(np.asarray(tpu), np.asarray(xla), atol=TPU_TOL, rtol=TPU_TOL)
+    # not a coincidence of small outputs: the rows differ from one another by far more
+    assert np.abs(np.diff(np.asarray(xla), axis=0)).max() > 20 * TPU_TOL
+
+
 def test_pallas_kernel_reads_a_bfloat16_pool_in_float32():
     q, layer, pos = _pools(4, 2, seed=2, dtype=jnp.bfloat16)
     ref = attend_blocks(q, *layer.blocks(M, C), pos).astype(jnp.float32)
@@ -66,22 +121,29 @@ def test_pallas_kernel_reads_a_bfloat16_pool_in_float32():
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2**-7, rtol=2**-7)
 
 
-def test_pallas_refuses_a_dense_layer():
+@pytest.mark.parametrize("kernel", ["pallas", "pallas_tpu"])
+def test_the_pallas_kernels_refuse_a_dense_layer_or_the_other_layout(kernel):
     q, layer, pos = _pools(4, 2)
     dense = HeadMajorLayer(k=jnp.zeros((6, 2, H, 16)), v=jnp.zeros((6, 2, 16, H)))
-    with pytest.raises(ValueError, match="reads a paged cache; received a HeadMajorLayer"):
-        DECODE_ATTENTION.get("pallas")(q, dense, pos, blocks=1, block=16)
+    with pytest.raises(ValueError, match=f"'{kernel}' reads a paged cache; received a HeadMajorL"):
+        DECODE_ATTENTION.get(kernel)(q, dense, pos, blocks=1, block=16)
+    other = layer if kernel == "pallas_tpu" else _kv_major(layer)
+    want = "kv-major" if kernel == "pallas_tpu" else "page-major"
+    with pytest.raises(ValueError, match=f"'{kernel}' reads {want} pools; received a layer with"):
+        DECODE_ATTENTION.get(kernel)(q, other, pos, blocks=1, block=2 * C)
 
 
 def test_a_bad_attention_kernel_names_the_value_and_the_choices():
     with pytest.raises(ValueError, match=r"attention_kernel='flash'; expected one of \['pallas'"):
         EngineConfig(max_length=64, max_prefill_length=32, attention_kernel="flash")
-    with pytest.raises(ValueError, match="'pallas' reads a paged cache's pages; received page_s"):
-        EngineConfig(max_length=64, max_prefill_length=32, page_size=0, attention_kernel="pallas")
+    for kernel in ("pallas", "pallas_tpu"):
+        with pytest.raises(ValueError, match=f"'{kernel}' reads a paged cache's pages; received"):
+            EngineConfig(max_length=64, max_prefill_length=32, page_size=0, attention_kernel=kernel)
     config = smoke.get_config()
     config.engine.attention_kernel = "flash"
     with pytest.raises(ConfigError) as e:
         check_config(config)
     assert e.value.problems == [
-        "config.engine: EngineConfig.attention_kernel='flash'; expected one of ['pallas', 'xla']."
+        "config.engine: EngineConfig.attention_kernel='flash'; expected one of ['pallas', "
+        "'pallas_tpu', 'xla']."
     ]
