@@ -231,8 +231,10 @@ def result_rows(results: Sequence[PipelineResult]) -> list[tuple[str, ...]]:
             status = "finished earlier"
         else:
             status = "done"
+        notes = [f"{r.stats.recalls} recalled"] if r.stats.recalls else []
+        notes += [f"{r.stats.failed_joins} failed to join"] if r.stats.failed_joins else []
         moves = f"+{r.stats.moves_in}/-{r.stats.moves_out}" + (
-            f" ({r.stats.recalls} recalled)" if r.stats.recalls else ""
+            f" ({', '.join(notes)})" if notes else ""
         )
         rows.append(
             (

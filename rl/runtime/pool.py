@@ -32,6 +32,11 @@ every replica mesh. A replica mesh serves one pipeline at a time:
     is idle and moves. A replica that joins a rollout nobody's queue needed (the policy spreads
     it onto the densest rollout, `spread_min`) takes half the sequences of that rollout's
     busiest replica. With migration off a recalled replica just drains.
+  * A replica that cannot join the pipeline it is sent to (its weights or its loop fail to start;
+    the sampler routes nothing to it) is retired: logged with the error, counted in that
+    pipeline's `failed_joins`, and never offered again; the pool goes on moving the others. Any
+    other error stops the pool's moves (`error`, logged): the pipelines finish on the replicas
+    they hold.
 
 Exactness: a request's tokens do not depend on the replica that samples it (per-request
 randomness, batch-independent attention) and a pipeline's learner sees the groups of its own
@@ -75,6 +80,8 @@ class MemberStats:
       moves_in: replicas it received from another pipeline or vacant.
       moves_out: replicas it gave up.
       recalls: replicas recalled from it for another pipeline (emptied before they moved).
+      failed_joins: replicas that could not join it (their weights or loop failed to start):
+        each is out of the pool from then on (`ReplicaPool.retired`).
       learner_s: seconds its learner operations held the learner's devices.
       learner_wait_s: seconds they waited for their turn.
     """
@@ -83,6 +90,7 @@ class MemberStats:
     moves_in: int = 0
     moves_out: int = 0
     recalls: int = 0
+    failed_joins: int = 0
     learner_s: float = 0.0
     learner_wait_s: float = 0.0
 
@@ -185,7 +193,8 @@ class ReplicaPool:
         self._shared_lock = threading.Lock()  # (making one may take long: not the pool's lock)
         self._stop = threading.Event()
         self._last = clock()
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # what stopped the pool's thread, if anything did
+        self.retired: dict[int, BaseException] = {}  # replica -> why it could not join (`_give`)
         self._thread = threading.Thread(target=self._run, name="replica-pool", daemon=True)
         self._thread.start()
 
@@ -204,7 +213,8 @@ class ReplicaPool:
             mine = [
                 r
                 for r in range(self.replicas)
-                if r == p or (r >= n and r % n == p and self.holder[r] is None)
+                if r == p
+                or (r >= n and r % n == p and self.holder[r] is None and r not in self.retired)
             ]
             for r in mine:
                 self.holder[r] = p
@@ -344,6 +354,8 @@ class ReplicaPool:
         views = [self._view(p) for p in range(n)]
         vacant = PipelineView(replicas=0, free_slots=0, queued=0, between_rounds=True)
         for r in range(n, self.replicas):  # homes never move
+            if r in self.retired:
+                continue
             h = self.holder[r]
             if h is None:
                 dst = self.policy.replica_for([*views, vacant], n)
@@ -377,6 +389,8 @@ class ReplicaPool:
         use = {p: (a.sampler.usage(), a.sampler.leaving) for p, a in self._attached.items()}
         seats = []
         for r, h in enumerate(self.holder):
+            if r in self.retired:
+                continue  # (not vacant: no pipeline can have it)
             i = self._attached[h].local.get(r) if h in self._attached else None
             if i is None:  # vacant, or claimed by a pipeline not attached yet
                 seats.append(ReplicaSeat(index=r, pipeline=None, running=0, free=0))
@@ -400,10 +414,22 @@ class ReplicaPool:
                 self.stats[h].recalls += 1
 
     def _give(self, r: int, p: int) -> None:
+        """Replica r (vacant) joins pipeline p. If it cannot (its weights or its loop fail to
+        start: the sampler stops it and routes nothing to it), it is retired: logged with the
+        error, out of the pool from then on, and the pool goes on moving the others."""
         a = self._attached[p]
         try:
             i = a.sampler.add_replica(a.engines[r], take_queued=True)
-        except RuntimeError:  # its sampler closed meanwhile: the replica stays vacant
+        except Exception as e:  # noqa: BLE001 (the replica is retired; the pool goes on)
+            if a.sampler.closed:  # its sampler closed meanwhile: the replica stays vacant
+                return
+            self.retired[r] = e
+            self.stats[p].failed_joins += 1
+            logging.exception(
+                "Replica %d could not join pipeline %r; the pool moves the others without it.",
+                r,
+                self.names[p],
+            )
             return
         a.local[r] = i
         self.holder[r] = p

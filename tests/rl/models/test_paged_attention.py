@@ -3,7 +3,6 @@ interpret mode on CPU) equal the gathered XLA reference, a kv-major cache holds 
 what a page-major one does, and a bad name is refused (an engine decoding with each:
 tests/sampler/test_paged.py)."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

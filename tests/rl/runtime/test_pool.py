@@ -3,7 +3,8 @@ multiplexed run trains bitwise what it trains alone, however its replicas move; 
 lengths and random scheduler decisions (moves and recalls) every request of every pipeline finishes
 once, with its own pipeline's weights, and no slot, replica or stopped replica's memory is kept; a
 waiting queue recalls a replica whose rollout migrates off it; a failing pipeline stops alone, the
-others finish, and every replica is vacant at the end."""
+others finish, and every replica is vacant at the end; a replica that cannot join a pipeline is
+retired and the pool goes on without it."""
 
 import gc
 import random
@@ -400,6 +401,75 @@ def test_a_waiting_queue_recalls_a_replica_whose_rollout_moves_off_it(models, en
         assert pool.stats[0].recalls == 1 and samplers[0].stats.migrations == 1
         assert pool.stats[0].moves_out == 1 and pool.stats[1].moves_in == 1
         assert pool.holder == [0, 1, 1] and pool.error is None
+    finally:
+        pool.close()
+        for p, sampler in enumerate(samplers):
+            sampler.close()
+            pool.leave(p)
+
+
+class ToSecond(MultiplexPolicy):
+    """Sends every idle replica to pipeline 1."""
+
+    def __init__(self):
+        super().__init__(MultiplexConfig(), switch_s=0.0)
+
+    def replica_for(self, views, owner):
+        return 1 if owner != 1 else None
+
+    def recall(self, views, seats):
+        return None
+
+
+def test_a_replica_that_cannot_join_is_retired_and_the_pool_goes_on(models, engines):
+    """Replica 2 starts with pipeline 0 and is sent to pipeline 1, whose sampler cannot start it
+    (as when its weights do not fit): the pool retires it, logs why, counts it against pipeline
+    1, never offers it again, and every request of both pipelines still finishes with its solo
+    tokens."""
+    reqs = [workload([(2, 12)] * 3, 0), workload([(2, 12)] * 4, 1)]
+    solo = solo_tokens(models, engines, reqs)
+    pool = ReplicaPool(["a", "b"], replicas=REPLICAS, policy=ToSecond())
+    groups, samplers, tries = ([], []), [], []
+    for p in (0, 1):
+        claimed = pool.claim(p)
+        sampler = ReplicaSampler(
+            [engines[r] for r in claimed],
+            spare=[e for r, e in enumerate(engines) if r not in claimed],
+            make_admission=FCFS,
+            reward_fn=lambda r, c: 0.0,
+            emit=groups[p].append,
+        )
+        sampler.set_params(engines[0].load_params(models[p]), VERSIONS[p])
+        samplers.append(sampler)
+    assert pool.holder == [0, 1, 0]
+    real = samplers[1].add_replica
+
+    def cannot_start_replica_2(engine, **kw):
+        tries.append(engines.index(engine))
+        if engine is engines[2]:
+            raise ValueError("replica 2: the weights do not fit")
+        return real(engine, **kw)
+
+    samplers[1].add_replica = cannot_start_replica_2
+    for p, sampler in enumerate(samplers):
+        pool.attach(p, sampler, engines, [r for r in range(REPLICAS) if pool.holder[r] == p])
+    try:
+        for p, sampler in enumerate(samplers):
+            sampler.start()
+            sampler.submit(reqs[p])
+        deadline = time.monotonic() + 120
+        while any(len(groups[p]) < len(reqs[p]) for p in (0, 1)) or 2 not in pool.retired:
+            assert time.monotonic() < deadline, ([len(g) for g in groups], pool.retired)
+            assert all(s.error is None for s in samplers) and pool.error is None
+            time.sleep(0.005)
+        time.sleep(20 * 0.005)  # more ticks: the retired replica is not offered again
+        pool.close()
+        assert [tokens(g) for g in groups] == solo
+        assert tries == [2] and list(pool.retired) == [2]
+        assert "the weights do not fit" in str(pool.retired[2])
+        assert pool.stats[1].failed_joins == 1 and pool.stats[0].moves_out == 1
+        assert pool.holder == [0, 1, None] and pool.error is None
+        assert engines[2] not in [loop.engine for s in samplers for loop in s.loops.values()]
     finally:
         pool.close()
         for p, sampler in enumerate(samplers):
