@@ -2,6 +2,7 @@
 
     python -m launch.gpu_check                    # Qwen3-0.6B and -1.7B shapes, random init, bf16
     python -m launch.gpu_check --preset tiny      # the same program on CPU in seconds (a test runs it)
+    python -m launch.gpu_check --attention_kernel=pallas_tpu   # on a TPU: JAX's paged kernel
 
 Per model (random init, bfloat16 compute, float32 master weights and full remat on the learner, as
 the GPU recipes), on one device (learner and sampler colocated), with the preset's shapes (Shapes):
@@ -129,6 +130,14 @@ _PRESET = flags.DEFINE_enum("preset", "gpu", sorted(PRESETS), "Shapes: gpu (Qwen
 _JSON = flags.DEFINE_string("json", "runs/gpu_check.json", "Write the results here as JSON.")
 _PUBLISH_REPEATS = flags.DEFINE_integer("publish_repeats", 3, "Timed publishes per model.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds the model init and the synthetic data.")
+_KERNEL = flags.DEFINE_enum(
+    "attention_kernel",
+    "xla",
+    ["xla", "pallas", "pallas_tpu"],
+    "The engine's decode attention (config.engine.attention_kernel, rl/models/paged_attention.py): "
+    "xla (the default, everywhere) | pallas (ours, written for GPUs) | pallas_tpu (JAX's TPU "
+    "kernel); none of the Pallas ones has run on its hardware yet.",
+)
 
 
 def peak(table: tuple[tuple[str, float], ...], kind: str) -> float | None:
@@ -199,6 +208,7 @@ def runtime_config(name: str, shapes: Shapes, max_length: int) -> Any:
     config.engine.max_prefill_length = shapes.prompt_len
     config.engine.min_prefill_bucket = shapes.prompt_len
     config.engine.steps_per_call = shapes.steps_per_call
+    config.engine.attention_kernel = _KERNEL.value
     return config
 
 
@@ -381,7 +391,7 @@ def main(argv: list[str]) -> None:
         f"device: {device.platform} {kind!r} (peak HBM {fmt(hbm and hbm / 1e9, '.0f')} GB/s, "
         f"bf16 {fmt(flops and flops / 1e12, '.0f')} TFLOP/s"
         + ("" if hbm and flops else "; not in the peak tables: fractions unknown")
-        + f"); preset {_PRESET.value}"
+        + f"); preset {_PRESET.value}; decode attention {_KERNEL.value}"
     )
     print(
         f"{'model':<12}{'params':>8}{'decode tok/s':>13}{'HBM frac':>9}{'learner tok/s':>14}"
@@ -416,6 +426,7 @@ def main(argv: list[str]) -> None:
                         peak_bf16_flops=flops,
                     ),
                     preset=_PRESET.value,
+                    attention_kernel=_KERNEL.value,
                     shapes=dataclasses.asdict(shapes),
                     models=results,
                     total_s=total,

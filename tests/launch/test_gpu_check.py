@@ -30,18 +30,21 @@ def test_peak_tables_match_device_kinds(kind, hbm, flops):
 
 
 @pytest.mark.slow  # the GPU check end to end on CPU (~25 s cold)
-def test_gpu_check_tiny_preset_runs_on_cpu(tmp_path):
+@pytest.mark.parametrize("kernel", ["xla", "pallas_tpu"])  # (JAX's TPU kernel interpreted)
+def test_gpu_check_tiny_preset_runs_on_cpu(tmp_path, kernel):
     out = tmp_path / "gpu_check.json"
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
     )
     cmd = [sys.executable, "-m", "launch.gpu_check", "--preset=tiny", f"--json={out}"]
+    cmd.append(f"--attention_kernel={kernel}")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "not in the peak tables: fractions unknown" in proc.stdout
     result = json.loads(out.read_text())
     assert result["device"]["platform"] == "cpu" and result["preset"] == "tiny"
+    assert result["attention_kernel"] == kernel and f"decode attention {kernel}" in proc.stdout
     (m,) = result["models"]
     assert m["model"] == "tiny" and m["params"] > 0
     for part, key in (
