@@ -525,6 +525,21 @@ class Doomed:
         return 8
 
 
+def dead(actor, timeout_s=30.0):
+    """Returns once `actor` answers no more: ray.kill is asynchronous, so a call made at once
+    may still be answered (CI saw it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(actor.num_slots.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        assert time.monotonic() < deadline, "the killed actor still answers"
+        time.sleep(0.05)
+
+
 def test_a_dead_replicas_group_on_the_queue_is_delivered_not_sampled_again(ray_cluster):
     """A replica dies with one group on the queue and one request unfinished: only the
     unfinished one is sampled again; the other stays owned and is delivered from the queue."""
@@ -541,6 +556,7 @@ def test_a_dead_replicas_group_on_the_queue_is_delivered_not_sampled_again(ray_c
         router.routing.outstanding[r.key] = (1, r)
         router.routing.load[1] += 1
     ray.kill(doomed)
+    dead(doomed)
     assert router.each("num_slots") == {0: 8}  # the dead replica's call fails: it is lost
     assert router.alive == [0] and router.resampled == 1
     assert kept.submitted == [unfinished.key]
