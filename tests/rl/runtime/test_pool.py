@@ -241,6 +241,31 @@ def solo_tokens(models, engines, reqs):
     return out
 
 
+def pooled_samplers(pool, models, engines, groups, *, migration=True):
+    """Each of the two pipelines' ReplicaSampler on the replicas it claims from `pool`, in its own
+    weights, emitting into groups[p], attached to the pool; `migration`: tail on demand (recalled
+    replicas emptied, joined ones spread to)."""
+    samplers = []
+    for p in (0, 1):
+        claimed = pool.claim(p)
+        sampler = ReplicaSampler(
+            [engines[r] for r in claimed],
+            spare=[e for r, e in enumerate(engines) if r not in claimed],
+            make_admission=FCFS,
+            reward_fn=lambda r, c: 0.0,
+            emit=groups[p].append,
+            migration=make_migration_policy(
+                MigrationConfig(policy="tail", on_demand=True), consumer=True
+            )
+            if migration
+            else None,
+        )
+        sampler.set_params(engines[0].load_params(models[p]), VERSIONS[p])
+        pool.attach(p, sampler, engines, claimed)
+        samplers.append(sampler)
+    return samplers
+
+
 @settings(max_examples=8, deadline=None)
 @given(
     specs=st.lists(
@@ -257,22 +282,8 @@ def test_random_moves_finish_every_request_once_in_its_own_weights_and_keep_noth
     solo = solo_tokens(models, engines, reqs)
 
     pool = ReplicaPool(["a", "b"], replicas=REPLICAS, policy=Random(seed))
-    groups, samplers, seen = ([], []), [], []
-    for p in (0, 1):
-        claimed = pool.claim(p)
-        sampler = ReplicaSampler(
-            [engines[r] for r in claimed],
-            spare=[e for r, e in enumerate(engines) if r not in claimed],
-            make_admission=FCFS,
-            reward_fn=lambda r, c: 0.0,
-            emit=groups[p].append,
-            migration=make_migration_policy(  # recalled replicas emptied, joined ones spread to
-                MigrationConfig(policy="tail", on_demand=True), consumer=True
-            ),
-        )
-        sampler.set_params(engines[0].load_params(models[p]), VERSIONS[p])
-        pool.attach(p, sampler, engines, claimed)
-        samplers.append(sampler)
+    groups, seen = ([], []), []
+    samplers = pooled_samplers(pool, models, engines, groups)
     try:
         for p, sampler in enumerate(samplers):
             sampler.start()
@@ -363,22 +374,8 @@ def test_a_waiting_queue_recalls_a_replica_whose_rollout_moves_off_it(models, en
     reqs = [workload([(2, 40), (2, 40)], 0), workload([(2, 30)] * 6, 1)]
     solo = solo_tokens(models, engines, reqs)
     pool = ReplicaPool(["a", "b"], replicas=REPLICAS)
-    groups, samplers = ([], []), []
-    for p in (0, 1):
-        claimed = pool.claim(p)
-        sampler = ReplicaSampler(
-            [engines[r] for r in claimed],
-            spare=[e for r, e in enumerate(engines) if r not in claimed],
-            make_admission=FCFS,
-            reward_fn=lambda r, c: 0.0,
-            emit=groups[p].append,
-            migration=make_migration_policy(
-                MigrationConfig(policy="tail", on_demand=True), consumer=True
-            ),
-        )
-        sampler.set_params(engines[0].load_params(models[p]), VERSIONS[p])
-        pool.attach(p, sampler, engines, claimed)
-        samplers.append(sampler)
+    groups = ([], [])
+    samplers = pooled_samplers(pool, models, engines, groups)
     assert pool.holder == [0, 1, 0]
 
     def until(done, step=lambda: None):
@@ -429,20 +426,10 @@ def test_a_replica_that_cannot_join_is_retired_and_the_pool_goes_on(models, engi
     reqs = [workload([(2, 12)] * 3, 0), workload([(2, 12)] * 4, 1)]
     solo = solo_tokens(models, engines, reqs)
     pool = ReplicaPool(["a", "b"], replicas=REPLICAS, policy=ToSecond())
-    groups, samplers, tries = ([], []), [], []
-    for p in (0, 1):
-        claimed = pool.claim(p)
-        sampler = ReplicaSampler(
-            [engines[r] for r in claimed],
-            spare=[e for r, e in enumerate(engines) if r not in claimed],
-            make_admission=FCFS,
-            reward_fn=lambda r, c: 0.0,
-            emit=groups[p].append,
-        )
-        sampler.set_params(engines[0].load_params(models[p]), VERSIONS[p])
-        samplers.append(sampler)
+    groups, tries = ([], []), []
+    samplers = pooled_samplers(pool, models, engines, groups, migration=False)
     assert pool.holder == [0, 1, 0]
-    real = samplers[1].add_replica
+    real = samplers[1].add_replica  # (the pool looks the method up at each move)
 
     def cannot_start_replica_2(engine, **kw):
         tries.append(engines.index(engine))
@@ -451,8 +438,6 @@ def test_a_replica_that_cannot_join_is_retired_and_the_pool_goes_on(models, engi
         return real(engine, **kw)
 
     samplers[1].add_replica = cannot_start_replica_2
-    for p, sampler in enumerate(samplers):
-        pool.attach(p, sampler, engines, [r for r in range(REPLICAS) if pool.holder[r] == p])
     try:
         for p, sampler in enumerate(samplers):
             sampler.start()
