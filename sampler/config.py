@@ -42,7 +42,7 @@ class EngineConfig:
     kv_pages: int = 0  # pages in the pool; 0: as many as the dense cache's positions would fill
     attention_kernel: str = "xla"  # decode attention (rl/models/paged_attention.py): "xla" (gather
     # the live blocks, runs everywhere) | "pallas" (reads the pages in place; a paged cache only)
-    # | "pallas_tpu" (JAX's TPU paged-attention kernel on the same pools; a paged cache only)
+    # | "pallas_tpu" (JAX's TPU paged-attention kernel on kv-major pools; a paged cache only)
 
     def __post_init__(self):
         for name in (
