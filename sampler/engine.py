@@ -469,7 +469,11 @@ class Engine:
             blocks = self.live_blocks(state)
         else:
             state, blocks = self._pager.before_generate(state)
-        return self._call(self._generate, params, state, blocks)
+        state, result = self._call(self._generate, params, state, blocks)
+        if self._pager is not None or self.config.decode_block:
+            for x in (state.positions, state.active, state.last_position):
+                x.copy_to_host_async()  # the next call reads them: copied while the device runs
+        return state, result
 
     def free(self, state: DecodeState, slots: list[int] | tuple[int, ...]) -> DecodeState:
         """Deactivates slots (abort); they can be inserted into again at once (a paged

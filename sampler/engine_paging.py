@@ -151,15 +151,16 @@ class Pager:
         if back:
             state = self.swap_in(state, back, back)
             pos, active, last = read(state)
-        want = {s: int(min(pos[s] + c.steps_per_call, last[s])) for s in pool.order if active[s]}
-        need = sum(pool.need(s, n) for s, n in want.items())
-        while need > pool.free:
-            victim = pool.youngest(set(want))
+        slots = np.fromiter((s for s in pool.order if active[s]), np.int64)
+        want = np.minimum(pos[slots] + c.steps_per_call, last[slots])
+        need = np.maximum(0, pool.pages_for(want) - pool.held[slots])
+        while need.sum() > pool.free:
+            victim = pool.youngest(set(slots.tolist()))
             state = self._swap_out(state, victim, int(pos[victim]) + 1)
             active[victim] = False
-            del want[victim]
-            need = sum(pool.need(s, n) for s, n in want.items())
-        for s, n in want.items():
+            keep = slots != victim
+            slots, want, need = slots[keep], want[keep], need[keep]
+        for s, n in zip(slots[need > 0].tolist(), want[need > 0].tolist(), strict=True):
             pool.grow(s, n)
         blocks = decode.live_blocks(
             pos,
