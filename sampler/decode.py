@@ -9,7 +9,8 @@ rl/models/transformer.py: fixed shapes, so a row's floats never depend on its ne
 only the first blocks of that many positions that the longest live sequence reaches
 (`live_blocks`: the count rounded up to a power of two, one compile each), block by block
 (`attend_blocks`, exact for any count); a dense cache's blocks are slices of it (copies on
-XLA:CPU, where reading the whole cache is faster at short caps), a paged cache's are its pages.
+XLA:CPU, where reading the whole cache is faster at short caps), a paged cache's are its pages;
+either is gathered once per generate call for its k steps (rl/models/kv_cache.py `windowed`).
 `EngineConfig.attention_kernel` names the implementation (rl/models/paged_attention.py): "xla"
 gathers the blocks as above, "pallas" reads a paged cache's pages in place.
 """
@@ -22,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rl.models.kv_cache import WindowedKVCache, windowed
+from rl.models.paged_attention import GATHERING_KERNELS
 from rl.models.transformer import Transformer
 from sampler.cache import DecodeState
 from sampler.config import rungs
@@ -72,13 +75,20 @@ def generate(
     steps: int,
     kernel: str = "xla",
 ) -> tuple[DecodeState, StepResult]:
-    """`steps` decode steps for every slot, fused in one scan; inactive slots produce nothing."""
-    return jax.lax.scan(
+    """`steps` decode steps for every slot, fused in one scan; inactive slots produce nothing.
+    A decode attention that reads gathered blocks (`GATHERING_KERNELS`) reads a window of them
+    gathered once for the call (rl/models/kv_cache.py `windowed`)."""
+    if blocks and kernel in GATHERING_KERNELS:
+        state = dataclasses.replace(state, cache=windowed(state.cache, blocks, block))
+    state, result = jax.lax.scan(
         lambda s, _: step(model, s, blocks=blocks, block=block, kernel=kernel),
         state,
         None,
         length=steps,
     )
+    if isinstance(state.cache, WindowedKVCache):
+        state = dataclasses.replace(state, cache=state.cache.cache)
+    return state, result
 
 
 def block_rungs(*, block: int, cache_length: int) -> tuple[int, ...]:

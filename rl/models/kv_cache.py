@@ -22,6 +22,13 @@ so a free slot's writes never land in another's page. Which pages a slot holds, 
 share a page (a group's prompt), is the host's business (sampler/paged.py). A view gathers a
 slot's pages into the dense layout: the attention that reads it, and so every token and log-prob,
 is bitwise the dense cache's at equal block size.
+
+`windowed(cache, n, block)` gathers every layer's first n blocks once, for the k fused steps of
+one generate call (`WindowedKVCache`): each step writes its key and value to the cache and to the
+window, and attention reads the window, so the copy of the live positions is made once per call,
+not once per step (on XLA:CPU the per-step gather cost as much as the attention reading it). It
+reads what a gather would give because within a call no live row writes a page another row
+reads: a group's shared pages lie wholly before each sample's first decode position.
 """
 
 from __future__ import annotations
@@ -317,4 +324,71 @@ class PagedKVCache:
         return self._scatter(slots_N, v_NxKxLxH[0].shape[2], k, v)
 
 
-KVCacheLike = HeadMajorKVCache | PagedKVCache
+# ---------------------------------------------------------------------------------------- window
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class WindowLayer:
+    """A cache layer with its first n blocks gathered once (`window`): a step writes its key and
+    value to both, and attention reads the gathered blocks (`blocks`), not the cache.
+
+    Keys (B, n, K, H, block) and values (B, n, K, block, H): `layer.blocks(n, block)` when the
+    window was made, kept equal to it by every `write` since (a write past the window is dropped
+    there; the caller's live rows never write past it: sampler/decode.py `live_blocks`).
+    """
+
+    layer: HeadMajorLayer | PagedLayer
+    k: jax.Array
+    v: jax.Array
+
+    def write(self, k_BxKxH: jax.Array, v_BxKxH: jax.Array, pos_B: jax.Array) -> WindowLayer:
+        block = self.v.shape[3]
+        rows, j, off = jnp.arange(pos_B.shape[0]), pos_B // block, pos_B % block
+        return WindowLayer(
+            layer=self.layer.write(k_BxKxH, v_BxKxH, pos_B),
+            k=self.k.at[rows, j, :, :, off].set(_cast(k_BxKxH, self.k), mode="drop"),
+            v=self.v.at[rows, j, :, off].set(_cast(v_BxKxH, self.v), mode="drop"),
+        )
+
+    def blocks(self, n: int, block: int) -> tuple[jax.Array, jax.Array]:
+        """The gathered blocks (n and block must be the window's)."""
+        if (n, block) != (self.k.shape[1], self.v.shape[3]):
+            raise ValueError(
+                f"A window of {self.k.shape[1]} blocks of {self.v.shape[3]} positions was asked "
+                f"for {n} blocks of {block}."
+            )
+        return self.k, self.v
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class WindowedKVCache:
+    """A decode cache with every layer's first n blocks gathered once, for the k fused steps of
+    one generate call (sampler/decode.py): the gather (a copy of every live position) is paid
+    once per call, not once per step, and `cache` stays written as the steps go."""
+
+    cache: HeadMajorKVCache | PagedKVCache
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    def layer(self, i: int) -> WindowLayer:
+        return WindowLayer(layer=self.cache.layer(i), k=self.k[i], v=self.v[i])
+
+    def with_layers(self, layers: list[WindowLayer]) -> WindowedKVCache:
+        return WindowedKVCache(
+            cache=self.cache.with_layers([x.layer for x in layers]),
+            k=tuple(x.k for x in layers),
+            v=tuple(x.v for x in layers),
+        )
+
+
+def windowed(cache: HeadMajorKVCache | PagedKVCache, n: int, block: int) -> WindowedKVCache:
+    """`cache` with every layer's first `n` blocks of `block` positions gathered (`blocks`)."""
+    gathered = [cache.layer(i).blocks(n, block) for i in range(len(cache.k))]
+    return WindowedKVCache(
+        cache=cache, k=tuple(k for k, _ in gathered), v=tuple(v for _, v in gathered)
+    )
+
+
+KVCacheLike = HeadMajorKVCache | PagedKVCache | WindowedKVCache

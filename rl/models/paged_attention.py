@@ -55,6 +55,9 @@ DECODE_ATTENTION: Registry[DecodeAttention] = Registry("decode attention")
 # The kernels that read kv-major pools (an engine with one lays its pools out so: sampler/cache.py);
 # a user who registers another such kernel adds its name.
 KV_MAJOR_KERNELS: set[str] = {"pallas_tpu"}
+# The kernels that read a layer through `layer.blocks(n, block)`: a generate call gathers those
+# blocks once for its fused steps (sampler/decode.py), not once per step.
+GATHERING_KERNELS: set[str] = {"xla"}
 
 
 @DECODE_ATTENTION.register("xla")

@@ -1,6 +1,7 @@
 """The decode attention seam: the Pallas paged kernels (ours, and JAX's TPU kernel on kv-major pools;
 interpret mode on CPU) equal the gathered XLA reference, a kv-major cache holds and reads exactly
-what a page-major one does, and a bad name is refused (an engine decoding with each:
+what a page-major one does, a window of gathered blocks stays the cache's through a call's writes,
+and a bad name is refused (an engine decoding with each:
 tests/sampler/test_paged.py)."""
 
 import jax
@@ -11,7 +12,7 @@ import pytest
 from configs import smoke
 from rl.config_check import ConfigError, check_config
 from rl.models.attention import attend_blocks
-from rl.models.kv_cache import HeadMajorLayer, PagedKVCache, PagedLayer
+from rl.models.kv_cache import HeadMajorLayer, PagedKVCache, PagedLayer, WindowLayer
 from rl.models.paged_attention import DECODE_ATTENTION, paged_attention
 from sampler.engine import EngineConfig
 
@@ -79,6 +80,44 @@ def test_a_kv_major_cache_holds_and_reads_what_a_page_major_one_does():
         two.put_rows(jnp.asarray([2, 5]), *rows).layer(0).view(),
         one.put_rows(jnp.asarray([2, 5]), *rows).layer(0).view(),
     )
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged", "kv_major"])
+def test_a_window_reads_what_the_cache_holds_after_every_write(layout):
+    # a generate call gathers its blocks once (sampler/decode.py): each of its steps writes to the
+    # cache and the window alike and reads from the window what a gather would give. As in the
+    # engine, a live row writes only into pages of its own (rows 0 and 1 share a prompt page);
+    # row 3 is free (no pages), its position past the window: its writes are dropped
+    rng = np.random.default_rng(7)
+    table = np.full((4, M), POOL, np.int32)
+    table[0, :2], table[1, :3], table[2, :2] = [0, 1], [0, 2, 3], [4, 5]
+    start = jnp.asarray([5, 9, 4, 2 * 2 * C + 1], jnp.int32)
+    layer = PagedLayer(
+        k=jnp.asarray(rng.normal(size=(POOL, 2, H, C)), jnp.float32),
+        v=jnp.asarray(rng.normal(size=(POOL, 2, C, H)), jnp.float32),
+        table=jnp.asarray(table),
+    )
+    if layout == "dense":  # the same positions in dense rows
+        layer = HeadMajorLayer(*layer.view())
+    elif layout == "kv_major":
+        layer = _kv_major(layer)
+    n, block = 2, 2 * C
+    window = WindowLayer(layer, *layer.blocks(n, block))
+    q = jnp.asarray(rng.normal(size=(4, 4, H)), jnp.float32)
+    attend = DECODE_ATTENTION.get("xla")
+    live = slice(0, 3)  # a dense cache clamps the free row's write into its last position
+    for step in range(3):
+        new = [jnp.asarray(rng.normal(size=(4, 2, H)), jnp.float32) for _ in "kv"]
+        at = start + jnp.asarray([step, step, step, 0])
+        layer, window = layer.write(*new, at), window.write(*new, at)
+        _same(window.layer, layer)
+        _same([x[live] for x in window.blocks(n, block)], [x[live] for x in layer.blocks(n, block)])
+        _same(
+            attend(q, window, at, blocks=n, block=block)[live],
+            attend(q, layer, at, blocks=n, block=block)[live],
+        )
+    with pytest.raises(ValueError, match="window of 2 blocks of 8 positions was asked for 1"):
+        window.blocks(1, block)
 
 
 @pytest.mark.parametrize("n,kv", [(4, 2), (6, 2), (4, 4)])  # GQA; G = 3 pads to 4; MHA
