@@ -312,9 +312,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # written, a group's prompt pages are shared. page_size 0: a dense max_length row per slot.
     config.engine.page_size = 16
     config.engine.kv_pages = 0
-    # Decode attention reads only the live blocks of this many positions (paged: a multiple of
-    # page_size; 0: 64 positions); dense with 0: the whole cache (faster on CPU).
-    config.engine.attention_block = 0
+    # Decode attention reads only the live blocks of this many positions (paged: rounded up to
+    # whole pages), gathered once per generate call; 0: the whole cache every step.
+    config.engine.attention_block = 64
     config.engine.attention_kernel = "xla"  # decode attention: xla | pallas | pallas_tpu (paged)
     config.sampler_dtype = (
         "bfloat16"  # dtype of the weights published to the sampler; "": as trained

@@ -8,11 +8,6 @@ from rl.models.config import DTYPES
 from rl.models.paged_attention import DECODE_ATTENTION
 from rl.types import Request
 
-# A paged cache's decode attention reads blocks of this many positions by default (rounded up to
-# whole pages): fewer, larger blocks cost less per step on XLA:CPU than one per 16-position page
-# (launch/bench_paged.py), and a block past a sequence's end is skipped.
-PAGED_ATTENTION_BLOCK = 64
-
 
 def rungs(top: int) -> tuple[int, ...]:
     """The powers of two below `top`, then `top`: the sizes a padded count takes (one compiled
@@ -35,8 +30,10 @@ class EngineConfig:
     cache_dtype: str = ""  # KV cache dtype; empty: the model's compute dtype
     seed: int = 0  # root of every request's random stream
     memory_budget_bytes: int = 0  # per device for params + KV cache; 0: the device's own limit
-    attention_block: int = 0  # > 0: decode attention reads only the live blocks of this many
-    # positions (sampler/decode.py); 0: the whole cache, faster on XLA:CPU (paged: 64, see below)
+    attention_block: int = 64  # > 0: decode attention reads only the live blocks of this many
+    # positions (sampler/decode.py; paged: rounded up to whole pages); 0: the whole cache every
+    # step. 64: fewer, larger blocks cost less per step on XLA:CPU than one per 16-position page;
+    # the whole cache is as fast only at short caps (launch/bench_paged.py)
     page_size: int = 16  # > 0: a paged KV cache of pages of this many positions (sampler/paged.py;
     # attention reads a slot's live pages); 0: a dense max_length row per slot
     kv_pages: int = 0  # pages in the pool; 0: as many as the dense cache's positions would fill
@@ -71,12 +68,6 @@ class EngineConfig:
                 f"EngineConfig.page_size and kv_pages must be >= 0; received {self.page_size} "
                 f"and {self.kv_pages}."
             )
-        if self.page_size and self.attention_block % self.page_size:
-            raise ValueError(
-                f"EngineConfig.attention_block={self.attention_block} with page_size="
-                f"{self.page_size}: a paged cache's attention reads whole pages; expected "
-                "attention_block 0 (one page) or a multiple of page_size."
-            )
         if self.kv_pages and not self.page_size:
             raise ValueError(
                 f"EngineConfig.kv_pages={self.kv_pages} needs page_size > 0 (a paged cache)."
@@ -107,11 +98,11 @@ class EngineConfig:
 
     @property
     def decode_block(self) -> int:
-        """Positions per block that decode attention reads (0: the whole cache at once); a paged
-        cache's default: PAGED_ATTENTION_BLOCK positions in whole pages."""
-        if self.attention_block or not self.page_size:
-            return self.attention_block
-        block = -(-PAGED_ATTENTION_BLOCK // self.page_size) * self.page_size
+        """Positions per block that decode attention reads (0: the whole cache at once):
+        attention_block, in whole pages for a paged cache, at most a whole sequence."""
+        if not self.attention_block or not self.page_size:
+            return min(self.attention_block, self.max_length)
+        block = -(-self.attention_block // self.page_size) * self.page_size
         return min(block, self.pages_per_sequence * self.page_size)
 
     @property

@@ -5,7 +5,7 @@ with the PRNG key fold_in(slot's key, position + 1) (the slot's key is its reque
 sampler/prefill.py), and ends a sequence at a stop token or at its last position. Attention runs
 over the whole head-major cache as fused multiply-reduces (`attend_live` in
 rl/models/transformer.py: fixed shapes, so a row's floats never depend on its neighbours). With
-`EngineConfig.decode_block` > 0 (`attention_block`, or a paged cache's default of 64) it reads
+`EngineConfig.decode_block` > 0 (`attention_block`, 64 by default) it reads
 only the first blocks of that many positions that the longest live sequence reaches
 (`live_blocks`: the count rounded up to a power of two, one compile each), block by block
 (`attend_blocks`, exact for any count); a dense cache's blocks are slices of it (copies on
@@ -108,7 +108,9 @@ def live_blocks(
 ) -> int:
     """Attention blocks of `block` positions a call of `steps` steps reads: enough for every active
     slot's last fed position, rounded up to a power of two (few compiles), at most the whole
-    cache (host arrays)."""
+    cache (host arrays); 0 (the whole cache) when `block` is 0."""
+    if not block:
+        return 0
     need = int(
         np.max(np.where(active_B, np.minimum(positions_B + steps, last_position_B), 1), initial=1)
     )
