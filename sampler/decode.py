@@ -2,15 +2,14 @@
 
 Each step feeds every slot's token at its position, draws the next token (sampler/sampling.py)
 with the PRNG key fold_in(slot's key, position + 1) (the slot's key is its request's and sample's,
-sampler/prefill.py), and ends a sequence at a stop token or at its last position. Attention runs
-over the whole head-major cache as fused multiply-reduces (`attend_live` in
-rl/models/transformer.py: fixed shapes, so a row's floats never depend on its neighbours). With
-`EngineConfig.decode_block` > 0 (`attention_block`, 64 by default) it reads
-only the first blocks of that many positions that the longest live sequence reaches
-(`live_blocks`: the count rounded up to a power of two, one compile each), block by block
-(`attend_blocks`, exact for any count); a dense cache's blocks are slices of it (copies on
-XLA:CPU, where reading the whole cache is faster at short caps), a paged cache's are its pages;
-either is gathered once per generate call for its k steps (rl/models/kv_cache.py `windowed`).
+sampler/prefill.py), and ends a sequence at a stop token or at its last position. Attention reads
+the first blocks of `EngineConfig.decode_block` positions (`attention_block`, 64 by default) that
+the longest live sequence reaches (`live_blocks`: the count rounded up to a power of two, one
+compile each), block by block (`attend_blocks` in rl/models/attention.py, exact for any count:
+fixed-shape blocks, so a row's floats never depend on its neighbours); a dense cache's blocks are
+slices of it, a paged cache's are its pages, and either is gathered once per generate call for its
+k steps (rl/models/kv_cache.py `windowed`). With decode_block 0 it reads the whole cache every
+step (`attend_live`, fused multiply-reduces over the cache's fixed shape).
 `EngineConfig.attention_kernel` names the implementation (rl/models/paged_attention.py): "xla"
 gathers the blocks as above, "pallas" reads a paged cache's pages in place.
 """

@@ -330,7 +330,7 @@ class PagedKVCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class WindowLayer:
-    """A cache layer with its first n blocks gathered once (`window`): a step writes its key and
+    """A cache layer with its first n blocks gathered once (`windowed`): a step writes its key and
     value to both, and attention reads the gathered blocks (`blocks`), not the cache.
 
     Keys (B, n, K, H, block) and values (B, n, K, block, H): `layer.blocks(n, block)` when the
