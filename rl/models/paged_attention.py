@@ -9,10 +9,10 @@ against a layer of the decode cache, rl/models/kv_cache.py); `EngineConfig.atten
     `attend_live` (rl/models/attention.py); a dense or a paged layer.
   * "pallas": `paged_attention`, a Pallas kernel (the generic `pl.pallas_call` API) that reads
     the pool pages a slot's block table names in place, with no gathered copy; paged layers only.
-    On CPU it runs in Pallas interpret mode (chosen automatically; a test and reference vehicle,
-    slower than "xla"); on GPU it is written for the Triton lowering, but has not been compiled
-    or timed on a GPU yet. It equals "xla" to float32 rounding (an online softmax sums in another
-    order), not bitwise.
+    On CPU it runs in Pallas interpret mode (chosen by the platform the program is compiled for;
+    a test and reference vehicle, slower than "xla"); on GPU it is written for the Triton
+    lowering, but has not been compiled or timed on a GPU yet. It equals "xla" to float32
+    rounding (an online softmax sums in another order), not bitwise.
   * "pallas_tpu": `jax.experimental.pallas.ops.tpu.paged_attention`, JAX's own TPU kernel, over
     the pools in place: it wants both as (K, P, page, H), so an engine with this kernel lays its
     pools out kv-major (kv_cache.py; `KV_MAJOR_KERNELS` names the kernels that read so); paged
@@ -136,13 +136,16 @@ def pallas_tpu_attention(
     step = block // layer.page if blocks else 8
     per_block = max(d for d in range(1, min(step, pages) + 1) if pages % d == 0)
     q = q_BxNxH * jnp.asarray(q_BxNxH.shape[-1] ** -0.5, q_BxNxH.dtype)
-    call = functools.partial(
-        tpu_paged_attention, q, layer.k, layer.v, lengths, table, pages_per_compute_block=per_block
+    call = functools.partial(tpu_paged_attention, pages_per_compute_block=per_block)
+
+    def interpreted(*args: jax.Array) -> jax.Array:
+        with pltpu.force_tpu_interpret_mode():
+            return call(*args)
+
+    # the kernel on a TPU, interpreted on whatever else the program is compiled for
+    return jax.lax.platform_dependent(
+        q, layer.k, layer.v, lengths, table, tpu=call, default=interpreted
     )
-    if jax.default_backend() == "tpu":
-        return call()
-    with pltpu.force_tpu_interpret_mode():
-        return call()
 
 
 def _kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *, pages: int, pool: int):
@@ -212,7 +215,7 @@ def paged_attention(
         outside [0, P) read as zeros.
       positions_B: row b attends to its positions <= positions_B[b] (>= 0).
       pages: table columns the rows may read (a static bound; default all M).
-      interpret: Pallas interpret mode; default: on when the default backend is the CPU.
+      interpret: Pallas interpret mode; default: on where the program is compiled for a CPU.
 
     Returns:
       (B, N, H) in q's dtype: `attend_blocks` over the same positions, up to float32 rounding.
@@ -226,15 +229,13 @@ def paged_attention(
             f"paged_attention: expected N a multiple of K, B table rows and 0 < pages <= M; "
             f"received N={n}, K={kv}, table {table_BxM.shape} for B={b}, pages={pages}."
         )
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
     gp = pl.next_power_of_2(g)
     q = q_BxNxH.reshape(b, kv, g, h)
     if gp != g:
         q = jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
-    kernel = functools.partial(_kernel, pages=pages, pool=pool)
-    out = pl.pallas_call(
-        kernel,
+    call = functools.partial(
+        pl.pallas_call,
+        functools.partial(_kernel, pages=pages, pool=pool),
         grid=(b, kv),
         in_specs=[
             pl.BlockSpec((None, 1), lambda i, j: (i, 0)),  # positions (B, 1)
@@ -245,13 +246,19 @@ def paged_attention(
         ],
         out_specs=pl.BlockSpec((None, None, gp, h), lambda i, j: (i, j, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((b, kv, gp, h), q_BxNxH.dtype),
-        interpret=interpret,
         name="paged_decode_attention",
-    )(
+    )
+    args = (
         positions_B.astype(jnp.int32)[:, None],
         table_BxM[:, :pages].astype(jnp.int32),
         q,
         k_PxKxHxC,
         v_PxKxCxH,
     )
+    if interpret is not None:
+        out = call(interpret=interpret)(*args)
+    else:  # interpreted where the program is compiled for a CPU
+        out = jax.lax.platform_dependent(
+            *args, cpu=call(interpret=True), default=call(interpret=False)
+        )
     return out[:, :, :g].reshape(b, n, h)
